@@ -1,0 +1,85 @@
+"""Multiaddrs: parsing, the /p2p part, and what a TCP dial needs.
+
+Built on the ``multiaddr`` package (the one py-libp2p uses), so our addresses are the
+ones libp2p users already know: ``/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from multiaddr import Multiaddr
+from multiaddr.exceptions import Error as MultiaddrError
+
+from peers.errors import AddressError
+from peers.identity import PeerID
+
+__all__ = [
+    "Multiaddr",
+    "TcpTarget",
+    "parse_multiaddr",
+    "split_peer_id",
+    "tcp_target",
+    "with_peer_id",
+]
+
+
+def parse_multiaddr(text: str | bytes | Multiaddr) -> Multiaddr:
+    """Parse a multiaddr; raises :class:`AddressError` with the reason if it is malformed."""
+    if isinstance(text, Multiaddr):
+        return text
+    try:
+        return Multiaddr(text)
+    except (MultiaddrError, ValueError, TypeError) as e:
+        raise AddressError(f"invalid multiaddr {text!r}: {e}") from e
+
+
+def split_peer_id(addr: Multiaddr) -> tuple[Multiaddr, PeerID | None]:
+    """Split ``/.../p2p/ID`` into the transport part and the PeerID (``None`` if absent).
+
+    Only a trailing ``/p2p`` is split off; a relayed address keeps its inner parts.
+    """
+    items = list(addr.items())
+    if not items or items[-1][0].name != "p2p":
+        return addr, None
+    peer_id = PeerID.from_base58(items[-1][1])
+    transport = Multiaddr(
+        "".join(f"/{p.name}/{v}" if v is not None else f"/{p.name}" for p, v in items[:-1])
+    )
+    return transport, peer_id
+
+
+def with_peer_id(addr: Multiaddr, peer_id: PeerID) -> Multiaddr:
+    """``addr`` with ``/p2p/ID`` appended (replacing any /p2p it had)."""
+    transport, _ = split_peer_id(addr)
+    return Multiaddr(f"{transport}/p2p/{peer_id.to_base58()}")
+
+
+@dataclass(frozen=True, slots=True)
+class TcpTarget:
+    """What a TCP dial or listen needs: host (an IP literal or a DNS name) and port."""
+
+    host: str
+    port: int
+    is_dns: bool
+
+
+def tcp_target(addr: Multiaddr) -> TcpTarget:
+    """The host and port of an ``/ip4|ip6|dns|dns4|dns6/.../tcp/PORT[/p2p/ID]`` address.
+
+    Raises :class:`AddressError` for anything else (e.g. a relay circuit or UDP).
+    """
+    transport, _ = split_peer_id(addr)
+    items = list(transport.items())
+    if len(items) != 2 or items[1][0].name != "tcp":
+        raise AddressError(f"not a TCP address: {addr}")
+    proto, host = items[0][0].name, items[0][1]
+    if proto not in ("ip4", "ip6", "dns", "dns4", "dns6") or host is None:
+        raise AddressError(f"unsupported network protocol /{proto} in {addr}")
+    return TcpTarget(host=host, port=int(items[1][1]), is_dns=proto.startswith("dns"))
+
+
+def tcp_multiaddr(host: str, port: int) -> Multiaddr:
+    """The multiaddr of a bound socket address."""
+    proto = "ip6" if ":" in host else "ip4"
+    return Multiaddr(f"/{proto}/{host}/tcp/{port}")

@@ -1,0 +1,402 @@
+"""An established libp2p connection: Noise-encrypted TCP carrying a yamux session.
+
+This is the asyncio shell around the pure machines: :class:`peers.noise.NoiseTransport`
+encrypts, :class:`peers.yamux.YamuxSession` multiplexes. The connection only moves bytes
+between them and the socket, wakes the streams that are waiting, and owns the tasks
+that serve inbound streams (STYLE.md 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from multiaddr import Multiaddr
+
+from peers.errors import ConnectionClosed, LimitExceeded, RemoteProtocolError, StreamReset
+from peers.identity import PeerID, PublicKey
+from peers.noise import NoiseError, NoiseTransport
+from peers.yamux import (
+    DataReceived,
+    GoAwayReceived,
+    SendWindowUpdated,
+    StreamEnded,
+    StreamOpened,
+    StreamRejected,
+    YamuxError,
+    YamuxSession,
+)
+from peers.yamux import StreamReset as YamuxStreamReset
+
+logger = logging.getLogger(__name__)
+
+#: Bytes asked of the socket per read: large enough that a bulk transfer costs few
+#: Python-level iterations, small enough to keep a connection's buffer modest.
+READ_CHUNK_BYTES = 256 * 1024
+
+
+class Stream:
+    """One yamux stream: an ordered, flow-controlled byte pipe with half-close.
+
+    ``read`` returns ``b""`` at the remote's end of stream and raises
+    :class:`peers.errors.StreamReset` if the remote reset it or the connection broke.
+    """
+
+    def __init__(self, connection: Connection, stream_id: int, *, outbound: bool) -> None:
+        self.connection = connection
+        self.stream_id = stream_id
+        self.outbound = outbound
+        self.protocol: str | None = None
+        self._chunks: list[bytes] = []
+        self._unread: bytes = b""  # pushed back after negotiation; already acknowledged
+        self._chunk_offset = 0
+        self._buffered_bytes = 0
+        self._eof = False
+        self._error: ConnectionClosed | None = None
+        self._write_closed = False
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._failed = asyncio.Event()
+
+    @property
+    def remote_peer_id(self) -> PeerID:
+        return self.connection.remote_peer_id
+
+    # --- called by the connection ------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered_bytes += len(data)
+        self._readable.set()
+
+    def _feed_eof(self) -> None:
+        self._eof = True
+        self._readable.set()
+
+    def _fail(self, error: ConnectionClosed) -> None:
+        if self._error is None:
+            self._error = error
+        self._readable.set()
+        self._writable.set()
+        self._failed.set()
+
+    def unread(self, data: bytes) -> None:
+        """Put bytes back in front of the stream (read past a protocol negotiation)."""
+        self._unread = data + self._unread
+
+    def _wake_writer(self) -> None:
+        self._writable.set()
+
+    # --- reading -----------------------------------------------------------------
+
+    async def read(self, max_bytes: int = -1) -> bytes:
+        """Up to ``max_bytes`` (all buffered if -1) once some are there; ``b""`` at EOF."""
+        if self._unread:
+            cut = len(self._unread) if max_bytes < 0 else max_bytes
+            data, self._unread = self._unread[:cut], self._unread[cut:]
+            return data
+        while not self._buffered_bytes:
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                return b""
+            self._readable.clear()
+            await self._readable.wait()
+        if self._error is not None and isinstance(self._error, StreamReset):
+            raise self._error
+        data = self._take(max_bytes)
+        self.connection._consumed(self.stream_id, len(data))
+        return data
+
+    def _take(self, max_bytes: int) -> bytes:
+        first = self._chunks[0]
+        if self._chunk_offset == 0 and (max_bytes < 0 or max_bytes >= len(first)):
+            if max_bytes < 0 and len(self._chunks) > 1:
+                data = b"".join(self._chunks)
+                self._chunks.clear()
+            else:
+                data = self._chunks.pop(0)
+        else:
+            end = len(first) if max_bytes < 0 else min(len(first), self._chunk_offset + max_bytes)
+            data = first[self._chunk_offset : end]
+            if end == len(first):
+                self._chunks.pop(0)
+                self._chunk_offset = 0
+            else:
+                self._chunk_offset = end
+        self._buffered_bytes -= len(data)
+        return data
+
+    async def readexactly(self, num_bytes: int) -> bytes:
+        """Exactly ``num_bytes``; raises :class:`asyncio.IncompleteReadError` at early EOF."""
+        parts: list[bytes] = []
+        remaining = num_bytes
+        while remaining:
+            data = await self.read(remaining)
+            if not data:
+                raise asyncio.IncompleteReadError(b"".join(parts), num_bytes)
+            parts.append(data)
+            remaining -= len(data)
+        return b"".join(parts)
+
+    # --- writing -----------------------------------------------------------------
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send all of ``data``, waiting for the remote's window and the socket."""
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            if self._error is not None:
+                raise self._error
+            if self._write_closed:
+                raise ConnectionClosed("stream was closed for writing", by_us=True)
+            sent = self.connection._send(self.stream_id, view)
+            view = view[sent:]
+            if view.nbytes and not sent:
+                self._writable.clear()
+                await self._writable.wait()
+        await self.connection._drain()
+
+    async def close(self) -> None:
+        """Half-close: we send no more; the remote may still send until it closes."""
+        if self._write_closed or self._error is not None:
+            return
+        self._write_closed = True
+        self.connection._close_stream(self.stream_id)
+        with contextlib.suppress(ConnectionClosed, ConnectionError):
+            await self.connection._drain()
+
+    def reset(self) -> None:
+        """Abort the stream both ways; the remote sees a reset."""
+        if self._error is None:
+            self._fail(StreamReset("stream was reset by us", by_us=True))
+            self.connection._reset_stream(self.stream_id)
+
+    async def wait_failed(self) -> ConnectionClosed:
+        """Wait until the stream is reset (by either side) or its connection breaks."""
+        await self._failed.wait()
+        assert self._error is not None
+        return self._error
+
+    @property
+    def is_reset(self) -> bool:
+        return isinstance(self._error, StreamReset)
+
+
+StreamHandler = Callable[[Stream], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionInfo:
+    remote_peer_id: PeerID
+    remote_address: Multiaddr
+    outbound: bool
+
+
+class Connection:
+    """A secured, multiplexed connection to one remote peer."""
+
+    def __init__(
+        self,
+        *,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        transport: NoiseTransport,
+        session: YamuxSession,
+        remote_peer_id: PeerID,
+        remote_public_key: PublicKey,
+        remote_address: Multiaddr,
+        outbound: bool,
+        initial_plaintext: bytes,
+        on_inbound_stream: Callable[[Stream], Awaitable[None]],
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._transport = transport
+        self._session = session
+        self.remote_peer_id = remote_peer_id
+        self.remote_public_key = remote_public_key
+        self.remote_address = remote_address
+        self.outbound = outbound
+        self._initial_plaintext = initial_plaintext
+        self._on_inbound_stream = on_inbound_stream
+        self._streams: dict[int, Stream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed: ConnectionClosed | None = None
+        self._closed_event = asyncio.Event()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed is not None
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def wait_closed(self) -> None:
+        await self._closed_event.wait()
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the connection until it closes; owns every inbound stream's task."""
+        reason: ConnectionClosed = ConnectionClosed("connection closed by remote")
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                try:
+                    if self._initial_plaintext:
+                        self._handle_plaintext(self._initial_plaintext)
+                    while self._closed is None:
+                        data = await self._reader.read(READ_CHUNK_BYTES)
+                        if not data:
+                            break
+                        plaintext = self._transport.receive_data(data)
+                        if plaintext:
+                            self._handle_plaintext(plaintext)
+                except (NoiseError, YamuxError, RemoteProtocolError) as e:
+                    logger.info("closing connection to %s: %s", self.remote_peer_id, e)
+                    reason = ConnectionClosed(f"remote broke the protocol: {e}")
+                    self._flush_quietly()
+                except (ConnectionError, OSError) as e:
+                    reason = ConnectionClosed(f"connection broke: {e}")
+                finally:
+                    self._shutdown(self._closed or reason)
+        finally:
+            self._closed_event.set()
+
+    def close(self) -> None:
+        """Close now: every stream fails with ConnectionClosed(by_us=True)."""
+        if self._closed is None:
+            with contextlib.suppress(YamuxError):
+                self._session.go_away(0)
+            self._flush_quietly()
+            self._shutdown(ConnectionClosed("connection closed by us", by_us=True))
+
+    def _shutdown(self, reason: ConnectionClosed) -> None:
+        if self._closed is None:
+            self._closed = reason
+        for stream in self._streams.values():
+            stream._fail(StreamReset(str(reason), by_us=reason.by_us))
+        self._streams.clear()
+        for task in self._tasks:
+            task.cancel()
+        self._writer.close()
+        # Wakes the reader loop if close() was called from outside it.
+        self._reader.feed_eof()
+
+    # --- events from the session -------------------------------------------------
+
+    def _handle_plaintext(self, plaintext: bytes) -> None:
+        for event in self._session.receive_data(plaintext):
+            if isinstance(event, DataReceived):
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    stream._feed(event.data)
+            elif isinstance(event, SendWindowUpdated):
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    stream._wake_writer()
+            elif isinstance(event, StreamOpened):
+                stream = Stream(self, event.stream_id, outbound=False)
+                self._streams[event.stream_id] = stream
+                task = self._group.create_task(self._serve_inbound(stream))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            elif isinstance(event, StreamEnded):
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    stream._feed_eof()
+                    self._forget_if_done(stream)
+            elif isinstance(event, YamuxStreamReset):
+                stream = self._streams.pop(event.stream_id, None)
+                if stream is not None:
+                    stream._fail(StreamReset("stream was reset by the remote"))
+            elif isinstance(event, StreamRejected):
+                logger.info("refused a stream from %s: it has too many open", self.remote_peer_id)
+            elif isinstance(event, GoAwayReceived):
+                self._closed = ConnectionClosed(f"remote went away (code {event.code})")
+        self._flush()
+
+    async def _serve_inbound(self, stream: Stream) -> None:
+        try:
+            await self._on_inbound_stream(stream)
+        except Exception as e:  # a handler's failure costs only its stream
+            logger.warning("handler for %s failed: %r", stream.protocol, e)
+            stream.reset()
+        finally:
+            self._forget_if_done(stream)
+
+    # --- called by streams --------------------------------------------------------
+
+    def _flush(self) -> None:
+        data = self._session.data_to_send()
+        if data and not self._writer.is_closing():
+            self._writer.write(self._transport.encrypt(data))
+
+    def _flush_quietly(self) -> None:
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            self._flush()
+
+    async def _drain(self) -> None:
+        if self._closed is not None:
+            raise self._closed
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            raise ConnectionClosed(f"connection broke: {e}") from e
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise self._closed
+
+    def open_stream_raw(self) -> Stream:
+        """A new outbound stream (no protocol negotiated yet)."""
+        self._check_open()
+        stream_id = self._session.open_stream()
+        stream = Stream(self, stream_id, outbound=True)
+        self._streams[stream_id] = stream
+        self._flush()
+        return stream
+
+    def _send(self, stream_id: int, data: memoryview) -> int:
+        self._check_open()
+        try:
+            sent = self._session.send_data(stream_id, data)
+        except YamuxError as e:
+            raise StreamReset(f"stream is gone: {e}") from e
+        self._flush()
+        return sent
+
+    def _consumed(self, stream_id: int, num_bytes: int) -> None:
+        if self._closed is None and num_bytes:
+            with contextlib.suppress(YamuxError):
+                self._session.acknowledge_received(stream_id, num_bytes)
+            self._flush_quietly()
+
+    def _close_stream(self, stream_id: int) -> None:
+        self._check_open()
+        with contextlib.suppress(YamuxError):
+            self._session.close_stream(stream_id)
+        self._flush()
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            self._forget_if_done(stream)
+
+    def _reset_stream(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+        if self._closed is None:
+            with contextlib.suppress(YamuxError):
+                self._session.reset_stream(stream_id)
+            self._flush_quietly()
+
+    def _forget_if_done(self, stream: Stream) -> None:
+        if (stream._write_closed and stream._eof) or stream._error is not None:
+            if self._streams.get(stream.stream_id) is stream:
+                del self._streams[stream.stream_id]
+
+    def check_stream_limit(self, limit: int) -> None:
+        if len(self._streams) > limit:
+            raise LimitExceeded(f"more than {limit} streams open on one connection")

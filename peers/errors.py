@@ -1,0 +1,70 @@
+"""Errors of the ``peers`` package.
+
+One base class, and a split by whose fault it is (STYLE.md 5): ``LocalProtocolError``
+when we misuse a protocol, ``RemoteProtocolError`` when the remote peer breaks it,
+``LimitExceeded`` when the remote breaks one of our bounds, ``RemoteError`` when a
+remote handler raised.
+"""
+
+from __future__ import annotations
+
+
+class PeersError(Exception):
+    """Base class of every error raised by ``peers``."""
+
+
+class IdentityError(PeersError):
+    """A key or key file is malformed, of an unsupported type, or unreadable."""
+
+
+class AddressError(PeersError):
+    """A multiaddr is malformed or cannot be used for what was asked."""
+
+
+class LocalProtocolError(PeersError):
+    """We tried to do something the protocol does not allow (our bug or misuse)."""
+
+
+class RemoteProtocolError(PeersError):
+    """The remote peer sent something the protocol does not allow."""
+
+
+class HandshakeError(RemoteProtocolError):
+    """The connection upgrade (multistream-select, Noise) failed."""
+
+
+class PeerIDMismatch(HandshakeError):
+    """The remote authenticated as a different PeerID than the one we dialed."""
+
+
+class ProtocolNotSupported(PeersError):
+    """The remote peer does not serve the protocol id we asked for."""
+
+
+class LimitExceeded(RemoteProtocolError):
+    """The remote broke one of our bounds (frame size, streams, connections, buffered bytes)."""
+
+
+class ConnectionClosed(PeersError):
+    """The connection or stream is closed; ``by_us`` says which side closed it."""
+
+    def __init__(self, message: str, *, by_us: bool = False) -> None:
+        super().__init__(message)
+        self.by_us = by_us
+
+
+class StreamReset(ConnectionClosed):
+    """The remote reset the stream (or the connection under it went away)."""
+
+
+class DialError(PeersError):
+    """We could not connect to any address of the peer."""
+
+
+class RemoteError(PeersError):
+    """A remote handler raised; carries the remote exception's type name and message."""
+
+    def __init__(self, remote_type: str, message: str) -> None:
+        super().__init__(f"{remote_type}: {message}")
+        self.remote_type = remote_type
+        self.remote_message = message

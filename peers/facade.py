@@ -1,0 +1,223 @@
+"""A blocking facade over :class:`peers.host.Peer` for scripts that are not async.
+
+The event loop (uvloop where installed) runs in a daemon thread owned by the facade.
+Every method blocks until done; the ``*_future`` variants return a
+``concurrent.futures.Future`` instead. ``close()`` (or leaving the ``with`` block, or
+interpreter exit) closes the peer cleanly and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import inspect
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from types import TracebackType
+from typing import Any, TypeVar
+
+from multiaddr import Multiaddr
+
+from peers.errors import PeersError
+from peers.host import Peer, PeerConfig
+from peers.identify import IdentifyInfo
+from peers.identity import PeerID
+from peers.rpc import CallContext
+from peers.runtime import loop_factory
+
+T = TypeVar("T")
+#: Seconds ``close()`` waits for the peer to shut down before giving up on the thread.
+CLOSE_TIMEOUT_SECONDS = 10.0
+
+_live: weakref.WeakSet[BlockingPeer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for peer in list(_live):
+        peer.close()
+
+
+class BlockingPeer:
+    """A :class:`Peer` usable from plain Python; starts listening on construction."""
+
+    def __init__(self, config: PeerConfig | None = None) -> None:
+        self._loop = loop_factory()()
+        self._stop: asyncio.Event | None = None
+        self._started: concurrent.futures.Future[Peer] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(config,), daemon=True, name="swarmtrain-peer"
+        )
+        self._closed = False
+        self._thread.start()
+        self._peer = self._started.result()
+        _live.add(self)
+
+    def _run(self, config: PeerConfig | None) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main(config))
+        finally:
+            self._loop.close()
+
+    async def _main(self, config: PeerConfig | None) -> None:
+        self._stop = asyncio.Event()
+        try:
+            async with Peer(config) as peer:
+                self._started.set_result(peer)
+                await self._stop.wait()
+        except Exception as e:
+            if not self._started.done():
+                self._started.set_exception(e)
+            else:
+                raise
+
+    # --- plumbing ----------------------------------------------------------------
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a coroutine on the peer's loop; a Future of its result."""
+        if self._closed:
+            coro.close()
+            raise PeersError("peer is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the peer's loop and wait for its result.
+
+        On ``timeout`` the coroutine is cancelled and :class:`TimeoutError` raised.
+        """
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            future.cancel()
+            raise TimeoutError(f"no result within {timeout} s") from e
+
+    @property
+    def peer(self) -> Peer:
+        """The async Peer (use it only from coroutines passed to ``run``/``submit``)."""
+        return self._peer
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._peer.peer_id
+
+    @property
+    def listen_addrs(self) -> list[Multiaddr]:
+        return self._peer.listen_addrs
+
+    # --- the Peer API, blocking ----------------------------------------------------
+
+    def connect(self, addr: Multiaddr | str, timeout: float | None = None) -> PeerID:
+        return self.run(self._peer.connect(addr), timeout)
+
+    def ping(self, peer: PeerID | Multiaddr | str, timeout: float | None = None) -> float:
+        return self.run(self._peer.ping(peer), timeout)
+
+    def identify(
+        self, peer: PeerID | Multiaddr | str, timeout: float | None = None
+    ) -> IdentifyInfo:
+        return self.run(self._peer.identify(peer), timeout)
+
+    def call_unary(
+        self,
+        remote: PeerID | Multiaddr | str,
+        protocol: str,
+        request: object,
+        response_type: type[T],
+        *,
+        timeout: float | None = None,
+    ) -> T:
+        return self.call_unary_future(
+            remote, protocol, request, response_type, timeout=timeout
+        ).result()
+
+    def call_unary_future(
+        self,
+        remote: PeerID | Multiaddr | str,
+        protocol: str,
+        request: object,
+        response_type: type[T],
+        *,
+        timeout: float | None = None,
+    ) -> concurrent.futures.Future[T]:
+        return self.submit(
+            self._peer.call_unary(remote, protocol, request, response_type, timeout=timeout)
+        )
+
+    def call_stream(
+        self,
+        remote: PeerID | Multiaddr | str,
+        protocol: str,
+        requests: Iterable[Any],
+        response_type: type[T],
+        *,
+        timeout: float | None = None,
+    ) -> list[T]:
+        """A streaming call whose responses are collected into a list."""
+
+        async def collect() -> list[T]:
+            return [
+                r
+                async for r in self._peer.call_stream(
+                    remote, protocol, requests, response_type, timeout=timeout
+                )
+            ]
+
+        return self.run(collect())
+
+    def add_unary_handler(
+        self,
+        protocol: str,
+        handler: Callable[[Any, CallContext], Awaitable[Any]] | Callable[[Any, CallContext], Any],
+        request_type: type[Any],
+    ) -> None:
+        """Serve a unary RPC. A plain (non-async) handler runs in a worker thread so it
+        cannot stall the network loop."""
+        if inspect.iscoroutinefunction(handler):
+            async_handler = handler
+        else:
+
+            async def async_handler(request: Any, context: CallContext) -> Any:
+                return await asyncio.to_thread(handler, request, context)
+
+        self.run(
+            _call_soon(lambda: self._peer.add_unary_handler(protocol, async_handler, request_type))
+        )
+
+    def add_stream_handler(
+        self,
+        protocol: str,
+        handler: Callable[[AsyncIterator[Any], CallContext], AsyncIterator[Any]],
+        request_type: type[Any],
+    ) -> None:
+        self.run(_call_soon(lambda: self._peer.add_stream_handler(protocol, handler, request_type)))
+
+    # --- shutdown ----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every connection, stop the loop and join its thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        if self._stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(CLOSE_TIMEOUT_SECONDS)
+
+    def __enter__(self) -> BlockingPeer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+async def _call_soon(fn: Callable[[], None]) -> None:
+    fn()

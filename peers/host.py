@@ -1,0 +1,570 @@
+"""The Peer: listens, dials, keeps one connection per remote peer, and routes streams.
+
+A :class:`Peer` is entered with ``async with`` and owns every task it starts: the
+listeners, each connection's reader, each inbound stream's handler (STYLE.md 3).
+Inbound streams negotiate their protocol with multistream-select and go to the handler
+registered for it; ``identify`` and ``ping`` are built in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from multiaddr import Multiaddr
+
+from peers import limits, rpc
+from peers.addresses import parse_multiaddr, split_peer_id, tcp_multiaddr, tcp_target, with_peer_id
+from peers.connection import Connection, Stream
+from peers.errors import (
+    AddressError,
+    ConnectionClosed,
+    DialError,
+    HandshakeError,
+    LimitExceeded,
+    PeerIDMismatch,
+    PeersError,
+    ProtocolNotSupported,
+    RemoteProtocolError,
+)
+from peers.identity import KeyPair, PeerID
+from peers.multistream import MultistreamDialer, MultistreamListener
+from peers.rpc import CallContext
+from peers.upgrade import upgrade
+from peers.yamux import YamuxSession
+
+if TYPE_CHECKING:
+    from peers.identify import IdentifyInfo
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+StreamHandler = Callable[[Stream], Awaitable[None]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """How a :class:`Peer` listens and what it tolerates from others."""
+
+    identity: KeyPair | None = None
+    """The peer's key pair; a fresh one if ``None``."""
+    listen_addrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    """Multiaddrs to listen on (``/ip4|ip6/HOST/tcp/PORT``; port 0 picks a free one)."""
+    announce_addrs: tuple[str, ...] = ()
+    """Addresses to tell others instead of the bound ones (e.g. a public IP behind NAT)."""
+    dial_timeout: float = 10.0
+    """Seconds for TCP connect plus the whole upgrade, per address tried."""
+    handshake_timeout: float = limits.HANDSHAKE_TIMEOUT_SECONDS
+    """Seconds an inbound connection has to finish its upgrade."""
+    stream_negotiation_timeout: float = limits.STREAM_NEGOTIATION_TIMEOUT_SECONDS
+    """Seconds a stream has to agree on a protocol."""
+    max_connections: int = limits.MAX_CONNECTIONS
+    """All connections, both directions."""
+    max_connections_per_peer: int = limits.MAX_CONNECTIONS_PER_PEER
+    """Connections to one PeerID."""
+    max_connections_per_ip: int = limits.MAX_CONNECTIONS_PER_IP
+    """Inbound connections (handshaking or established) from one IP address."""
+    max_streams_per_connection: int = limits.MAX_STREAMS_PER_CONNECTION
+    """Concurrent yamux streams on one connection."""
+    agent_version: str = "swarmtrain/0.1.0"
+    """What identify reports as our agent."""
+
+    def __post_init__(self) -> None:
+        for name in ("dial_timeout", "handshake_timeout", "stream_negotiation_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        for name in (
+            "max_connections",
+            "max_connections_per_peer",
+            "max_connections_per_ip",
+            "max_streams_per_connection",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for addr in (*self.listen_addrs, *self.announce_addrs):
+            parse_multiaddr(addr)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStatistics:
+    num_connections: int
+    num_streams: int
+    num_inbound_connections_refused: int
+    num_handshake_failures: int
+    num_streams_refused: int
+
+
+@dataclass
+class _Counters:
+    inbound_refused: int = 0
+    handshake_failures: int = 0
+    streams_refused: int = 0
+
+
+@dataclass
+class _AddressBook:
+    addrs: dict[PeerID, list[Multiaddr]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, peer_id: PeerID, addrs: Iterable[Multiaddr]) -> None:
+        known = self.addrs[peer_id]
+        for addr in addrs:
+            if addr not in known:
+                known.append(addr)
+        # A peer controls what it announces: keep only a bounded number of addresses.
+        del known[: max(0, len(known) - 16)]
+
+
+class Peer:
+    """A libp2p-compatible peer. Use ``async with Peer(config) as peer``."""
+
+    def __init__(self, config: PeerConfig | None = None) -> None:
+        self.config = config or PeerConfig()
+        self.identity = self.config.identity or KeyPair.generate()
+        self.peer_id = self.identity.peer_id
+        self._handlers: dict[str, StreamHandler] = {}
+        self._connections: dict[PeerID, list[Connection]] = defaultdict(list)
+        self._dialing: dict[PeerID, asyncio.Future[Connection]] = {}
+        self._inbound_per_ip: dict[str, int] = defaultdict(int)
+        self._num_connections = 0
+        self._servers: list[asyncio.Server] = []
+        self._listen_addrs: list[Multiaddr] = []
+        self._group: asyncio.TaskGroup | None = None
+        self._address_book = _AddressBook()
+        self._counters = _Counters()
+        self._closing = False
+        # Imported here: identify and ping register themselves through the public API.
+        from peers.identify import install_identify
+        from peers.ping import install_ping
+
+        install_identify(self)
+        install_ping(self)
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    async def __aenter__(self) -> Peer:
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        try:
+            for text in self.config.listen_addrs:
+                await self._listen(parse_multiaddr(text))
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._closing = True
+        for server in self._servers:
+            server.close()
+        for conns in list(self._connections.values()):
+            for conn in conns:
+                conn.close()
+        assert self._group is not None
+        await self._group.__aexit__(exc_type, exc, tb)
+
+    async def _listen(self, addr: Multiaddr) -> None:
+        target = tcp_target(addr)
+        try:
+            server = await asyncio.start_server(
+                self._on_tcp_connection, host=target.host, port=target.port, limit=2**20
+            )
+        except OSError as e:
+            raise AddressError(f"cannot listen on {addr}: {e.strerror or e}") from e
+        self._servers.append(server)
+        for sock in server.sockets:
+            host, port = sock.getsockname()[:2]
+            self._listen_addrs.append(tcp_multiaddr(host, port))
+
+    @property
+    def listen_addrs(self) -> list[Multiaddr]:
+        """The addresses we are reachable at, each ending in ``/p2p/OUR_ID``."""
+        base = [parse_multiaddr(a) for a in self.config.announce_addrs] or self._listen_addrs
+        return [with_peer_id(a, self.peer_id) for a in base]
+
+    @property
+    def protocols(self) -> list[str]:
+        return sorted(self._handlers)
+
+    # --- handlers ----------------------------------------------------------------
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+        """Serve ``protocol``: ``handler(stream)`` runs for each inbound stream of it.
+
+        The stream is reset if the handler raises; the handler's task is cancelled when
+        the remote resets the stream's connection or the peer closes.
+        """
+        if protocol in self._handlers:
+            raise ValueError(f"a handler for {protocol} is already registered")
+        self._handlers[protocol] = handler
+
+    def remove_stream_handler(self, protocol: str) -> None:
+        self._handlers.pop(protocol, None)
+
+    # --- inbound -----------------------------------------------------------------
+
+    async def _on_tcp_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        peername = writer.get_extra_info("peername") or ("0.0.0.0", 0)
+        ip = str(peername[0])
+        if (
+            self._closing
+            or self._num_connections >= self.config.max_connections
+            or self._inbound_per_ip[ip] >= self.config.max_connections_per_ip
+        ):
+            self._counters.inbound_refused += 1
+            logger.info("refusing a connection from %s: connection limit reached", ip)
+            writer.close()
+            return
+        self._inbound_per_ip[ip] += 1
+        try:
+            await self._accept(reader, writer, tcp_multiaddr(ip, int(peername[1])))
+        finally:
+            self._inbound_per_ip[ip] -= 1
+            if not self._inbound_per_ip[ip]:
+                del self._inbound_per_ip[ip]
+
+    async def _accept(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, remote: Multiaddr
+    ) -> None:
+        self._num_connections += 1
+        try:
+            try:
+                async with asyncio.timeout(self.config.handshake_timeout):
+                    upgraded = await upgrade(reader, writer, identity=self.identity, outbound=False)
+            except (TimeoutError, PeersError, ConnectionError, OSError) as e:
+                self._counters.handshake_failures += 1
+                logger.info("inbound handshake from %s failed: %r", remote, e)
+                writer.close()
+                return
+            conn = self._make_connection(reader, writer, upgraded, remote, outbound=False)
+            if not self._register(conn):
+                writer.close()
+                return
+            await self._run_connection(conn)
+        finally:
+            self._num_connections -= 1
+
+    def _make_connection(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        upgraded: object,
+        remote: Multiaddr,
+        *,
+        outbound: bool,
+    ) -> Connection:
+        from peers.upgrade import UpgradedConnection
+
+        assert isinstance(upgraded, UpgradedConnection)
+        return Connection(
+            reader=reader,
+            writer=writer,
+            transport=upgraded.transport,
+            session=YamuxSession(
+                is_client=outbound, max_streams=self.config.max_streams_per_connection
+            ),
+            remote_peer_id=upgraded.remote_peer_id,
+            remote_public_key=upgraded.remote_public_key,
+            remote_address=remote,
+            outbound=outbound,
+            initial_plaintext=upgraded.leftover_plaintext,
+            on_inbound_stream=self._on_inbound_stream,
+        )
+
+    def _register(self, conn: Connection) -> bool:
+        live = [c for c in self._connections[conn.remote_peer_id] if not c.is_closed]
+        if len(live) >= self.config.max_connections_per_peer:
+            self._counters.inbound_refused += 1
+            logger.info("refusing another connection from %s: per-peer limit", conn.remote_peer_id)
+            return False
+        live.append(conn)
+        self._connections[conn.remote_peer_id] = live
+        return True
+
+    async def _run_connection(self, conn: Connection) -> None:
+        try:
+            await conn.run()
+        finally:
+            conns = self._connections.get(conn.remote_peer_id)
+            if conns is not None and conn in conns:
+                conns.remove(conn)
+                if not conns:
+                    del self._connections[conn.remote_peer_id]
+
+    async def _on_inbound_stream(self, stream: Stream) -> None:
+        listener = MultistreamListener(self._handlers.keys())
+        try:
+            async with asyncio.timeout(self.config.stream_negotiation_timeout):
+                await stream.write(listener.initial_bytes())
+                while listener.selected is None:
+                    data = await stream.read(1024)
+                    if not data:
+                        return
+                    reply = listener.receive_data(data)
+                    if reply:
+                        await stream.write(reply)
+        except (TimeoutError, RemoteProtocolError) as e:
+            self._counters.streams_refused += 1
+            logger.info("stream from %s failed to negotiate: %r", stream.remote_peer_id, e)
+            stream.reset()
+            return
+        stream.protocol = listener.selected
+        if listener.leftover:
+            stream.unread(listener.leftover)
+        handler = self._handlers.get(listener.selected)
+        if handler is None:  # removed while negotiating
+            stream.reset()
+            return
+        await handler(stream)
+
+    # --- outbound ----------------------------------------------------------------
+
+    def add_addresses(self, peer_id: PeerID, addrs: Iterable[Multiaddr | str]) -> None:
+        """Remember where ``peer_id`` can be dialed."""
+        self._address_book.add(peer_id, (split_peer_id(parse_multiaddr(a))[0] for a in addrs))
+
+    def known_addresses(self, peer_id: PeerID) -> list[Multiaddr]:
+        return list(self._address_book.addrs.get(peer_id, ()))
+
+    def connection_to(self, peer_id: PeerID) -> Connection | None:
+        for conn in self._connections.get(peer_id, ()):
+            if not conn.is_closed:
+                return conn
+        return None
+
+    def connected_peers(self) -> list[PeerID]:
+        return [
+            pid for pid, conns in self._connections.items() if any(not c.is_closed for c in conns)
+        ]
+
+    async def connect(self, addr: Multiaddr | str) -> PeerID:
+        """Dial ``addr`` (which may end in ``/p2p/ID``) and return the remote's PeerID.
+
+        Raises :class:`PeerIDMismatch` if the address names a PeerID and the remote is
+        someone else, :class:`DialError` if it cannot be reached, :class:`HandshakeError`
+        if the upgrade fails. Reuses an existing connection to a named PeerID.
+        """
+        maddr = parse_multiaddr(addr)
+        transport, expected = split_peer_id(maddr)
+        if expected is not None:
+            self.add_addresses(expected, [transport])
+            await self._get_connection(expected)
+            return expected
+        conn = await self._dial_address(transport, None)
+        return conn.remote_peer_id
+
+    async def _get_connection(self, peer_id: PeerID) -> Connection:
+        conn = self.connection_to(peer_id)
+        if conn is not None:
+            return conn
+        if peer_id == self.peer_id:
+            raise DialError("cannot dial ourselves")
+        pending = self._dialing.get(peer_id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+        self._dialing[peer_id] = future
+        try:
+            conn = await self._dial_known(peer_id)
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # mark retrieved: nobody else may be waiting
+            raise
+        finally:
+            del self._dialing[peer_id]
+        future.set_result(conn)
+        return conn
+
+    async def _dial_known(self, peer_id: PeerID) -> Connection:
+        addrs = self.known_addresses(peer_id)
+        if not addrs:
+            raise DialError(f"no known address for {peer_id}")
+        errors: list[str] = []
+        for addr in addrs:
+            try:
+                return await self._dial_address(addr, peer_id)
+            except PeerIDMismatch:
+                raise
+            except (DialError, HandshakeError) as e:
+                errors.append(f"{addr}: {e}")
+        raise DialError(f"could not reach {peer_id}: " + "; ".join(errors))
+
+    async def _dial_address(self, addr: Multiaddr, expected: PeerID | None) -> Connection:
+        if self._closing:
+            raise DialError("peer is closing")
+        target = tcp_target(addr)
+        self._num_connections += 1
+        registered = False
+        try:
+            try:
+                async with asyncio.timeout(self.config.dial_timeout):
+                    reader, writer = await asyncio.open_connection(
+                        target.host, target.port, limit=2**20
+                    )
+                    try:
+                        upgraded = await upgrade(
+                            reader,
+                            writer,
+                            identity=self.identity,
+                            outbound=True,
+                            expected_peer_id=expected,
+                        )
+                    except BaseException:
+                        writer.close()
+                        raise
+            except TimeoutError as e:
+                raise DialError(f"timed out dialing {addr}") from e
+            except (ConnectionError, OSError) as e:
+                raise DialError(f"cannot connect to {addr}: {e.strerror or e}") from e
+            conn = self._make_connection(reader, writer, upgraded, addr, outbound=True)
+            if not self._register(conn):
+                writer.close()
+                raise LimitExceeded(f"too many connections to {conn.remote_peer_id}")
+            self.add_addresses(conn.remote_peer_id, [addr])
+            assert self._group is not None
+            registered = True
+            self._group.create_task(self._run_outbound(conn))
+            return conn
+        finally:
+            if not registered:
+                self._num_connections -= 1
+
+    async def _run_outbound(self, conn: Connection) -> None:
+        try:
+            await self._run_connection(conn)
+        finally:
+            self._num_connections -= 1
+
+    async def new_stream(
+        self, peer: PeerID | Multiaddr | str, protocols: str | list[str]
+    ) -> Stream:
+        """Open a stream to ``peer`` (dialing if needed) speaking one of ``protocols``.
+
+        Raises :class:`ProtocolNotSupported` if the remote serves none of them,
+        :class:`DialError`/:class:`HandshakeError` if it cannot be reached.
+        """
+        if isinstance(peer, PeerID):
+            peer_id = peer
+        else:
+            peer_id = await self.connect(peer)
+        conn = await self._get_connection(peer_id)
+        proposals = [protocols] if isinstance(protocols, str) else list(protocols)
+        stream = conn.open_stream_raw()
+        dialer = MultistreamDialer(proposals)
+        try:
+            async with asyncio.timeout(self.config.stream_negotiation_timeout):
+                await stream.write(dialer.initial_bytes())
+                while dialer.selected is None:
+                    data = await stream.read(1024)
+                    if not data:
+                        raise ProtocolNotSupported("remote closed the stream while negotiating")
+                    reply = dialer.receive_data(data)
+                    if reply:
+                        await stream.write(reply)
+        except BaseException:
+            stream.reset()
+            raise
+        stream.protocol = dialer.selected
+        if dialer.leftover:
+            stream.unread(dialer.leftover)
+        return stream
+
+    def disconnect(self, peer_id: PeerID) -> None:
+        for conn in list(self._connections.get(peer_id, ())):
+            conn.close()
+
+    def statistics(self) -> PeerStatistics:
+        conns = [c for cs in self._connections.values() for c in cs]
+        return PeerStatistics(
+            num_connections=len(conns),
+            num_streams=sum(c.num_streams for c in conns),
+            num_inbound_connections_refused=self._counters.inbound_refused,
+            num_handshake_failures=self._counters.handshake_failures,
+            num_streams_refused=self._counters.streams_refused,
+        )
+
+    # --- conveniences ------------------------------------------------------------
+
+    async def ping(self, peer: PeerID | Multiaddr | str) -> float:
+        """Round-trip time in seconds of one ``/ipfs/ping/1.0.0`` exchange."""
+        from peers.ping import ping_once
+
+        stream = await self.new_stream(peer, "/ipfs/ping/1.0.0")
+        try:
+            return await ping_once(stream, os.urandom(32), time.perf_counter)
+        finally:
+            with contextlib.suppress(ConnectionClosed):
+                await stream.close()
+
+    # --- RPC ---------------------------------------------------------------------
+
+    def add_unary_handler(
+        self,
+        protocol: str,
+        handler: Callable[[Any, CallContext], Awaitable[Any]],
+        request_type: type[Any],
+        **kwargs: Any,
+    ) -> None:
+        """See :func:`peers.rpc.add_unary_handler`."""
+        rpc.add_unary_handler(self, protocol, handler, request_type, **kwargs)
+
+    def add_stream_handler(
+        self,
+        protocol: str,
+        handler: Callable[[AsyncIterator[Any], CallContext], AsyncIterator[Any]],
+        request_type: type[Any],
+        **kwargs: Any,
+    ) -> None:
+        """See :func:`peers.rpc.add_stream_handler`."""
+        rpc.add_stream_handler(self, protocol, handler, request_type, **kwargs)
+
+    async def call_unary(
+        self,
+        remote: PeerID | Multiaddr | str,
+        protocol: str,
+        request: object,
+        response_type: type[T],
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> T:
+        """See :func:`peers.rpc.call_unary`."""
+        return await rpc.call_unary(
+            self, remote, protocol, request, response_type, timeout=timeout, **kwargs
+        )
+
+    def call_stream(
+        self,
+        remote: PeerID | Multiaddr | str,
+        protocol: str,
+        requests: AsyncIterable[Any] | Iterable[Any],
+        response_type: type[T],
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[T]:
+        """See :func:`peers.rpc.call_stream`."""
+        return rpc.call_stream(
+            self, remote, protocol, requests, response_type, timeout=timeout, **kwargs
+        )
+
+    async def identify(self, remote: PeerID | Multiaddr | str) -> IdentifyInfo:
+        """Ask ``remote`` for its identify record (agent, protocols, addresses)."""
+        from peers.identify import identify
+
+        return await identify(self, remote)

@@ -1,0 +1,429 @@
+"""The ``/noise`` secure channel: libp2p's Noise XX handshake and framed transport.
+
+Pure state machines (STYLE.md 1): bytes in, bytes out, no sockets, no clock. Follows the
+libp2p noise spec (specs/noise/README.md, r2 and later: no padding inside payloads) on the
+Noise Protocol Framework rev 34 ("Noise §x" below): ``Noise_XX_25519_ChaChaPoly_SHA256``,
+empty prologue, ``-> e; <- e, ee, s, es; -> s, se``. Every Noise message travels behind a
+2-byte big-endian length. Messages 2 and 3 carry a ``NoiseHandshakePayload`` protobuf: the
+sender's libp2p public key and its signature of ``"noise-libp2p-static-key:" || s``, which
+binds the Noise static key ``s`` to the PeerID.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from peers.errors import HandshakeError, IdentityError, LocalProtocolError, PeerIDMismatch
+from peers.identity import KeyPair, PeerID, PublicKey
+from peers.protobuf import ProtobufError, decode_fields, encode_fields, first_bytes
+
+NOISE_PROTOCOL_ID = "/noise"
+NOISE_PROTOCOL_NAME = b"Noise_XX_25519_ChaChaPoly_SHA256"
+#: Noise §3: "The maximum length of a Noise message is 65535 bytes" (also all that the
+#: 2-byte length prefix can express).
+MAX_NOISE_FRAME_BYTES = 65535
+#: ChaChaPoly authentication tag (Noise §12.3).
+TAG_BYTES = 16
+MAX_PLAINTEXT_PER_FRAME = MAX_NOISE_FRAME_BYTES - TAG_BYTES
+#: X25519 public keys and shared secrets: Noise's DHLEN (Noise §12.1).
+DH_BYTES = 32
+#: libp2p noise spec, "Static Key Authentication": what the identity key signs before ``s``.
+STATIC_KEY_SIGNATURE_PREFIX = b"noise-libp2p-static-key:"
+#: Shortest messages 1, 2, 3 (keys, tags, empty payload); anything shorter is truncated.
+_MIN_MESSAGE_BYTES = (DH_BYTES, 2 * DH_BYTES + 2 * TAG_BYTES, DH_BYTES + 2 * TAG_BYTES)
+#: Noise §5.1: nonce 2^64-1 is reserved, so a CipherState stops before it.
+_MAX_NONCE = 2**64 - 1
+_LENGTH = struct.Struct(">H")
+#: Noise §12.3: 32 bits of zeros, then the 64-bit nonce little-endian.
+_NONCE = struct.Struct("<4xQ")
+_Bytes = bytes | bytearray | memoryview
+
+
+class NoiseError(HandshakeError):
+    """The remote broke Noise: bad MAC, bad signature, malformed payload or wrong length."""
+
+
+def _hkdf2(chaining_key: bytes, input_key_material: bytes) -> tuple[bytes, bytes]:
+    """HKDF with two outputs, as Noise §4.3 builds it from HMAC-SHA256."""
+    temp_key = hmac.digest(chaining_key, input_key_material, "sha256")
+    output1 = hmac.digest(temp_key, b"\x01", "sha256")
+    return output1, hmac.digest(temp_key, output1 + b"\x02", "sha256")
+
+
+def _dh(private_key: X25519PrivateKey, public_key: bytes) -> bytes:
+    try:
+        return private_key.exchange(X25519PublicKey.from_public_bytes(public_key))
+    except ValueError as e:  # all-zero shared secret: the remote sent a low-order point
+        raise NoiseError(f"remote sent an unusable X25519 public key: {e}") from e
+
+
+class CipherState:
+    """Noise §5.1 with a key: the ChaChaPoly key ``k`` and the nonce counter ``n``.
+
+    A keyless CipherState is ``None`` in :class:`SymmetricState`, so a transport cannot
+    be built from one (it would send plaintext).
+    """
+
+    __slots__ = ("_aead", "nonce")
+
+    def __init__(self, key: bytes) -> None:
+        self._aead = ChaCha20Poly1305(key)
+        self.nonce = 0
+
+    def encrypt_with_ad(self, ad: bytes | None, plaintext: _Bytes) -> bytes:
+        """Encrypt, advance the nonce; LocalProtocolError when the nonces run out."""
+        n = self.nonce
+        if n >= _MAX_NONCE:
+            raise LocalProtocolError("Noise nonce space exhausted; close the connection")
+        ciphertext = self._aead.encrypt(_NONCE.pack(n), plaintext, ad)
+        self.nonce = n + 1
+        return ciphertext
+
+    def decrypt_with_ad(self, ad: bytes | None, ciphertext: _Bytes) -> bytes:
+        """Decrypt, advance the nonce; on failure raise :class:`NoiseError` and leave the
+        nonce unchanged (Noise §5.1)."""
+        n = self.nonce
+        if n >= _MAX_NONCE:
+            raise NoiseError("remote sent more messages than the Noise nonce space allows")
+        try:
+            plaintext = self._aead.decrypt(_NONCE.pack(n), ciphertext, ad)
+        except InvalidTag as e:
+            raise NoiseError("MAC check failed: tampered, replayed or reordered message") from e
+        self.nonce = n + 1
+        return plaintext
+
+
+class SymmetricState:
+    """Noise §5.2: chaining key ``ck``, handshake hash ``h`` and the current CipherState."""
+
+    __slots__ = ("chaining_key", "cipher", "handshake_hash")
+
+    def __init__(self, protocol_name: bytes) -> None:
+        short = len(protocol_name) <= 32
+        h = protocol_name.ljust(32, b"\0") if short else hashlib.sha256(protocol_name).digest()
+        self.handshake_hash = self.chaining_key = h
+        self.cipher: CipherState | None = None  # no key before the first MixKey()
+
+    def mix_key(self, input_key_material: bytes) -> None:
+        self.chaining_key, temp_key = _hkdf2(self.chaining_key, input_key_material)
+        self.cipher = CipherState(temp_key)
+
+    def mix_hash(self, data: bytes) -> None:
+        self.handshake_hash = hashlib.sha256(self.handshake_hash + data).digest()
+
+    def encrypt_and_hash(self, plaintext: bytes) -> bytes:
+        cipher = self.cipher
+        ciphertext = cipher.encrypt_with_ad(self.handshake_hash, plaintext) if cipher else plaintext
+        self.mix_hash(ciphertext)
+        return ciphertext
+
+    def decrypt_and_hash(self, ciphertext: bytes) -> bytes:
+        cipher = self.cipher
+        plaintext = (
+            cipher.decrypt_with_ad(self.handshake_hash, ciphertext) if cipher else ciphertext
+        )
+        self.mix_hash(ciphertext)
+        return plaintext
+
+    def split(self) -> tuple[CipherState, CipherState]:
+        """The initiator's and the responder's sending CipherStates."""
+        key1, key2 = _hkdf2(self.chaining_key, b"")
+        return CipherState(key1), CipherState(key2)
+
+
+class XXHandshakeState:
+    """Noise §5.3 HandshakeState for the XX pattern (Noise §7.5): opaque payloads, no
+    length prefixes. After an error it is unusable (the handshake must be abandoned)."""
+
+    def __init__(
+        self, *, initiator: bool, s: X25519PrivateKey, e: X25519PrivateKey, prologue: bytes = b""
+    ) -> None:
+        self.initiator = initiator
+        self._s, self._e = s, e
+        self.static_public = s.public_key().public_bytes_raw()
+        self.remote_static: bytes | None = None  # rs, once message 2 or 3 is read
+        self._re = b""
+        self._symmetric = SymmetricState(NOISE_PROTOCOL_NAME)
+        self._symmetric.mix_hash(prologue)
+        self.message_index = 0  # which of the three messages comes next; 3 when done
+        self._failed = False
+
+    @property
+    def our_turn(self) -> bool:
+        """True when the next message is ours to write (the initiator writes 1 and 3)."""
+        index = self.message_index
+        return not self._failed and index < 3 and (index % 2 == 0) == self.initiator
+
+    @property
+    def is_complete(self) -> bool:
+        return not self._failed and self.message_index == 3
+
+    @property
+    def handshake_hash(self) -> bytes:
+        return self._symmetric.handshake_hash
+
+    def _check_turn(self, writing: bool) -> None:
+        if self._failed or self.message_index >= 3:
+            raise LocalProtocolError("the Noise handshake already failed or completed")
+        if self.our_turn != writing:
+            whose = "the remote's" if writing else "our"
+            raise LocalProtocolError(f"handshake message {self.message_index + 1} is {whose}")
+
+    def abort(self) -> None:
+        """Mark the handshake failed: a check above Noise rejected the remote."""
+        self._failed = True
+
+    def write_message(self, payload: bytes) -> bytes:
+        """The next handshake message, without length prefix; raises
+        :class:`LocalProtocolError` when it is not our turn or would exceed 65535 bytes."""
+        self._check_turn(writing=True)
+        sym, parts = self._symmetric, []
+        if self.message_index < 2:  # -> e  |  <- e, ee, s, es
+            e_public = self._e.public_key().public_bytes_raw()
+            sym.mix_hash(e_public)
+            parts.append(e_public)
+            if self.message_index == 1:
+                sym.mix_key(_dh(self._e, self._re))
+                parts.append(sym.encrypt_and_hash(self.static_public))
+                sym.mix_key(_dh(self._s, self._re))
+        else:  # -> s, se
+            parts.append(sym.encrypt_and_hash(self.static_public))
+            sym.mix_key(_dh(self._s, self._re))
+        parts.append(sym.encrypt_and_hash(payload))
+        message = b"".join(parts)
+        if len(message) > MAX_NOISE_FRAME_BYTES:
+            self._failed = True
+            raise LocalProtocolError(f"handshake message of {len(message)} bytes is too long")
+        self.message_index += 1
+        return message
+
+    def read_message(self, message: bytes) -> bytes:
+        """The payload of the remote's message (no length prefix). Raises :class:`NoiseError`
+        for a bad length or MAC, :class:`LocalProtocolError` if it is not the remote's turn."""
+        self._check_turn(writing=False)
+        self._failed = True  # until the whole message has checked out
+        index, sym = self.message_index, self._symmetric
+        if not _MIN_MESSAGE_BYTES[index] <= len(message) <= MAX_NOISE_FRAME_BYTES:
+            raise NoiseError(f"handshake message {index + 1} has a bad length {len(message)}")
+        offset = 0
+        if index < 2:  # e [, ee]
+            self._re, offset = bytes(message[:DH_BYTES]), DH_BYTES
+            sym.mix_hash(self._re)
+            if index == 1:
+                sym.mix_key(_dh(self._e, self._re))
+        if index > 0:  # s, then es (the initiator reading) or se (the responder reading)
+            end = offset + DH_BYTES + TAG_BYTES
+            self.remote_static = sym.decrypt_and_hash(bytes(message[offset:end]))
+            sym.mix_key(_dh(self._e, self.remote_static))
+            offset = end
+        payload = sym.decrypt_and_hash(bytes(message[offset:]))
+        self.message_index += 1
+        self._failed = False
+        return payload
+
+    def split(self) -> tuple[CipherState, CipherState]:
+        """Noise §5.2 Split(): the initiator's and the responder's sending CipherStates."""
+        if not self.is_complete:
+            raise LocalProtocolError("the Noise handshake is not complete")
+        return self._symmetric.split()
+
+
+def _x25519_key(raw: bytes | None) -> X25519PrivateKey:
+    if raw is None:
+        return X25519PrivateKey.generate()
+    if len(raw) != DH_BYTES:
+        raise IdentityError(f"an X25519 private key has 32 bytes, got {len(raw)}")
+    return X25519PrivateKey.from_private_bytes(raw)
+
+
+class NoiseHandshake:
+    """libp2p's Noise XX handshake: the Noise state machine plus the identity payloads.
+
+    The caller moves the bytes: while :attr:`our_turn`, send :meth:`write_message`;
+    otherwise read one length-prefixed message and pass its body to :meth:`read_message`.
+    Any error ends the handshake; later calls raise :class:`LocalProtocolError`.
+    """
+
+    def __init__(
+        self,
+        *,
+        initiator: bool,
+        identity: KeyPair,
+        expected_peer_id: PeerID | None = None,
+        static_private_key: bytes | None = None,
+        ephemeral_private_key: bytes | None = None,
+    ) -> None:
+        """The raw 32-byte X25519 keys are for deterministic tests; by default they are
+        fresh. Raises :class:`IdentityError` for a key of the wrong length."""
+        self._state = XXHandshakeState(
+            initiator=initiator,
+            s=_x25519_key(static_private_key),
+            e=_x25519_key(ephemeral_private_key),
+        )
+        self._identity = identity
+        self._expected_peer_id = expected_peer_id
+        self._remote_public_key: PublicKey | None = None
+        self._remote_peer_id: PeerID | None = None
+        self._transport_taken = False
+
+    @property
+    def our_turn(self) -> bool:
+        return self._state.our_turn
+
+    @property
+    def is_complete(self) -> bool:
+        return self._state.is_complete and self._remote_peer_id is not None
+
+    @property
+    def remote_peer_id(self) -> PeerID:
+        """The remote's authenticated PeerID; :class:`LocalProtocolError` before that."""
+        if self._remote_peer_id is None:
+            raise LocalProtocolError("the remote's identity is not authenticated yet")
+        return self._remote_peer_id
+
+    @property
+    def remote_public_key(self) -> PublicKey:
+        """The remote's authenticated identity key; :class:`LocalProtocolError` before that."""
+        if self._remote_public_key is None:
+            raise LocalProtocolError("the remote's identity is not authenticated yet")
+        return self._remote_public_key
+
+    def write_message(self) -> bytes:
+        """Our next handshake message with its 2-byte length prefix; raises
+        :class:`LocalProtocolError` when it is not our turn."""
+        state, payload = self._state, b""
+        if state.our_turn and state.message_index > 0:  # messages 2 and 3 identify us
+            signature = self._identity.sign(STATIC_KEY_SIGNATURE_PREFIX + state.static_public)
+            payload = encode_fields([(1, self._identity.public_key.to_protobuf()), (2, signature)])
+        message = state.write_message(payload)
+        return _LENGTH.pack(len(message)) + message
+
+    def read_message(self, message: bytes) -> None:
+        """Process one handshake message from the remote, without its length prefix.
+
+        Raises :class:`NoiseError` (malformed, bad MAC or identity signature),
+        :class:`PeerIDMismatch` (not ``expected_peer_id``), :class:`LocalProtocolError`
+        (not the remote's turn)."""
+        payload = self._state.read_message(message)
+        if self._state.message_index == 1:
+            return  # message 1's payload is empty by spec, and unauthenticated: ignore it
+        try:
+            self._accept_identity(payload)
+        except Exception:
+            self._state.abort()
+            raise
+
+    def _accept_identity(self, payload: bytes) -> None:
+        # Fields 3 (the old early data) and 4 (extensions) are not used here: ignored.
+        try:
+            fields = decode_fields(payload)
+            key_bytes, signature = first_bytes(fields, 1), first_bytes(fields, 2)
+        except ProtobufError as e:
+            raise NoiseError(f"malformed handshake payload: {e}") from e
+        if key_bytes is None or signature is None:
+            raise NoiseError("handshake payload lacks identity_key or identity_sig")
+        try:
+            public_key = PublicKey.from_protobuf(key_bytes)
+        except IdentityError as e:
+            raise NoiseError(f"handshake payload has a bad identity key: {e}") from e
+        remote_static = self._state.remote_static
+        assert remote_static is not None  # read just before the payload
+        if not public_key.verify(signature, STATIC_KEY_SIGNATURE_PREFIX + remote_static):
+            raise NoiseError("identity_sig is not the identity key's signature of the static key")
+        peer_id = PeerID.from_public_key(public_key)
+        if self._expected_peer_id is not None and peer_id != self._expected_peer_id:
+            raise PeerIDMismatch(f"dialed {self._expected_peer_id}, but the remote is {peer_id}")
+        self._remote_public_key, self._remote_peer_id = public_key, peer_id
+
+    def to_transport(self) -> NoiseTransport:
+        """The transport, once, after a complete handshake; raises
+        :class:`LocalProtocolError` otherwise (two transports would reuse nonces)."""
+        if not self.is_complete or self._transport_taken:
+            raise LocalProtocolError("the handshake is not complete or already handed over")
+        self._transport_taken = True
+        initiator_sends, responder_sends = self._state.split()
+        if self._state.initiator:
+            return NoiseTransport(send=initiator_sends, receive=responder_sends)
+        return NoiseTransport(send=responder_sends, receive=initiator_sends)
+
+
+class NoiseTransport:
+    """Noise transport messages behind 2-byte length prefixes, in both directions.
+
+    Bounded by construction (STYLE.md 7): every complete frame is decrypted as soon as it
+    arrives, so the receive buffer holds at most one partial frame (< 65537 bytes).
+    """
+
+    __slots__ = ("_buffer", "_receive", "_receive_failed", "_send")
+
+    def __init__(self, *, send: CipherState, receive: CipherState) -> None:
+        self._send, self._receive = send, receive
+        self._buffer = bytearray()
+        self._receive_failed = False
+
+    def encrypt(self, data: _Bytes) -> bytes:
+        """Wire bytes for ``data``: length-prefixed frames of at most MAX_PLAINTEXT_PER_FRAME
+        plaintext bytes each. Empty ``data`` gives ``b""``: no empty frame is sent."""
+        view = memoryview(data).cast("B")
+        encrypt, pack = self._send.encrypt_with_ad, _LENGTH.pack
+        parts: list[bytes] = []
+        for start in range(0, len(view), MAX_PLAINTEXT_PER_FRAME):
+            ciphertext = encrypt(None, view[start : start + MAX_PLAINTEXT_PER_FRAME])
+            parts.append(pack(len(ciphertext)))
+            parts.append(ciphertext)
+        return b"".join(parts)
+
+    def decrypt_frame(self, frame: _Bytes) -> bytes:
+        """Decrypt the next frame body (no length prefix). Raises :class:`NoiseError` when
+        it is shorter than its tag, too long, or fails the MAC check (tampered, replayed,
+        reordered); the nonce is then left unchanged."""
+        if not TAG_BYTES <= len(frame) <= MAX_NOISE_FRAME_BYTES:
+            raise NoiseError(f"Noise transport frame of {len(frame)} bytes")
+        return self._receive.decrypt_with_ad(None, frame)
+
+    def receive_data(self, data: _Bytes) -> bytes:
+        """Feed wire bytes split anywhere; return the plaintext of every frame completed.
+
+        Raises :class:`NoiseError` on a bad frame; the stream is then unusable and later
+        calls raise :class:`LocalProtocolError`.
+        """
+        if self._receive_failed:
+            raise LocalProtocolError("the Noise receive stream already failed")
+        try:
+            return self._receive_data(memoryview(data).cast("B"))
+        except Exception:
+            self._receive_failed = True
+            raise
+
+    def _receive_data(self, view: memoryview) -> bytes:
+        out: list[bytes] = []
+        buffer = self._buffer
+        if buffer:  # finish the frame split across calls, copying only its own bytes
+            if len(buffer) < 2:
+                buffer += view[:1]
+                view = view[1:]
+            if len(buffer) >= 2:  # else ``view`` was empty
+                take = 2 + (buffer[0] << 8 | buffer[1]) - len(buffer)
+                buffer += view[:take]
+                if len(view) >= take:
+                    with memoryview(buffer) as body:
+                        out.append(self.decrypt_frame(body[2:]))
+                    buffer.clear()
+                view = view[take:]  # empty when the frame is still incomplete
+        # Whole frames straight from the caller's bytes, without copying them first.
+        decrypt, offset, end_of_data = self.decrypt_frame, 0, len(view)
+        while end_of_data - offset >= 2:
+            end = offset + 2 + (view[offset] << 8 | view[offset + 1])
+            if end > end_of_data:
+                break
+            out.append(decrypt(view[offset + 2 : end]))
+            offset = end
+        if offset < end_of_data:
+            buffer += view[offset:]
+        return b"".join(out)

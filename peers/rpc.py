@@ -1,0 +1,325 @@
+"""RPC over streams: unary and bidirectional-streaming calls with typed messages.
+
+One call is one stream, negotiated with multistream-select under the service's
+protocol id (e.g. ``/swarmtrain/dht/1.0.0``). Every frame is an unsigned-varint length
+and a msgpack array ``[kind, body, ...]``:
+
+- ``[0, message]`` a request or response message (``[0, message, timeout]`` for a
+  call's first request: the seconds the caller will wait, so the handler gets the
+  same deadline);
+- ``[1, type_name, text]`` the handler raised; the call fails with
+  :class:`peers.errors.RemoteError`.
+
+The caller half-closes after its last request; the handler's side half-closes after
+its last response. Cancelling a call (or its deadline expiring) resets the stream, and
+the remote handler's task is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from multiaddr import Multiaddr
+
+from peers.connection import Stream
+from peers.errors import ConnectionClosed, RemoteError, RemoteProtocolError
+from peers.identity import PeerID
+from peers.serialization import MAX_FRAME_BYTES, FrameDecoder, encode_frame, pack, unpack
+from peers.wire import from_wire, to_wire
+
+if TYPE_CHECKING:
+    from peers.host import Peer
+
+logger = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+_KIND_MESSAGE = 0
+_KIND_ERROR = 1
+#: Longest remote error text we keep: enough for a traceback's last line, not a flood.
+MAX_ERROR_MESSAGE_CHARS = 4096
+#: Frames a stream handler may have queued for sending before it waits for the remote
+#: to read: bounds memory while keeping the pipe full.
+_READ_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What a handler knows about the call it serves."""
+
+    remote_peer_id: PeerID
+    protocol: str
+    timeout: float | None
+
+
+class FramedStream:
+    """Reads and writes length-prefixed msgpack frames on a stream, within a frame bound."""
+
+    def __init__(self, stream: Stream, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.stream = stream
+        self._decoder = FrameDecoder(max_frame_bytes)
+        self._frames: list[bytes] = []
+        self._eof = False
+
+    async def read_frame(self) -> list[Any] | None:
+        """The next decoded frame, or ``None`` at a clean end of stream.
+
+        Raises :class:`RemoteProtocolError` for a malformed frame, an oversized one, or
+        a stream that ends in the middle of a frame.
+        """
+        while not self._frames:
+            if self._eof:
+                if not self._decoder.at_frame_boundary():
+                    raise RemoteProtocolError("stream ended in the middle of a frame")
+                return None
+            data = await self.stream.read(_READ_BYTES)
+            if not data:
+                self._eof = True
+                continue
+            self._frames.extend(self._decoder.feed(data))
+        frame = unpack(self._frames.pop(0))
+        if not isinstance(frame, list) or not frame or not isinstance(frame[0], int):
+            raise RemoteProtocolError("an RPC frame must be an array starting with its kind")
+        return frame
+
+    async def write_frame(self, frame: list[Any]) -> None:
+        await self.stream.write(encode_frame(pack(frame)))
+
+
+def _error_frame(error: BaseException) -> list[Any]:
+    return [_KIND_ERROR, type(error).__name__, str(error)[:MAX_ERROR_MESSAGE_CHARS]]
+
+
+def _raise_remote(frame: list[Any]) -> None:
+    if len(frame) >= 3 and isinstance(frame[1], str) and isinstance(frame[2], str):
+        raise RemoteError(frame[1], frame[2][:MAX_ERROR_MESSAGE_CHARS])
+    raise RemoteProtocolError("malformed error frame")
+
+
+def _message_body(frame: list[Any]) -> Any:
+    if frame[0] == _KIND_ERROR:
+        _raise_remote(frame)
+    if frame[0] != _KIND_MESSAGE or len(frame) < 2:
+        raise RemoteProtocolError(f"unexpected RPC frame kind {frame[0]}")
+    return frame[1]
+
+
+async def _serve_guarded(stream: Stream, work: Awaitable[None]) -> None:
+    """Run ``work``, cancelling it as soon as the remote resets the stream."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(stream.wait_failed())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    if not task.cancelled():
+        task.result()
+
+
+def _timeout_of(frame: list[Any]) -> float | None:
+    if len(frame) >= 3 and isinstance(frame[2], int | float) and frame[2] > 0:
+        return float(frame[2])
+    return None
+
+
+# --- serving ----------------------------------------------------------------------
+
+
+def add_unary_handler(
+    peer: Peer,
+    protocol: str,
+    handler: Callable[[Req, CallContext], Awaitable[Resp]],
+    request_type: type[Req],
+    *,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+) -> None:
+    """Serve a unary RPC: one ``request_type`` in, one response out.
+
+    The handler runs with the caller's deadline; if it raises, the caller gets a
+    RemoteError with the exception's type and message; if the caller cancels, the
+    handler is cancelled.
+    """
+
+    async def serve(stream: Stream) -> None:
+        framed = FramedStream(stream, max_frame_bytes)
+
+        async def work() -> None:
+            try:
+                frame = await framed.read_frame()
+                if frame is None:
+                    raise RemoteProtocolError("call ended without a request")
+                request = from_wire(request_type, _message_body(frame))
+                context = CallContext(stream.remote_peer_id, protocol, _timeout_of(frame))
+            except RemoteProtocolError as e:
+                await framed.write_frame(_error_frame(e))
+                await stream.close()
+                return
+            try:
+                async with asyncio.timeout(context.timeout):
+                    response = await handler(request, context)
+                reply = [_KIND_MESSAGE, to_wire(response)]
+            except Exception as e:
+                reply = _error_frame(e)
+            await framed.write_frame(reply)
+            await stream.close()
+
+        await _serve_guarded(stream, work())
+
+    peer.set_stream_handler(protocol, serve)
+
+
+def add_stream_handler(
+    peer: Peer,
+    protocol: str,
+    handler: Callable[[AsyncIterator[Req], CallContext], AsyncIterator[Resp]],
+    request_type: type[Req],
+    *,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+) -> None:
+    """Serve a bidirectional-streaming RPC.
+
+    ``handler(requests, context)`` is an async generator: it reads ``requests`` (an async
+    iterator of decoded ``request_type``) as it likes and yields responses, each sent as
+    soon as it is yielded (waiting for the remote's flow-control window).
+    """
+
+    async def serve(stream: Stream) -> None:
+        framed = FramedStream(stream, max_frame_bytes)
+
+        async def work() -> None:
+            first = await framed.read_frame()
+            context = CallContext(
+                stream.remote_peer_id, protocol, _timeout_of(first) if first else None
+            )
+
+            async def requests() -> AsyncIterator[Req]:
+                frame = first
+                while frame is not None:
+                    yield from_wire(request_type, _message_body(frame))
+                    frame = await framed.read_frame()
+
+            try:
+                async with asyncio.timeout(context.timeout):
+                    async for response in handler(requests(), context):
+                        await framed.write_frame([_KIND_MESSAGE, to_wire(response)])
+            except ConnectionClosed:
+                raise
+            except Exception as e:
+                await framed.write_frame(_error_frame(e))
+            await stream.close()
+
+        await _serve_guarded(stream, work())
+
+    peer.set_stream_handler(protocol, serve)
+
+
+# --- calling ----------------------------------------------------------------------
+
+
+async def call_unary(
+    peer: Peer,
+    remote: PeerID | Multiaddr | str,
+    protocol: str,
+    request: object,
+    response_type: type[Resp],
+    *,
+    timeout: float | None = None,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+) -> Resp:
+    """Call a unary RPC and return the decoded response.
+
+    Raises :class:`RemoteError` if the handler raised, :class:`TimeoutError` when
+    ``timeout`` seconds pass (the remote handler is then cancelled), and the dial and
+    protocol errors of :meth:`Peer.new_stream`. Cancelling the call resets the stream.
+    """
+    async with asyncio.timeout(timeout):
+        stream = await peer.new_stream(remote, protocol)
+        answered = False
+        try:
+            framed = FramedStream(stream, max_frame_bytes)
+            await framed.write_frame([_KIND_MESSAGE, to_wire(request), timeout])
+            await stream.close()
+            frame = await framed.read_frame()
+            answered = True
+            if frame is None:
+                raise RemoteProtocolError("remote closed the call without a response")
+            return from_wire(response_type, _message_body(frame))
+        finally:
+            if not answered:  # timeout, cancellation or a broken stream: stop the handler
+                stream.reset()
+
+
+async def call_stream(
+    peer: Peer,
+    remote: PeerID | Multiaddr | str,
+    protocol: str,
+    requests: AsyncIterable[Any] | Iterable[Any],
+    response_type: type[Resp],
+    *,
+    timeout: float | None = None,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+) -> AsyncIterator[Resp]:
+    """Call a streaming RPC: send ``requests`` while yielding decoded responses.
+
+    Requests are sent by a task owned by this generator; closing the generator early,
+    an error, or ``timeout`` resets the stream and so cancels the remote handler.
+    Raises :class:`RemoteError` if the handler raised.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    async with asyncio.timeout_at(deadline):
+        stream = await peer.new_stream(remote, protocol)
+    framed = FramedStream(stream, max_frame_bytes)
+    sender = asyncio.ensure_future(_send_requests(framed, requests, timeout))
+    finished = False
+    try:
+        while True:
+            async with asyncio.timeout_at(deadline):
+                frame = await framed.read_frame()
+            if frame is None:
+                finished = True
+                break
+            yield from_wire(response_type, _message_body(frame))
+        if sender.done() and not sender.cancelled() and sender.exception() is not None:
+            raise sender.exception()  # type: ignore[misc]
+    finally:
+        if not finished:
+            stream.reset()
+        if not sender.done():
+            sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
+            await sender
+
+
+async def _send_requests(
+    framed: FramedStream, requests: AsyncIterable[Any] | Iterable[Any], timeout: float | None
+) -> None:
+    first = True
+
+    async def send(request: object) -> None:
+        nonlocal first
+        frame = [_KIND_MESSAGE, to_wire(request)]
+        if first:
+            frame.append(timeout)
+            first = False
+        await framed.write_frame(frame)
+
+    if isinstance(requests, AsyncIterable):
+        async for request in requests:
+            await send(request)
+    else:
+        for request in requests:
+            await send(request)
+    await framed.stream.close()

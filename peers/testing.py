@@ -1,0 +1,289 @@
+"""Local multi-process swarms for tests: real peers in real OS processes on 127.0.0.1.
+
+``LocalSwarm`` starts N processes, each a :class:`peers.Peer` that runs a *target*
+coroutine ``async def target(peer, options, report)`` after it starts listening. Each
+process reports JSON lines on its stdout (``ready`` with its PeerID and addresses,
+then whatever the target reports); the test reads them with bounded waits and kills,
+pauses, resumes or terminates processes by PID. Leaving the ``with`` block stops every
+process it started and waits for it, so nothing is left behind.
+
+Run as ``python -m peers.testing --target MODULE:FUNCTION --options JSON``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+#: Seconds a process has to print its ``ready`` line; generous because a loaded 2-core
+#: CI machine may start 30 interpreters at once.
+DEFAULT_STARTUP_TIMEOUT = 60.0
+#: Seconds a process gets to exit after SIGTERM before it is SIGKILLed.
+TERMINATE_GRACE_SECONDS = 5.0
+
+Report = Callable[[dict[str, Any]], None]
+Target = Callable[[Any, dict[str, Any], Report], Awaitable[None]]
+
+
+class SwarmError(Exception):
+    """A local swarm process failed to start, report, or behave."""
+
+
+@dataclass
+class PeerProcess:
+    """One peer process: its PID, PeerID, addresses, and the reports it printed."""
+
+    index: int
+    popen: subprocess.Popen[str]
+    peer_id: str = ""
+    addrs: list[str] = field(default_factory=list)
+    _lines: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
+    _stderr_tail: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def maddr(self) -> str:
+        """The first full multiaddr (with /p2p/ID)."""
+        return self.addrs[0]
+
+    def next_report(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line the process printed; :class:`SwarmError` if none comes in
+        ``timeout`` seconds or the process exits first."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise SwarmError(
+                f"peer {self.index} (pid {self.pid}) reported nothing in {timeout} s"
+            ) from None
+        if line is None:
+            raise SwarmError(
+                f"peer {self.index} (pid {self.pid}) exited with {self.popen.poll()}: "
+                + "".join(self._stderr_tail[-20:])
+            )
+        return line
+
+    def wait_report(self, event: str, timeout: float) -> dict[str, Any]:
+        """The next report whose ``event`` field equals ``event`` (others are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            report = self.next_report(max(0.0, deadline - time.monotonic()))
+            if report.get("event") == event:
+                return report
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class LocalSwarm:
+    """Start, kill, pause and tear down local peer processes. Use as a context manager."""
+
+    def __init__(self, *, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT) -> None:
+        self.startup_timeout = startup_timeout
+        self.processes: list[PeerProcess] = []
+
+    def start(
+        self,
+        num_peers: int,
+        *,
+        target: str = "peers.testing:serve_forever",
+        options: dict[str, Any] | None = None,
+        per_peer_options: list[dict[str, Any]] | None = None,
+    ) -> list[PeerProcess]:
+        """Start ``num_peers`` processes at once and wait until each is listening.
+
+        ``options`` go to every target; ``per_peer_options[i]`` are merged in for the
+        i-th. Raises :class:`SwarmError` if one does not start in time.
+        """
+        started: list[PeerProcess] = []
+        for i in range(num_peers):
+            merged = dict(options or {})
+            if per_peer_options is not None:
+                merged.update(per_peer_options[i])
+            started.append(self._spawn(target, merged))
+        for proc in started:
+            ready = proc.wait_report("ready", self.startup_timeout)
+            proc.peer_id = ready["peer_id"]
+            proc.addrs = list(ready["addrs"])
+        return started
+
+    def _spawn(self, target: str, options: dict[str, Any]) -> PeerProcess:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        popen = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "peers.testing",
+                "--target",
+                target,
+                "--options",
+                json.dumps(options),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        proc = PeerProcess(index=len(self.processes), popen=popen)
+        self.processes.append(proc)
+        threading.Thread(target=_pump_stdout, args=(proc,), daemon=True).start()
+        threading.Thread(target=_pump_stderr, args=(proc,), daemon=True).start()
+        return proc
+
+    def kill(self, proc: PeerProcess) -> None:
+        """SIGKILL: the peer vanishes without a word, as a crashed laptop would."""
+        if proc.alive:
+            proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait(TERMINATE_GRACE_SECONDS)
+
+    def pause(self, proc: PeerProcess) -> None:
+        """SIGSTOP: the peer stays connected but answers nothing."""
+        proc.popen.send_signal(signal.SIGSTOP)
+
+    def resume(self, proc: PeerProcess) -> None:
+        proc.popen.send_signal(signal.SIGCONT)
+
+    def terminate(self, proc: PeerProcess) -> int:
+        """SIGTERM, then SIGKILL after a grace period; returns the exit code."""
+        if proc.alive:
+            proc.popen.send_signal(signal.SIGCONT)
+            proc.popen.send_signal(signal.SIGTERM)
+            try:
+                return proc.popen.wait(TERMINATE_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+        return proc.popen.wait(TERMINATE_GRACE_SECONDS)
+
+    def close(self) -> None:
+        for proc in self.processes:
+            if proc.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.popen.send_signal(signal.SIGCONT)
+                    proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+        for proc in self.processes:
+            try:
+                proc.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+            for pipe in (proc.popen.stdout, proc.popen.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _pump_stdout(proc: PeerProcess) -> None:
+    assert proc.popen.stdout is not None
+    with contextlib.suppress(ValueError, OSError):
+        for line in proc.popen.stdout:
+            line = line.strip()
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    proc._lines.put(json.loads(line))
+    proc._lines.put(None)
+
+
+def _pump_stderr(proc: PeerProcess) -> None:
+    assert proc.popen.stderr is not None
+    with contextlib.suppress(ValueError, OSError):
+        for line in proc.popen.stderr:
+            proc._stderr_tail.append(line)
+            del proc._stderr_tail[:-200]
+
+
+# --- the child side ---------------------------------------------------------------
+
+
+async def serve_forever(peer: Any, options: dict[str, Any], report: Report) -> None:
+    """The default target: connect to ``options["bootstrap"]`` if given, then just serve."""
+    for addr in options.get("bootstrap", []):
+        await peer.connect(addr)
+    report({"event": "connected"})
+
+
+def _report(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+async def _child_main(target: Target, options: dict[str, Any]) -> None:
+    from peers.host import Peer, PeerConfig
+    from peers.identity import KeyPair
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    identity = KeyPair.from_seed(bytes.fromhex(options["seed"])) if "seed" in options else None
+    config = PeerConfig(
+        identity=identity, listen_addrs=tuple(options.get("listen", ["/ip4/127.0.0.1/tcp/0"]))
+    )
+    async with Peer(config) as peer:
+        _report(
+            {
+                "event": "ready",
+                "peer_id": str(peer.peer_id),
+                "addrs": [str(a) for a in peer.listen_addrs],
+                "pid": os.getpid(),
+            }
+        )
+        task = asyncio.ensure_future(target(peer, options, _report))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            if task.exception() is not None:
+                _report({"event": "error", "error": repr(task.exception())})
+            else:
+                _report({"event": "done"})
+            if not options.get("exit_when_done"):
+                await stopper
+        task.cancel()
+        stopper.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m peers.testing")
+    parser.add_argument("--target", default="peers.testing:serve_forever")
+    parser.add_argument("--options", default="{}")
+    args = parser.parse_args()
+    module_name, _, function_name = args.target.partition(":")
+    target = getattr(importlib.import_module(module_name), function_name)
+    from peers.runtime import run
+
+    run(_child_main(target, json.loads(args.options)))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,533 @@
+"""The yamux 1.0 session protocol as a pure state machine: no I/O, no clock.
+
+Follows hashicorp/yamux spec.md ("Framing", "Message Flow", "Flow Control", "Session
+termination") and the behaviour of go-yamux as go-libp2p runs it under the protocol id
+``/yamux/1.0.0``. Bytes from the wire go into :meth:`YamuxSession.receive_data`, which returns
+events; bytes for the wire come out of :meth:`YamuxSession.data_to_send`. The caller moves the
+bytes and enforces deadlines.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from peers.errors import LocalProtocolError, PeersError, RemoteProtocolError
+
+YAMUX_PROTOCOL_ID = "/yamux/1.0.0"
+
+# spec.md "Flow Control": every stream starts with a 256 KiB window in both directions.
+INITIAL_WINDOW_BYTES = 256 * 1024
+# Streams the remote may have open at once on one session (and, counted apart, we may): far
+# more than one pair of peers needs for RPCs plus bulk transfers, yet it bounds the state a
+# remote can make us keep. Extra SYNs are refused with RST, as go-yamux does.
+MAX_STREAMS = 512
+# Largest receive window one stream may grow to: go-yamux's (and go-libp2p's) default
+# MaxStreamWindowSize; it keeps ~1 Gbit/s flowing at 130 ms RTT.
+MAX_WINDOW_BYTES = 16 * 1024 * 1024
+# Window growth beyond the initial windows, summed over all streams of one session. Without
+# it a remote could make the application buffer MAX_STREAMS * MAX_WINDOW_BYTES (8 GiB); with
+# it, at most MAX_STREAMS * INITIAL_WINDOW_BYTES + this. Four streams at full size fit.
+MAX_WINDOW_GROWTH_BYTES = 64 * 1024 * 1024
+# Payload of one outgoing Data frame: go-yamux's MaxMessageSize (64 KiB with the header), so
+# a bulk stream never holds the wire long enough to delay other streams' small frames.
+MAX_FRAME_PAYLOAD_BYTES = 64 * 1024 - 12
+# Closed remote stream ids we remember to catch a reused id. go-yamux takes an id before it
+# sends the SYN, so two openers' SYNs may cross and "ids only grow" would misfire; an id
+# reused after this many closes is merely a new stream, which max_streams still bounds.
+MAX_REMEMBERED_CLOSED_IDS = 1024
+
+# spec.md "Session termination": go-away codes.
+GO_AWAY_NORMAL = 0
+GO_AWAY_PROTOCOL_ERROR = 1
+GO_AWAY_INTERNAL_ERROR = 2
+
+# spec.md "Framing": version, type, flags, stream id, length; all big endian.
+_HEADER = struct.Struct(">BBHII")
+_HEADER_SIZE = _HEADER.size
+_VERSION = 0
+_DATA, _WINDOW_UPDATE, _PING, _GO_AWAY = 0, 1, 2, 3
+_SYN, _ACK, _FIN, _RST = 1, 2, 4, 8
+_MAX_U32 = 0xFFFF_FFFF
+
+
+class YamuxError(PeersError):
+    """Base of all yamux errors."""
+
+
+class YamuxProtocolError(YamuxError, RemoteProtocolError):
+    """The remote broke the protocol; the session is dead and a go-away is queued."""
+
+
+class YamuxStreamError(YamuxError, LocalProtocolError):
+    """Local misuse: an unknown or closed stream, or a session that is already dead."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpened:  # The remote opened a stream (SYN); we have already queued its ACK.
+    stream_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class DataReceived:  # Stream payload; acknowledge_received its length once consumed.
+    stream_id: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnded:  # The remote half-closed the stream (FIN): it will send no more data.
+    stream_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReset:  # The remote reset the stream (RST); it is forgotten.
+    stream_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendWindowUpdated:  # The remote granted more send window on the stream.
+    stream_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRejected:  # We refused a remote SYN (stream bound, or our go-away); RST is queued.
+    stream_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PingReceived:  # The remote pinged us; the pong is already queued.
+    opaque: int
+
+
+@dataclass(frozen=True, slots=True)
+class PongReceived:  # The remote answered one of our pings.
+    opaque: int
+
+
+@dataclass(frozen=True, slots=True)
+class GoAwayReceived:  # The remote will accept no new streams; code is one of GO_AWAY_*.
+    code: int
+
+
+YamuxEvent: TypeAlias = (
+    StreamOpened
+    | DataReceived
+    | StreamEnded
+    | StreamReset
+    | SendWindowUpdated
+    | StreamRejected
+    | PingReceived
+    | PongReceived
+    | GoAwayReceived
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class YamuxStatistics:
+    """A snapshot of one session's counters."""
+
+    num_open_streams: int
+    num_inbound_streams: int
+    num_outbound_streams: int
+    num_streams_rejected: int
+    num_data_bytes_sent: int
+    num_data_bytes_received: int
+    num_wire_bytes_sent: int
+    num_wire_bytes_received: int
+    window_growth_bytes: int
+
+
+@dataclass(slots=True)
+class _Stream:
+    stream_id: int
+    is_inbound: bool
+    send_window: int = INITIAL_WINDOW_BYTES
+    recv_window: int = INITIAL_WINDOW_BYTES  # the window size we grant now
+    recv_credit: int = INITIAL_WINDOW_BYTES  # bytes the remote may still send
+    num_unconsumed: int = 0  # announced by Data headers, not yet acknowledged by the app
+    num_consumed_since_growth: int = 0
+    local_closed: bool = False
+    remote_closed: bool = False
+
+
+def _check_u32(name: str, value: int) -> None:
+    if not 0 <= value <= _MAX_U32:
+        raise ValueError(f"{name} must fit in 32 bits unsigned, got {value}")
+
+
+class YamuxSession:
+    """One side of a yamux session. ``is_client`` is True on the connection's dialer."""
+
+    def __init__(
+        self,
+        *,
+        is_client: bool,
+        max_streams: int = MAX_STREAMS,
+        max_window_bytes: int = MAX_WINDOW_BYTES,
+        max_window_growth_bytes: int = MAX_WINDOW_GROWTH_BYTES,
+    ) -> None:
+        """Raises ValueError on a bound that makes no sense."""
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be at least 1, got {max_streams}")
+        if not INITIAL_WINDOW_BYTES <= max_window_bytes <= _MAX_U32:
+            raise ValueError(
+                f"max_window_bytes must be in [256 KiB, 4 GiB), got {max_window_bytes}"
+            )
+        if max_window_growth_bytes < 0:
+            raise ValueError(f"max_window_growth_bytes must be >= 0, got {max_window_growth_bytes}")
+        self.is_client = is_client
+        self._max_streams = max_streams
+        self._max_window_bytes = max_window_bytes
+        self._max_window_growth_bytes = max_window_growth_bytes
+        self._streams: dict[int, _Stream] = {}
+        self._next_id = 1 if is_client else 2  # spec.md "StreamID Field": client odd, server even
+        self._remote_parity = 0 if is_client else 1
+        self._highest_remote_id = 0
+        self._closed_remote_ids: set[int] = set()
+        self._closed_remote_order: deque[int] = deque()
+        self._num_inbound = 0
+        self._num_outbound = 0
+        self._window_growth_bytes = 0
+        self._out: list[bytes] = []
+        self._header_buf = bytearray()
+        self._body_stream: _Stream | None = None  # None while a body is being discarded
+        self._body_remaining = 0
+        self._body_flags = 0
+        self._local_go_away = False
+        self._remote_go_away = False
+        self._failed = False
+        self._num_streams_rejected = 0
+        self._num_data_bytes_sent = 0
+        self._num_data_bytes_received = 0
+        self._num_wire_bytes_sent = 0
+        self._num_wire_bytes_received = 0
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> list[YamuxEvent]:
+        """Feed bytes from the wire, split anywhere; return the events they complete, in order.
+
+        Raises YamuxProtocolError if the remote broke the protocol: the session is then dead,
+        and data_to_send() ends with a go-away carrying GO_AWAY_PROTOCOL_ERROR. Raises
+        YamuxStreamError if the session is already dead.
+        """
+        self._check_alive()
+        events: list[YamuxEvent] = []
+        view = memoryview(data).cast("B")
+        pos, end = 0, len(view)
+        self._num_wire_bytes_received += end
+        try:
+            while pos < end:
+                if self._body_remaining:
+                    take = min(self._body_remaining, end - pos)
+                    self._on_body(view[pos : pos + take], events)
+                    pos += take
+                elif self._header_buf or end - pos < _HEADER_SIZE:
+                    take = min(_HEADER_SIZE - len(self._header_buf), end - pos)
+                    self._header_buf += view[pos : pos + take]
+                    pos += take
+                    if len(self._header_buf) == _HEADER_SIZE:
+                        header = _HEADER.unpack(self._header_buf)
+                        self._header_buf.clear()
+                        self._on_header(header, events)
+                else:
+                    self._on_header(_HEADER.unpack_from(view, pos), events)
+                    pos += _HEADER_SIZE
+        except YamuxProtocolError:
+            self._fail()
+            raise
+        return events
+
+    def _on_header(self, header: tuple[int, int, int, int, int], events: list[YamuxEvent]) -> None:
+        version, kind, flags, stream_id, length = header
+        if version != _VERSION:
+            raise YamuxProtocolError(f"remote sent yamux version {version}; we speak {_VERSION}")
+        if kind == _DATA or kind == _WINDOW_UPDATE:
+            self._on_stream_frame(kind == _DATA, flags, stream_id, length, events)
+        elif kind == _PING or kind == _GO_AWAY:
+            if stream_id != 0:  # spec.md: "Both Ping and Go Away messages should always use 0"
+                raise YamuxProtocolError(f"remote sent ping or go-away on stream {stream_id}")
+            if kind == _GO_AWAY:
+                self._remote_go_away = True
+                events.append(GoAwayReceived(length))
+            elif flags & _SYN:  # spec.md: SYN marks a ping, ACK its answer
+                self._queue(_PING, _ACK, 0, length)
+                events.append(PingReceived(length))
+            else:
+                events.append(PongReceived(length))
+        else:
+            raise YamuxProtocolError(f"remote sent unknown frame type {kind}")
+
+    def _on_stream_frame(
+        self, is_data: bool, flags: int, stream_id: int, length: int, events: list[YamuxEvent]
+    ) -> None:
+        if stream_id == 0:
+            raise YamuxProtocolError("remote sent a data or window update frame on stream 0")
+        stream = self._streams.get(stream_id)
+        if flags & _SYN:
+            stream = self._on_syn(stream_id, events)
+        elif stream is None and not self._was_used(stream_id):
+            raise YamuxProtocolError(f"remote sent a frame for stream {stream_id}, never opened")
+        if stream is None:  # rejected, or reset/closed earlier: a race, not an error
+            self._discard(length if is_data else 0)
+            return
+        if flags & _RST:
+            self._forget(stream)
+            events.append(StreamReset(stream_id))
+            self._discard(length if is_data else 0)
+            return
+        if is_data and length:
+            if stream.remote_closed:
+                raise YamuxProtocolError(f"remote sent data on stream {stream_id} after its FIN")
+            if length > stream.recv_credit:  # checked before any of the body is taken in
+                raise YamuxProtocolError(
+                    f"remote sent {length} bytes on stream {stream_id} with a window of "
+                    f"{stream.recv_credit}"
+                )
+            stream.recv_credit -= length
+            stream.num_unconsumed += length
+            self._body_stream, self._body_remaining, self._body_flags = stream, length, flags
+            return  # FIN, if any, takes effect once the body is in
+        if not is_data and length:
+            stream.send_window += length
+            if stream.send_window > _MAX_U32:  # go-yamux keeps windows in a uint32
+                raise YamuxProtocolError(f"remote overflowed the send window of stream {stream_id}")
+            if not stream.local_closed:
+                events.append(SendWindowUpdated(stream_id))
+        self._apply_fin(stream, flags, events)
+
+    def _on_body(self, chunk: memoryview, events: list[YamuxEvent]) -> None:
+        self._body_remaining -= len(chunk)
+        stream = self._body_stream
+        if stream is None:
+            return
+        self._num_data_bytes_received += len(chunk)
+        events.append(DataReceived(stream.stream_id, chunk.tobytes()))
+        if not self._body_remaining:
+            self._body_stream = None
+            self._apply_fin(stream, self._body_flags, events)
+
+    def _on_syn(self, stream_id: int, events: list[YamuxEvent]) -> _Stream | None:
+        if stream_id & 1 != self._remote_parity:
+            raise YamuxProtocolError(f"remote opened stream {stream_id}, which has our parity")
+        if stream_id in self._streams or stream_id in self._closed_remote_ids:
+            raise YamuxProtocolError(f"remote reused stream id {stream_id}")
+        self._highest_remote_id = max(self._highest_remote_id, stream_id)
+        if self._num_inbound >= self._max_streams or self._local_go_away:
+            self._queue(_WINDOW_UPDATE, _RST, stream_id, 0)
+            self._remember_closed(stream_id)
+            self._num_streams_rejected += 1
+            events.append(StreamRejected(stream_id))
+            return None
+        stream = _Stream(stream_id, is_inbound=True)
+        self._streams[stream_id] = stream
+        self._num_inbound += 1
+        self._queue(_WINDOW_UPDATE, _ACK, stream_id, 0)  # go-yamux ACKs with a window update
+        events.append(StreamOpened(stream_id))
+        return stream
+
+    def _apply_fin(self, stream: _Stream, flags: int, events: list[YamuxEvent]) -> None:
+        if flags & _FIN and not stream.remote_closed:
+            stream.remote_closed = True
+            events.append(StreamEnded(stream.stream_id))
+            if stream.local_closed:
+                self._forget(stream)
+
+    def _was_used(self, stream_id: int) -> bool:
+        if stream_id & 1 == self._remote_parity:
+            return stream_id <= self._highest_remote_id
+        return stream_id < self._next_id
+
+    def _discard(self, length: int) -> None:
+        # Skipped as it arrives, never buffered, so its length needs no bound.
+        self._body_stream, self._body_remaining = None, length
+
+    def data_to_send(self) -> bytes:
+        """Return and clear every byte queued for the wire."""
+        out = b"".join(self._out)
+        self._out.clear()
+        self._num_wire_bytes_sent += len(out)
+        return out
+
+    def open_stream(self) -> int:
+        """Queue a SYN for a new stream and return its id; data may follow at once.
+
+        Raises YamuxStreamError after either side's go-away, past max_streams outbound
+        streams, when stream ids run out, or when the session is dead.
+        """
+        self._check_alive()
+        if self._local_go_away or self._remote_go_away:
+            raise YamuxStreamError("cannot open a stream: a go-away was sent or received")
+        if self._num_outbound >= self._max_streams:
+            raise YamuxStreamError(f"cannot open more than {self._max_streams} streams")
+        if self._next_id > _MAX_U32:
+            raise YamuxStreamError("stream ids are exhausted; open a new connection")
+        stream_id = self._next_id
+        self._next_id += 2
+        self._streams[stream_id] = _Stream(stream_id, is_inbound=False)
+        self._num_outbound += 1
+        self._queue(_WINDOW_UPDATE, _SYN, stream_id, 0)  # as go-yamux does
+        return stream_id
+
+    def send_data(self, stream_id: int, data: bytes | bytearray | memoryview) -> int:
+        """Queue as much of ``data`` as the send window allows; return how many bytes.
+
+        Returns 0 when the window is empty: wait for SendWindowUpdated. Raises
+        YamuxStreamError if the stream is unknown, reset, or closed by us.
+        """
+        stream = self._get(stream_id)
+        if stream.local_closed:
+            raise YamuxStreamError(f"stream {stream_id} is closed for sending")
+        view = memoryview(data).cast("B")
+        num_bytes = min(len(view), stream.send_window)
+        for start in range(0, num_bytes, MAX_FRAME_PAYLOAD_BYTES):
+            chunk = view[start : min(start + MAX_FRAME_PAYLOAD_BYTES, num_bytes)]
+            self._out.append(_HEADER.pack(_VERSION, _DATA, 0, stream_id, len(chunk)))
+            self._out.append(chunk.tobytes())
+        stream.send_window -= num_bytes
+        self._num_data_bytes_sent += num_bytes
+        return num_bytes
+
+    def send_window(self, stream_id: int) -> int:
+        """Bytes we may send now on the stream. Raises YamuxStreamError if it is unknown."""
+        return self._get(stream_id).send_window
+
+    def acknowledge_received(self, stream_id: int, num_bytes: int) -> None:
+        """Say the application consumed ``num_bytes`` of the stream's data.
+
+        Once half the window is consumed, queues a window update. A stream that keeps
+        draining whole windows has its window doubled, up to max_window_bytes and within the
+        session's growth budget (a clockless stand-in for go-yamux's RTT-based tuning). A
+        forgotten stream is ignored. Raises YamuxStreamError if more is acknowledged than
+        was received.
+        """
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        if num_bytes > stream.num_unconsumed:
+            raise YamuxStreamError(
+                f"acknowledged {num_bytes} bytes on stream {stream_id}, only "
+                f"{stream.num_unconsumed} unacknowledged"
+            )
+        stream.num_unconsumed -= num_bytes
+        stream.num_consumed_since_growth += num_bytes
+        if stream.remote_closed:
+            return
+        delta = stream.recv_window - stream.recv_credit - stream.num_unconsumed
+        if delta < stream.recv_window // 2:
+            return
+        if stream.num_consumed_since_growth >= stream.recv_window:
+            growth = min(
+                stream.recv_window,
+                self._max_window_bytes - stream.recv_window,
+                self._max_window_growth_bytes - self._window_growth_bytes,
+            )
+            if growth > 0:
+                stream.recv_window += growth
+                self._window_growth_bytes += growth
+                delta += growth
+            stream.num_consumed_since_growth = 0
+        stream.recv_credit += delta
+        self._queue(_WINDOW_UPDATE, 0, stream_id, delta)
+
+    def close_stream(self, stream_id: int) -> None:
+        """Half-close: queue FIN. Idempotent. Raises YamuxStreamError if it is unknown."""
+        stream = self._get(stream_id)
+        if stream.local_closed:
+            return
+        stream.local_closed = True
+        self._queue(_WINDOW_UPDATE, _FIN, stream_id, 0)
+        if stream.remote_closed:
+            self._forget(stream)
+
+    def reset_stream(self, stream_id: int) -> None:
+        """Queue RST and forget the stream. A no-op if it is already forgotten."""
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            self._queue(_WINDOW_UPDATE, _RST, stream_id, 0)
+            self._forget(stream)
+
+    def ping(self, opaque: int) -> None:
+        """Queue a ping; the remote echoes ``opaque`` (PongReceived). Raises ValueError."""
+        self._check_alive()
+        _check_u32("opaque", opaque)
+        self._queue(_PING, _SYN, 0, opaque)
+
+    def go_away(self, code: int = GO_AWAY_NORMAL) -> None:
+        """Queue a go-away: we accept no new streams. Open streams carry on. Idempotent."""
+        _check_u32("code", code)
+        if not self._local_go_away:
+            self._local_go_away = True
+            self._queue(_GO_AWAY, 0, 0, code)
+
+    @property
+    def is_closed(self) -> bool:
+        """True after a protocol error, or once a go-away went either way and no streams remain."""
+        go_away = self._local_go_away or self._remote_go_away
+        return self._failed or (go_away and not self._streams)
+
+    @property
+    def remote_went_away(self) -> bool:
+        """True once the remote sent go-away: open_stream will fail."""
+        return self._remote_go_away
+
+    def stream_ids(self) -> tuple[int, ...]:
+        """Ids of the streams not yet forgotten (not reset, not closed both ways)."""
+        return tuple(self._streams)
+
+    def statistics(self) -> YamuxStatistics:
+        return YamuxStatistics(
+            num_open_streams=len(self._streams),
+            num_inbound_streams=self._num_inbound,
+            num_outbound_streams=self._num_outbound,
+            num_streams_rejected=self._num_streams_rejected,
+            num_data_bytes_sent=self._num_data_bytes_sent,
+            num_data_bytes_received=self._num_data_bytes_received,
+            num_wire_bytes_sent=self._num_wire_bytes_sent,
+            num_wire_bytes_received=self._num_wire_bytes_received,
+            window_growth_bytes=self._window_growth_bytes,
+        )
+
+    def _queue(self, kind: int, flags: int, stream_id: int, length: int) -> None:
+        self._out.append(_HEADER.pack(_VERSION, kind, flags, stream_id, length))
+
+    def _get(self, stream_id: int) -> _Stream:
+        self._check_alive()
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            raise YamuxStreamError(
+                f"stream {stream_id} is not open (never opened, reset, or closed)"
+            )
+        return stream
+
+    def _check_alive(self) -> None:
+        if self._failed:
+            raise YamuxStreamError("the session is dead after a remote protocol error")
+
+    def _forget(self, stream: _Stream) -> None:
+        del self._streams[stream.stream_id]
+        if stream.is_inbound:
+            self._num_inbound -= 1
+            self._remember_closed(stream.stream_id)
+        else:
+            self._num_outbound -= 1
+        self._window_growth_bytes -= stream.recv_window - INITIAL_WINDOW_BYTES
+        if self._body_stream is stream:  # reset locally mid-frame: drop the rest of the body
+            self._body_stream = None
+
+    def _remember_closed(self, stream_id: int) -> None:
+        if len(self._closed_remote_order) == MAX_REMEMBERED_CLOSED_IDS:
+            self._closed_remote_ids.discard(self._closed_remote_order.popleft())
+        self._closed_remote_order.append(stream_id)
+        self._closed_remote_ids.add(stream_id)
+
+    def _fail(self) -> None:
+        self._failed = True
+        self._local_go_away = True
+        self._queue(_GO_AWAY, 0, 0, GO_AWAY_PROTOCOL_ERROR)
+        self._streams.clear()
+        self._num_inbound = self._num_outbound = self._window_growth_bytes = 0
+        self._body_stream, self._body_remaining = None, 0
+        self._header_buf.clear()

@@ -1,0 +1,419 @@
+"""Tests of the Noise XX handshake and transport state machines (no network, no loop)."""
+
+from __future__ import annotations
+
+import array
+import os
+import random
+from collections.abc import Callable
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from peers.errors import HandshakeError, IdentityError, LocalProtocolError, PeerIDMismatch
+from peers.identity import KeyPair, PeerID
+from peers.noise import (
+    MAX_NOISE_FRAME_BYTES,
+    MAX_PLAINTEXT_PER_FRAME,
+    NOISE_PROTOCOL_ID,
+    STATIC_KEY_SIGNATURE_PREFIX,
+    CipherState,
+    NoiseError,
+    NoiseHandshake,
+    NoiseTransport,
+    XXHandshakeState,
+)
+from peers.protobuf import encode_fields
+
+
+def body(message: bytes) -> bytes:
+    """Strip and check the 2-byte big-endian length prefix of one handshake message."""
+    assert int.from_bytes(message[:2], "big") == len(message) - 2
+    return message[2:]
+
+
+def make_pair(
+    expected: PeerID | None = None,
+) -> tuple[NoiseHandshake, NoiseHandshake, KeyPair, KeyPair]:
+    dialer, listener = KeyPair.generate(), KeyPair.generate()
+    initiator = NoiseHandshake(initiator=True, identity=dialer, expected_peer_id=expected)
+    responder = NoiseHandshake(initiator=False, identity=listener)
+    return initiator, responder, dialer, listener
+
+
+def handshake(
+    initiator: NoiseHandshake, responder: NoiseHandshake
+) -> tuple[NoiseTransport, NoiseTransport]:
+    responder.read_message(body(initiator.write_message()))
+    initiator.read_message(body(responder.write_message()))
+    responder.read_message(body(initiator.write_message()))
+    return initiator.to_transport(), responder.to_transport()
+
+
+def transports() -> tuple[NoiseTransport, NoiseTransport]:
+    initiator, responder, _, _ = make_pair()
+    return handshake(initiator, responder)
+
+
+def test_protocol_constants() -> None:
+    assert NOISE_PROTOCOL_ID == "/noise"
+    assert MAX_NOISE_FRAME_BYTES == 65535
+    assert MAX_PLAINTEXT_PER_FRAME == 65535 - 16
+
+
+def test_handshake_authenticates_both_sides() -> None:
+    dialer, listener = KeyPair.generate(), KeyPair.generate()
+    initiator = NoiseHandshake(initiator=True, identity=dialer, expected_peer_id=listener.peer_id)
+    responder = NoiseHandshake(initiator=False, identity=listener)
+    assert initiator.our_turn and not responder.our_turn
+
+    message1 = body(initiator.write_message())
+    assert len(message1) == 32  # -> e, with an empty payload
+    assert not initiator.our_turn
+    responder.read_message(message1)
+    assert responder.our_turn
+
+    message2 = responder.write_message()
+    initiator.read_message(body(message2))
+    assert initiator.remote_peer_id == listener.peer_id  # known before message 3
+    assert initiator.remote_public_key == listener.public_key
+    assert not initiator.is_complete and initiator.our_turn
+
+    responder.read_message(body(initiator.write_message()))
+    assert initiator.is_complete and responder.is_complete
+    assert not initiator.our_turn and not responder.our_turn
+    assert responder.remote_peer_id == dialer.peer_id
+    assert responder.remote_public_key == dialer.public_key
+
+
+def test_transport_round_trip_both_ways() -> None:
+    seed = int.from_bytes(os.urandom(4), "big")
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    a, b = transports()
+    big = rng.randbytes(3 * MAX_PLAINTEXT_PER_FRAME + 12345)
+    assert b.receive_data(a.encrypt(big)) == big
+    assert a.receive_data(b.encrypt(big)) == big
+    assert a.encrypt(b"") == b"" and b.receive_data(a.encrypt(b"")) == b""
+    assert a.receive_data(b"") == b""
+    for sender, receiver in ((a, b), (b, a)):
+        messages = [rng.randbytes(rng.randrange(0, 3000)) for _ in range(20)]
+        wire = b"".join(sender.encrypt(m) for m in messages)
+        received = bytearray()
+        offset = 0
+        while offset < len(wire):  # random splits, including inside length prefixes
+            step = rng.choice((1, 2, 3, rng.randrange(1, 5000)))
+            received += receiver.receive_data(wire[offset : offset + step])
+            offset += step
+        assert bytes(received) == b"".join(messages), f"seed={seed}"
+
+
+def test_transport_fed_byte_by_byte() -> None:
+    a, b = transports()
+    data = os.urandom(70_000)  # two frames
+    wire = a.encrypt(data) + a.encrypt(b"tail")
+    out = b"".join(b.receive_data(wire[i : i + 1]) for i in range(len(wire)))
+    assert out == data + b"tail"
+
+
+def test_frame_sizes_and_buffer_types() -> None:
+    a, b = transports()
+    one = a.encrypt(bytes(MAX_PLAINTEXT_PER_FRAME))
+    assert len(one) == 2 + MAX_NOISE_FRAME_BYTES and one[:2] == b"\xff\xff"
+    two = a.encrypt(bytearray(MAX_PLAINTEXT_PER_FRAME + 1))
+    assert len(two) == 2 + MAX_NOISE_FRAME_BYTES + 2 + 1 + 16
+    assert b.receive_data(one + two) == bytes(2 * MAX_PLAINTEXT_PER_FRAME + 1)
+    floats = array.array("f", [1.0, 2.5, -3.0])
+    assert b.receive_data(a.encrypt(memoryview(floats))) == floats.tobytes()
+
+
+def test_empty_frame_from_another_implementation_is_accepted() -> None:
+    k1, k2 = os.urandom(32), os.urandom(32)
+    receiver = NoiseTransport(send=CipherState(k2), receive=CipherState(k1))
+    empty = CipherState(k1).encrypt_with_ad(None, b"")
+    assert len(empty) == 16
+    assert receiver.receive_data(b"\x00\x10" + empty) == b""
+
+
+def test_expected_peer_id_mismatch() -> None:
+    initiator, responder, _, _ = make_pair(expected=KeyPair.generate().peer_id)
+    responder.read_message(body(initiator.write_message()))
+    with pytest.raises(PeerIDMismatch):
+        initiator.read_message(body(responder.write_message()))
+    assert not initiator.is_complete and not initiator.our_turn
+    with pytest.raises(LocalProtocolError):
+        initiator.write_message()
+
+
+@pytest.mark.parametrize("position", [0, 31, 32, 79, 80, 100, -17, -1])
+def test_tampered_message_2(position: int) -> None:
+    initiator, responder, _, _ = make_pair()
+    responder.read_message(body(initiator.write_message()))
+    message = bytearray(body(responder.write_message()))
+    message[position] ^= 0x01
+    with pytest.raises(NoiseError):
+        initiator.read_message(bytes(message))
+    with pytest.raises(LocalProtocolError):  # a failed handshake stays failed
+        initiator.write_message()
+
+
+@pytest.mark.parametrize("position", [0, 47, 48, 60, -1])
+def test_tampered_message_3(position: int) -> None:
+    initiator, responder, _, _ = make_pair()
+    responder.read_message(body(initiator.write_message()))
+    initiator.read_message(body(responder.write_message()))
+    message = bytearray(body(initiator.write_message()))
+    message[position] ^= 0x80
+    with pytest.raises(NoiseError):
+        responder.read_message(bytes(message))
+    assert not responder.is_complete
+    with pytest.raises(LocalProtocolError):
+        responder.remote_peer_id  # noqa: B018
+
+
+def crafted_message_2(make_payload: Callable[[bytes], bytes]) -> tuple[NoiseHandshake, bytes]:
+    """An initiator after message 1, and a message 2 whose payload ``make_payload(s)``
+    builds from the responder's static key."""
+    initiator = NoiseHandshake(initiator=True, identity=KeyPair.generate())
+    responder = XXHandshakeState(
+        initiator=False, s=X25519PrivateKey.generate(), e=X25519PrivateKey.generate()
+    )
+    responder.read_message(body(initiator.write_message()))
+    return initiator, responder.write_message(make_payload(responder.static_public))
+
+
+def test_signature_by_another_identity_key_is_rejected() -> None:
+    claimed, signer = KeyPair.generate(), KeyPair.generate()
+
+    def payload(static: bytes) -> bytes:
+        signature = signer.sign(STATIC_KEY_SIGNATURE_PREFIX + static)
+        return encode_fields([(1, claimed.public_key.to_protobuf()), (2, signature)])
+
+    initiator, message = crafted_message_2(payload)
+    with pytest.raises(NoiseError, match="signature"):
+        initiator.read_message(message)
+
+
+def test_signature_of_another_static_key_is_rejected() -> None:
+    identity = KeyPair.generate()
+
+    def payload(static: bytes) -> bytes:
+        signature = identity.sign(STATIC_KEY_SIGNATURE_PREFIX + bytes(32))
+        return encode_fields([(1, identity.public_key.to_protobuf()), (2, signature)])
+
+    initiator, message = crafted_message_2(payload)
+    with pytest.raises(NoiseError):
+        initiator.read_message(message)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"\xff\xff\xff", encode_fields([(1, b"\x08\x01")]), encode_fields([(2, bytes(64))])],
+    ids=["empty", "garbage", "bad-key-no-sig", "sig-only"],
+)
+def test_malformed_payload_is_rejected(payload: bytes) -> None:
+    initiator, message = crafted_message_2(lambda static: payload)
+    with pytest.raises(NoiseError):
+        initiator.read_message(message)
+
+
+def test_unknown_payload_fields_and_extensions_are_ignored() -> None:
+    identity = KeyPair.generate()
+    extensions = encode_fields([(1, b"certhash"), (2, b"/yamux/1.0.0")])
+
+    def payload(static: bytes) -> bytes:
+        signature = identity.sign(STATIC_KEY_SIGNATURE_PREFIX + static)
+        return encode_fields(
+            [(1, identity.public_key.to_protobuf()), (2, signature), (3, b"old"), (4, extensions)]
+        )
+
+    initiator, message = crafted_message_2(payload)
+    initiator.read_message(message)
+    assert initiator.remote_peer_id == identity.peer_id
+
+
+def advance(index: int) -> tuple[NoiseHandshake, NoiseHandshake]:
+    """A fresh (writer, reader) pair about to exchange handshake message ``index + 1``."""
+    initiator, responder, _, _ = make_pair()
+    writer, reader = initiator, responder
+    for _ in range(index):
+        reader.read_message(body(writer.write_message()))
+        writer, reader = reader, writer
+    return writer, reader
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("kept", ["nothing", "half", "all-but-one"])
+def test_truncated_handshake_messages(index: int, kept: str) -> None:
+    writer, reader = advance(index)
+    message = body(writer.write_message())
+    length = {"nothing": 0, "half": len(message) // 2, "all-but-one": len(message) - 1}[kept]
+    with pytest.raises(NoiseError):
+        reader.read_message(message[:length])
+
+
+def test_oversized_handshake_message() -> None:
+    _, responder, _, _ = make_pair()
+    with pytest.raises(NoiseError):
+        responder.read_message(bytes(MAX_NOISE_FRAME_BYTES + 1))
+
+
+def test_turn_order_is_enforced() -> None:
+    initiator, responder, _, _ = make_pair()
+    with pytest.raises(LocalProtocolError):
+        responder.write_message()
+    with pytest.raises(LocalProtocolError):
+        initiator.read_message(bytes(32))
+    with pytest.raises(LocalProtocolError):
+        initiator.to_transport()
+    with pytest.raises(LocalProtocolError):
+        initiator.remote_peer_id  # noqa: B018
+    handshake(initiator, responder)
+    with pytest.raises(LocalProtocolError):
+        initiator.write_message()
+    with pytest.raises(LocalProtocolError):
+        responder.read_message(bytes(64))
+    with pytest.raises(LocalProtocolError):  # a second transport would reuse nonces
+        initiator.to_transport()
+
+
+def test_garbage_transport_frames() -> None:
+    a, b = transports()
+    with pytest.raises(NoiseError):
+        b.decrypt_frame(os.urandom(40))
+    with pytest.raises(NoiseError):
+        b.decrypt_frame(b"short")
+    with pytest.raises(NoiseError):
+        b.decrypt_frame(bytes(MAX_NOISE_FRAME_BYTES + 1))
+    assert b.receive_data(a.encrypt(b"still in sync")) == b"still in sync"
+    with pytest.raises(NoiseError):
+        b.receive_data(b"\x00\x05hello")  # shorter than a tag
+    with pytest.raises(LocalProtocolError):  # the stream has lost its framing for good
+        b.receive_data(a.encrypt(b"more"))
+    with pytest.raises(NoiseError):
+        a.receive_data(b"\x00\x20" + os.urandom(32))
+
+
+def test_replayed_and_reordered_frames_fail() -> None:
+    a, b = transports()
+    first, second = body(a.encrypt(b"first")), body(a.encrypt(b"second"))
+    with pytest.raises(NoiseError):
+        b.decrypt_frame(second)  # out of order: wrong nonce
+    assert b.decrypt_frame(first) == b"first"  # a failure does not consume a nonce
+    with pytest.raises(NoiseError):
+        b.decrypt_frame(first)  # replay
+    assert b.decrypt_frame(second) == b"second"
+    with pytest.raises(NoiseError):  # frames are bound to their direction
+        a.decrypt_frame(body(a.encrypt(b"echo")))
+
+
+def test_deterministic_keys_give_identical_handshakes() -> None:
+    keys = [bytes([i]) * 32 for i in range(1, 5)]
+    dialer, listener = KeyPair.from_seed(bytes(32)), KeyPair.from_seed(b"\x01" * 32)
+
+    def run() -> list[bytes]:
+        i = NoiseHandshake(
+            initiator=True,
+            identity=dialer,
+            static_private_key=keys[0],
+            ephemeral_private_key=keys[1],
+        )
+        r = NoiseHandshake(
+            initiator=False,
+            identity=listener,
+            static_private_key=keys[2],
+            ephemeral_private_key=keys[3],
+        )
+        m1 = i.write_message()
+        r.read_message(body(m1))
+        m2 = r.write_message()
+        i.read_message(body(m2))
+        m3 = i.write_message()
+        r.read_message(body(m3))
+        return [m1, m2, m3, i.to_transport().encrypt(b"x")]
+
+    assert run() == run()
+    with pytest.raises(IdentityError):
+        NoiseHandshake(initiator=True, identity=dialer, static_private_key=bytes(31))
+
+
+def test_errors_are_the_remotes_fault() -> None:
+    assert issubclass(NoiseError, HandshakeError)
+    assert issubclass(PeerIDMismatch, HandshakeError)
+
+
+# Noise_XX_25519_ChaChaPoly_SHA256 from the cacophony test vectors
+# (haskell-cryptography/cacophony vectors/cacophony.txt, also in mcginty/snow
+# tests/vectors/cacophony.txt). Prologue "John Galt"; messages alternate from the initiator.
+CACOPHONY_XX = {
+    "prologue": "4a6f686e2047616c74",
+    "init_static": "e61ef9919cde45dd5f82166404bd08e38bceb5dfdfded0a34c8df7ed542214d1",
+    "init_ephemeral": "893e28b9dc6ca8d611ab664754b8ceb7bac5117349a4439a6b0569da977c464a",
+    "resp_static": "4a3acbfdb163dec651dfa3194dece676d437029c62a408b4c5ea9114246e4893",
+    "resp_ephemeral": "bbdb4cdbd309f1a1f2e1456967fe288cadd6f712d65dc7b7793d5e63da6b375b",
+    "handshake_hash": "c8e5f64e846193be2a834104c2a009868d6c9f3bd3c186299888b488b2f1f58e",
+    "messages": [
+        (
+            "4c756477696720766f6e204d69736573",
+            "ca35def5ae56cec33dc2036731ab14896bc4c75dbb07a61f879f8e3afa4c7944"
+            "4c756477696720766f6e204d69736573",
+        ),
+        (
+            "4d757272617920526f746862617264",
+            "95ebc60d2b1fa672c1f46a8aa265ef51bfe38e7ccb39ec5be34069f14480884381cbad1f276e038c"
+            "48378ffce2b65285e08d6b68aaa3629a5a8639392490e5b9bd5269c2f1e4f488ed8831161f19b7"
+            "815528f8982ffe09be9b5c412f8a0db50f8814c7194e83f23dbd8d162c9326ad",
+        ),
+        (
+            "462e20412e20486179656b",
+            "c7195ffacac1307ff99046f219750fc47693e23c3cb08b89c2af808b444850a80ae475b9df0f169a"
+            "e80a89be0865b57f58c9fea0d4ec82a286427402f113e4b6ae769a1d95941d49b25030",
+        ),
+        ("4361726c204d656e676572", "96763ed773f8e47bb3712f0e29b3060ffc956ffc146cee53d5e1df"),
+        (
+            "4a65616e2d426170746973746520536179",
+            "3e40f15f6f3a46ae446b253bf8b1d9ffb6ed9b174d272328ff91a7e2e5c79c07f5",
+        ),
+        (
+            "457567656e2042f6686d20766f6e2042617765726b",
+            "eb3f3515110702e047a6c9da4478b6ead94873c11c0f2d710ddb3f09fce024b3a58502ae3f",
+        ),
+    ],
+}
+
+
+def test_cacophony_vector() -> None:
+    v = CACOPHONY_XX
+
+    def key(name: str) -> X25519PrivateKey:
+        return X25519PrivateKey.from_private_bytes(bytes.fromhex(str(v[name])))
+
+    prologue = bytes.fromhex(str(v["prologue"]))
+    states = [
+        XXHandshakeState(
+            initiator=True, s=key("init_static"), e=key("init_ephemeral"), prologue=prologue
+        ),
+        XXHandshakeState(
+            initiator=False, s=key("resp_static"), e=key("resp_ephemeral"), prologue=prologue
+        ),
+    ]
+    messages = list(v["messages"])
+    for index, (payload, ciphertext) in enumerate(messages[:3]):
+        writer, reader = states[index % 2], states[1 - index % 2]
+        message = writer.write_message(bytes.fromhex(payload))
+        assert message.hex() == ciphertext, f"handshake message {index + 1}"
+        assert reader.read_message(message) == bytes.fromhex(payload)
+    for state in states:
+        assert state.is_complete and state.handshake_hash.hex() == v["handshake_hash"]
+    assert states[0].remote_static == states[1].static_public
+    initiator_sends, responder_sends = states[0].split()
+    initiator_sends_copy, responder_sends_copy = states[1].split()
+    channels = [
+        NoiseTransport(send=initiator_sends, receive=responder_sends),
+        NoiseTransport(send=responder_sends_copy, receive=initiator_sends_copy),
+    ]
+    for index, (payload, ciphertext) in enumerate(messages[3:], start=3):
+        sender, receiver = channels[index % 2], channels[1 - index % 2]
+        frame = sender.encrypt(bytes.fromhex(payload))
+        assert body(frame).hex() == ciphertext, f"transport message {index + 1}"
+        assert receiver.receive_data(frame) == bytes.fromhex(payload)

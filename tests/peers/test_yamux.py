@@ -1,0 +1,466 @@
+"""Tests for the sans-I/O yamux session: two sessions wired back to back, plus raw frames."""
+
+from __future__ import annotations
+
+import array
+import random
+import struct
+
+import pytest
+
+from peers.errors import LocalProtocolError, PeersError, RemoteProtocolError
+from peers.yamux import (
+    GO_AWAY_NORMAL,
+    GO_AWAY_PROTOCOL_ERROR,
+    INITIAL_WINDOW_BYTES,
+    MAX_FRAME_PAYLOAD_BYTES,
+    YAMUX_PROTOCOL_ID,
+    DataReceived,
+    GoAwayReceived,
+    PingReceived,
+    PongReceived,
+    SendWindowUpdated,
+    StreamEnded,
+    StreamOpened,
+    StreamRejected,
+    StreamReset,
+    YamuxError,
+    YamuxEvent,
+    YamuxProtocolError,
+    YamuxSession,
+    YamuxStreamError,
+)
+
+DATA, WINDOW_UPDATE, PING, GO_AWAY = 0, 1, 2, 3
+SYN, ACK, FIN, RST = 1, 2, 4, 8
+
+
+def frame(
+    kind: int, flags: int, stream_id: int, length: int, body: bytes = b"", version: int = 0
+) -> bytes:
+    """A frame laid out by hand from spec.md "Framing", independent of the module's struct."""
+    return (
+        bytes([version, kind])
+        + flags.to_bytes(2, "big")
+        + stream_id.to_bytes(4, "big")
+        + length.to_bytes(4, "big")
+        + body
+    )
+
+
+def pump(a: YamuxSession, b: YamuxSession) -> tuple[list[YamuxEvent], list[YamuxEvent]]:
+    """Move bytes both ways until both are quiet; return the events a saw and b saw."""
+    events_a: list[YamuxEvent] = []
+    events_b: list[YamuxEvent] = []
+    while True:
+        out_a, out_b = a.data_to_send(), b.data_to_send()
+        if not out_a and not out_b:
+            return events_a, events_b
+        events_b += b.receive_data(out_a)
+        events_a += a.receive_data(out_b)
+
+
+def pair(**server_kwargs: int) -> tuple[YamuxSession, YamuxSession]:
+    return YamuxSession(is_client=True), YamuxSession(is_client=False, **server_kwargs)
+
+
+def collect(events: list[YamuxEvent]) -> dict[int, bytes]:
+    got: dict[int, bytearray] = {}
+    for event in events:
+        if isinstance(event, DataReceived):
+            got.setdefault(event.stream_id, bytearray()).extend(event.data)
+    return {k: bytes(v) for k, v in got.items()}
+
+
+def test_protocol_id() -> None:
+    assert YAMUX_PROTOCOL_ID == "/yamux/1.0.0"
+
+
+def test_header_bytes_match_spec_layout() -> None:
+    client = YamuxSession(is_client=True)
+    stream_id = client.open_stream()
+    assert stream_id == 1
+    # version 0, type 1 (window update), flags 0x0001 (SYN), stream 1, delta 0
+    assert client.data_to_send() == bytes.fromhex("00 01 0001 00000001 00000000")
+    client.send_data(stream_id, b"hello")
+    assert client.data_to_send() == bytes.fromhex("00 00 0000 00000001 00000005") + b"hello"
+    client.ping(0x01020304)
+    assert client.data_to_send() == bytes.fromhex("00 02 0001 00000000 01020304")
+    client.go_away(GO_AWAY_NORMAL)
+    assert client.data_to_send() == frame(GO_AWAY, 0, 0, 0)
+
+
+def test_open_streams_both_ways_with_data_both_directions() -> None:
+    client, server = pair()
+    a = client.open_stream()
+    b = server.open_stream()
+    assert (a % 2, b % 2) == (1, 0)
+    client.send_data(a, b"from client")
+    server.send_data(b, b"from server")
+    client_events, server_events = pump(client, server)
+    assert server_events[:2] == [StreamOpened(a), DataReceived(a, b"from client")]
+    assert client_events[:2] == [StreamOpened(b), DataReceived(b, b"from server")]
+    client.send_data(b, b"reply to server")
+    server.send_data(a, b"reply to client")
+    client_events, server_events = pump(client, server)
+    assert client_events == [DataReceived(a, b"reply to client")]
+    assert server_events == [DataReceived(b, b"reply to server")]
+
+
+def test_syn_is_acked_immediately_with_window_update() -> None:
+    client, server = pair()
+    client.open_stream()
+    server.receive_data(client.data_to_send())
+    assert server.data_to_send() == frame(WINDOW_UPDATE, ACK, 1, 0)
+
+
+def test_syn_may_come_on_a_data_frame_with_payload() -> None:
+    server = YamuxSession(is_client=False)
+    events = server.receive_data(frame(DATA, SYN | FIN, 1, 2, b"hi"))
+    assert events == [StreamOpened(1), DataReceived(1, b"hi"), StreamEnded(1)]
+
+
+def test_many_concurrent_streams_keep_their_data_apart() -> None:
+    client, server = pair()
+    ids = [client.open_stream() for _ in range(10)] + [server.open_stream() for _ in range(10)]
+    for i, stream_id in enumerate(ids):
+        sender = client if stream_id % 2 else server
+        sender.send_data(stream_id, bytes([i]) * (1000 * i + 1))
+    client_events, server_events = pump(client, server)
+    got = collect(client_events) | collect(server_events)
+    assert got == {sid: bytes([i]) * (1000 * i + 1) for i, sid in enumerate(ids)}
+
+
+def test_bytes_fed_one_at_a_time() -> None:
+    client, server = pair()
+    a, b = client.open_stream(), client.open_stream()
+    client.send_data(a, b"alpha")
+    client.send_data(b, b"bravo")
+    client.close_stream(a)
+    client.ping(9)
+    wire = client.data_to_send()
+    events: list[YamuxEvent] = []
+    for i in range(len(wire)):
+        events += server.receive_data(wire[i : i + 1])
+    assert events == [
+        StreamOpened(a),
+        StreamOpened(b),
+        *[DataReceived(a, bytes([c])) for c in b"alpha"],
+        *[DataReceived(b, bytes([c])) for c in b"bravo"],
+        StreamEnded(a),
+        PingReceived(9),
+    ]
+
+
+def test_random_fragmentation_reassembles() -> None:
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    client, server = pair()
+    payloads = {client.open_stream(): rng.randbytes(rng.randrange(1, 200_000)) for _ in range(5)}
+    for stream_id, payload in payloads.items():
+        assert client.send_data(stream_id, payload) == len(payload)
+        client.close_stream(stream_id)
+    wire = client.data_to_send()
+    events: list[YamuxEvent] = []
+    pos = 0
+    while pos < len(wire):
+        step = rng.choice([1, 5, 11, 12, 13, rng.randrange(1, 100_000)])
+        events += server.receive_data(memoryview(wire)[pos : pos + step])
+        pos += step
+    assert collect(events) == payloads
+    assert [e for e in events if isinstance(e, StreamEnded)] == [StreamEnded(s) for s in payloads]
+
+
+def test_large_send_is_split_into_bounded_frames() -> None:
+    client = YamuxSession(is_client=True)
+    stream_id = client.open_stream()
+    client.data_to_send()
+    assert client.send_data(stream_id, bytes(200_000)) == 200_000
+    wire = client.data_to_send()
+    lengths = []
+    pos = 0
+    while pos < len(wire):
+        _, kind, _, sid, length = struct.unpack_from(">BBHII", wire, pos)
+        assert (kind, sid) == (DATA, stream_id)
+        lengths.append(length)
+        pos += 12 + length
+    assert sum(lengths) == 200_000
+    assert max(lengths) <= MAX_FRAME_PAYLOAD_BYTES
+
+
+def test_send_data_counts_bytes_of_non_byte_memoryviews() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    words = array.array("I", [1, 2, 3])
+    assert client.send_data(stream_id, memoryview(words)) == 12
+    _, server_events = pump(client, server)
+    assert collect(server_events) == {stream_id: words.tobytes()}
+
+
+def test_sender_blocks_at_initial_window_until_receiver_acknowledges() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    assert client.send_window(stream_id) == INITIAL_WINDOW_BYTES
+    assert client.send_data(stream_id, bytes(1024 * 1024)) == INITIAL_WINDOW_BYTES
+    assert client.send_data(stream_id, b"more") == 0
+    client_events, server_events = pump(client, server)
+    assert sum(len(e.data) for e in server_events if isinstance(e, DataReceived)) == 256 * 1024
+    assert client_events == []
+    # Less than half the window consumed: no update yet.
+    server.acknowledge_received(stream_id, INITIAL_WINDOW_BYTES // 2 - 1)
+    assert server.data_to_send() == b""
+    server.acknowledge_received(stream_id, 1)
+    client_events, _ = pump(client, server)
+    assert client_events == [SendWindowUpdated(stream_id)]
+    assert client.send_window(stream_id) == INITIAL_WINDOW_BYTES // 2
+    assert client.send_data(stream_id, bytes(1024 * 1024)) == INITIAL_WINDOW_BYTES // 2
+
+
+def test_data_beyond_window_is_rejected_before_its_body_arrives() -> None:
+    server = YamuxSession(is_client=False)
+    server.receive_data(frame(WINDOW_UPDATE, SYN, 1, 0))
+    with pytest.raises(YamuxProtocolError, match="window"):
+        server.receive_data(frame(DATA, 0, 1, 0xFFFF_FFFF))  # header only, no body
+
+
+def transfer(client: YamuxSession, server: YamuxSession, stream_id: int, total: int) -> int:
+    """Send ``total`` bytes client->server, acknowledging promptly; return the largest window."""
+    sent = largest = 0
+    while sent < total:
+        largest = max(largest, client.send_window(stream_id))
+        sent += client.send_data(stream_id, bytes(min(total - sent, 1 << 20)))
+        _, server_events = pump(client, server)
+        for event in server_events:
+            if isinstance(event, DataReceived):
+                server.acknowledge_received(stream_id, len(event.data))
+        pump(client, server)
+    return largest
+
+
+def test_window_grows_when_consumer_drains_whole_windows_and_is_capped() -> None:
+    client, server = pair(max_window_bytes=2 * 1024 * 1024)
+    stream_id = client.open_stream()
+    largest = transfer(client, server, stream_id, 16 * 1024 * 1024)
+    assert 3 * 1024 * 1024 // 2 < largest <= 2 * 1024 * 1024
+    assert server.statistics().window_growth_bytes == 2 * 1024 * 1024 - INITIAL_WINDOW_BYTES
+
+
+def test_window_growth_is_bounded_per_session() -> None:
+    client, server = pair(max_window_growth_bytes=INITIAL_WINDOW_BYTES)
+    first, second = client.open_stream(), client.open_stream()
+    assert transfer(client, server, first, 8 * 1024 * 1024) > INITIAL_WINDOW_BYTES
+    assert server.statistics().window_growth_bytes == INITIAL_WINDOW_BYTES
+    assert transfer(client, server, second, 8 * 1024 * 1024) <= INITIAL_WINDOW_BYTES
+    assert server.statistics().window_growth_bytes == INITIAL_WINDOW_BYTES
+    client.reset_stream(first)
+    pump(client, server)
+    assert server.statistics().window_growth_bytes == 0
+
+
+def test_acknowledging_more_than_received_is_local_misuse() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    client.send_data(stream_id, b"abc")
+    pump(client, server)
+    with pytest.raises(YamuxStreamError):
+        server.acknowledge_received(stream_id, 4)
+    server.acknowledge_received(stream_id, 3)
+    server.acknowledge_received(999, 10)  # forgotten or unknown: nothing to grant
+
+
+def test_half_close_both_ways_then_stream_is_forgotten() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    client.send_data(stream_id, b"request")
+    client.close_stream(stream_id)
+    client.close_stream(stream_id)  # idempotent
+    _, server_events = pump(client, server)
+    assert server_events == [
+        StreamOpened(stream_id),
+        DataReceived(stream_id, b"request"),
+        StreamEnded(stream_id),
+    ]
+    with pytest.raises(YamuxStreamError):
+        client.send_data(stream_id, b"late")
+    # The other direction stays open.
+    server.send_data(stream_id, b"response")
+    server.close_stream(stream_id)
+    assert server.stream_ids() == ()
+    client_events, _ = pump(client, server)
+    assert client_events == [DataReceived(stream_id, b"response"), StreamEnded(stream_id)]
+    assert client.stream_ids() == ()
+    assert client.statistics().num_open_streams == 0
+    with pytest.raises(YamuxStreamError):
+        client.send_window(stream_id)
+
+
+def test_server_closes_first() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    pump(client, server)
+    server.close_stream(stream_id)
+    client_events, _ = pump(client, server)
+    assert client_events == [StreamEnded(stream_id)]
+    client.send_data(stream_id, b"still allowed")
+    client.close_stream(stream_id)
+    _, server_events = pump(client, server)
+    assert server_events == [DataReceived(stream_id, b"still allowed"), StreamEnded(stream_id)]
+    assert client.stream_ids() == server.stream_ids() == ()
+
+
+def test_reset_forgets_stream_on_both_sides() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    pump(client, server)
+    server.send_data(stream_id, b"in flight")
+    client.reset_stream(stream_id)
+    client.reset_stream(stream_id)  # idempotent
+    assert client.stream_ids() == ()
+    client_events, server_events = pump(client, server)
+    assert client_events == []  # data for a stream we reset is a race, not an error
+    assert server_events == [StreamReset(stream_id)]
+    assert server.stream_ids() == ()
+    with pytest.raises(YamuxStreamError):
+        server.send_data(stream_id, b"x")
+
+
+def test_local_reset_mid_frame_drops_rest_of_body() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    client.send_data(stream_id, b"0123456789")
+    wire = client.data_to_send()
+    events = server.receive_data(wire[:-5])
+    assert events[-1] == DataReceived(stream_id, b"01234")
+    server.reset_stream(stream_id)
+    assert server.receive_data(wire[-5:]) == []
+
+
+def test_ping_pong() -> None:
+    client, server = pair()
+    client.ping(7)
+    server.ping(8)
+    client_events, server_events = pump(client, server)
+    assert client_events == [PingReceived(8), PongReceived(7)]
+    assert server_events == [PingReceived(7), PongReceived(8)]
+
+
+def test_go_away() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    pump(client, server)
+    client.go_away()
+    client.go_away()  # idempotent: one frame
+    _, server_events = pump(client, server)
+    assert server_events == [GoAwayReceived(GO_AWAY_NORMAL)]
+    assert server.remote_went_away and not client.remote_went_away
+    with pytest.raises(YamuxStreamError):
+        server.open_stream()
+    with pytest.raises(YamuxStreamError):
+        client.open_stream()
+    # A SYN after our go-away is refused with RST; open streams carry on.
+    assert client.receive_data(frame(WINDOW_UPDATE, SYN, 4, 0)) == [StreamRejected(4)]
+    assert client.data_to_send() == frame(WINDOW_UPDATE, RST, 4, 0)
+    server.send_data(stream_id, b"ok")
+    assert not client.is_closed
+    client.reset_stream(stream_id)
+    assert client.is_closed
+
+
+def test_max_streams_rejects_extra_syn_without_killing_session() -> None:
+    client, server = pair(max_streams=2)
+    a, b, c = client.open_stream(), client.open_stream(), client.open_stream()
+    client_events, server_events = pump(client, server)
+    assert server_events == [StreamOpened(a), StreamOpened(b), StreamRejected(c)]
+    assert client_events == [StreamReset(c)]
+    assert server.statistics().num_streams_rejected == 1
+    client.reset_stream(a)
+    d = client.open_stream()
+    _, server_events = pump(client, server)
+    assert server_events == [StreamReset(a), StreamOpened(d)]
+
+
+def test_local_open_is_bounded_too() -> None:
+    client = YamuxSession(is_client=True, max_streams=1)
+    client.open_stream()
+    with pytest.raises(YamuxStreamError):
+        client.open_stream()
+
+
+def test_frames_for_closed_streams_are_ignored() -> None:
+    server = YamuxSession(is_client=False)
+    server.receive_data(frame(WINDOW_UPDATE, SYN, 1, 0))
+    server.reset_stream(1)
+    assert server.receive_data(frame(DATA, 0, 1, 3, b"abc") + frame(WINDOW_UPDATE, FIN, 1, 9)) == []
+    own = server.open_stream()
+    server.reset_stream(own)
+    assert server.receive_data(frame(WINDOW_UPDATE, ACK, own, 0)) == []
+
+
+REMOTE_FAULTS = {
+    "bad version": frame(DATA, SYN, 1, 0, version=1),
+    "unknown type": frame(4, 0, 0, 0),
+    "data beyond window": frame(DATA, SYN, 1, INITIAL_WINDOW_BYTES + 1),
+    "SYN with wrong parity": frame(WINDOW_UPDATE, SYN, 2, 0),
+    "duplicate SYN": frame(WINDOW_UPDATE, SYN, 1, 0) * 2,
+    "SYN reusing a closed id": frame(WINDOW_UPDATE, SYN, 1, 0)
+    + frame(WINDOW_UPDATE, RST, 1, 0)
+    + frame(WINDOW_UPDATE, SYN, 1, 0),
+    "data after FIN": frame(WINDOW_UPDATE, SYN | FIN, 1, 0) + frame(DATA, 0, 1, 1, b"x"),
+    "data on a stream never opened": frame(DATA, 0, 3, 1, b"x"),
+    "window update for our stream never opened": frame(WINDOW_UPDATE, 0, 2, 5),
+    "stream frame on stream 0": frame(DATA, 0, 0, 0),
+    "ping on a stream": frame(PING, SYN, 1, 0),
+    "send window overflow": frame(WINDOW_UPDATE, SYN, 1, 0)
+    + frame(WINDOW_UPDATE, 0, 1, 0xFFFF_FFFF),
+}
+
+
+@pytest.mark.parametrize("wire", REMOTE_FAULTS.values(), ids=REMOTE_FAULTS.keys())
+def test_remote_faults_kill_session_with_go_away(wire: bytes) -> None:
+    server = YamuxSession(is_client=False)
+    with pytest.raises(YamuxProtocolError):
+        server.receive_data(wire)
+    assert server.data_to_send().endswith(frame(GO_AWAY, 0, 0, GO_AWAY_PROTOCOL_ERROR))
+    assert server.is_closed
+    assert server.stream_ids() == ()
+    with pytest.raises(YamuxStreamError):
+        server.receive_data(frame(PING, SYN, 0, 1))
+    with pytest.raises(YamuxStreamError):
+        server.open_stream()
+
+
+def test_out_of_order_syns_are_accepted() -> None:
+    # go-yamux takes ids before it takes the send lock, so SYN 3 may precede SYN 1.
+    server = YamuxSession(is_client=False)
+    events = server.receive_data(frame(WINDOW_UPDATE, SYN, 3, 0) + frame(WINDOW_UPDATE, SYN, 1, 0))
+    assert events == [StreamOpened(3), StreamOpened(1)]
+
+
+def test_statistics_count_bytes() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    client.send_data(stream_id, b"12345")
+    pump(client, server)
+    client_stats, server_stats = client.statistics(), server.statistics()
+    assert client_stats.num_data_bytes_sent == server_stats.num_data_bytes_received == 5
+    assert client_stats.num_wire_bytes_sent == server_stats.num_wire_bytes_received == 12 + 17
+    assert (client_stats.num_outbound_streams, server_stats.num_inbound_streams) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_streams": 0}, {"max_window_bytes": 1024}, {"max_window_growth_bytes": -1}]
+)
+def test_bad_config_is_refused(kwargs: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        YamuxSession(is_client=True, **kwargs)
+
+
+def test_errors_say_whose_fault_it_is() -> None:
+    assert issubclass(YamuxError, PeersError)
+    assert issubclass(YamuxProtocolError, YamuxError) and issubclass(
+        YamuxProtocolError, RemoteProtocolError
+    )
+    assert issubclass(YamuxStreamError, YamuxError) and issubclass(
+        YamuxStreamError, LocalProtocolError
+    )
