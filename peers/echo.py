@@ -10,13 +10,12 @@ amplifies nothing.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import numpy as np
 
 from peers.host import Peer
 from peers.rpc import CallContext
-from peers.testing import Report
+from peers.testing import Node
 
 ECHO_PROTOCOL_ID = "/swarmtrain/echo/1.0.0"
 ECHO_STREAM_PROTOCOL_ID = "/swarmtrain/echo-stream/1.0.0"
@@ -38,9 +37,9 @@ def install_echo(peer: Peer) -> None:
     peer.add_stream_handler(ECHO_STREAM_PROTOCOL_ID, _echo_stream, np.ndarray)
 
 
-async def serve_echo(peer: Peer, options: dict[str, Any], report: Report) -> None:
+async def serve_echo(node: Node) -> None:
     """A :mod:`peers.testing` target: serve the echo services until stopped."""
-    install_echo(peer)
-    for addr in options.get("bootstrap", []):
-        await peer.connect(addr)
-    report({"event": "serving"})
+    install_echo(node.peer)
+    for addr in node.options.get("bootstrap", []):
+        await node.peer.connect(addr)
+    node.report({"event": "serving"})

@@ -323,6 +323,10 @@ class Peer:
             logger.info("stream from %s failed to negotiate: %r", stream.remote_peer_id, e)
             stream.reset()
             return
+        except ConnectionClosed:
+            # The dialer reset the stream, as libp2p dialers do after our "na": no
+            # handler ran, so nothing failed (and a remote must not flood our log).
+            return
         stream.protocol = listener.selected
         if listener.leftover:
             stream.unread(listener.leftover)
@@ -416,21 +420,29 @@ class Peer:
                     reader, writer = await asyncio.open_connection(
                         target.host, target.port, limit=2**20
                     )
-                    try:
-                        upgraded = await upgrade(
-                            reader,
-                            writer,
-                            identity=self.identity,
-                            outbound=True,
-                            expected_peer_id=expected,
-                        )
-                    except BaseException:
-                        writer.close()
-                        raise
             except TimeoutError as e:
-                raise DialError(f"timed out dialing {addr}") from e
+                raise DialError(f"timed out connecting to {addr}") from e
             except (ConnectionError, OSError) as e:
                 raise DialError(f"cannot connect to {addr}: {e.strerror or e}") from e
+            upgraded = None
+            try:
+                async with asyncio.timeout(self.config.dial_timeout):
+                    upgraded = await upgrade(
+                        reader,
+                        writer,
+                        identity=self.identity,
+                        outbound=True,
+                        expected_peer_id=expected,
+                    )
+            except TimeoutError as e:
+                raise HandshakeError(f"{addr} did not complete the handshake in time") from e
+            except (ConnectionError, OSError) as e:
+                raise HandshakeError(
+                    f"{addr} dropped the connection during the handshake: {e}"
+                ) from e
+            finally:
+                if upgraded is None:
+                    writer.close()
             conn = self._make_connection(reader, writer, upgraded, addr, outbound=True)
             if not self._register(conn):
                 writer.close()

@@ -1,12 +1,10 @@
 """The ``/noise`` secure channel: libp2p's Noise XX handshake and framed transport.
 
-Pure state machines (STYLE.md 1): bytes in, bytes out, no sockets, no clock. Follows the
-libp2p noise spec (specs/noise/README.md, r2 and later: no padding inside payloads) on the
-Noise Protocol Framework rev 34 ("Noise §x" below): ``Noise_XX_25519_ChaChaPoly_SHA256``,
-empty prologue, ``-> e; <- e, ee, s, es; -> s, se``. Every Noise message travels behind a
-2-byte big-endian length. Messages 2 and 3 carry a ``NoiseHandshakePayload`` protobuf: the
-sender's libp2p public key and its signature of ``"noise-libp2p-static-key:" || s``, which
-binds the Noise static key ``s`` to the PeerID.
+Pure state machines (STYLE.md 1), per the libp2p noise spec (r2+: no padding in payloads)
+and the Noise Protocol Framework rev 34 ("Noise §x"): ``Noise_XX_25519_ChaChaPoly_SHA256``,
+empty prologue, every message behind a 2-byte big-endian length. Messages 2 and 3 carry a
+``NoiseHandshakePayload``: the sender's libp2p public key and its signature of
+``"noise-libp2p-static-key:" || s``, binding the Noise static key ``s`` to the PeerID.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ from peers.protobuf import ProtobufError, decode_fields, encode_fields, first_by
 
 NOISE_PROTOCOL_ID = "/noise"
 NOISE_PROTOCOL_NAME = b"Noise_XX_25519_ChaChaPoly_SHA256"
-#: Noise §3: "The maximum length of a Noise message is 65535 bytes" (also all that the
-#: 2-byte length prefix can express).
+#: Noise §3: "The maximum length of a Noise message is 65535 bytes" (= the prefix's limit).
 MAX_NOISE_FRAME_BYTES = 65535
 #: ChaChaPoly authentication tag (Noise §12.3).
 TAG_BYTES = 16
@@ -64,11 +61,7 @@ def _dh(private_key: X25519PrivateKey, public_key: bytes) -> bytes:
 
 
 class CipherState:
-    """Noise §5.1 with a key: the ChaChaPoly key ``k`` and the nonce counter ``n``.
-
-    A keyless CipherState is ``None`` in :class:`SymmetricState`, so a transport cannot
-    be built from one (it would send plaintext).
-    """
+    """Noise §5.1, always keyed: keyless is ``None`` in SymmetricState, never a transport."""
 
     __slots__ = ("_aead", "nonce")
 
@@ -86,8 +79,7 @@ class CipherState:
         return ciphertext
 
     def decrypt_with_ad(self, ad: bytes | None, ciphertext: _Bytes) -> bytes:
-        """Decrypt, advance the nonce; on failure raise :class:`NoiseError` and leave the
-        nonce unchanged (Noise §5.1)."""
+        """Decrypt, advance the nonce; on failure NoiseError, nonce unchanged (Noise §5.1)."""
         n = self.nonce
         if n >= _MAX_NONCE:
             raise NoiseError("remote sent more messages than the Noise nonce space allows")
@@ -104,11 +96,11 @@ class SymmetricState:
 
     __slots__ = ("chaining_key", "cipher", "handshake_hash")
 
-    def __init__(self, protocol_name: bytes) -> None:
-        short = len(protocol_name) <= 32
-        h = protocol_name.ljust(32, b"\0") if short else hashlib.sha256(protocol_name).digest()
-        self.handshake_hash = self.chaining_key = h
+    def __init__(self, prologue: bytes) -> None:
+        # InitializeSymmetric(): a name of exactly HASHLEN (32) bytes is used as is.
+        self.handshake_hash = self.chaining_key = NOISE_PROTOCOL_NAME
         self.cipher: CipherState | None = None  # no key before the first MixKey()
+        self.mix_hash(prologue)  # Noise §5.3 Initialize()
 
     def mix_key(self, input_key_material: bytes) -> None:
         self.chaining_key, temp_key = _hkdf2(self.chaining_key, input_key_material)
@@ -118,23 +110,16 @@ class SymmetricState:
         self.handshake_hash = hashlib.sha256(self.handshake_hash + data).digest()
 
     def encrypt_and_hash(self, plaintext: bytes) -> bytes:
-        cipher = self.cipher
-        ciphertext = cipher.encrypt_with_ad(self.handshake_hash, plaintext) if cipher else plaintext
+        cipher, h = self.cipher, self.handshake_hash
+        ciphertext = cipher.encrypt_with_ad(h, plaintext) if cipher is not None else plaintext
         self.mix_hash(ciphertext)
         return ciphertext
 
     def decrypt_and_hash(self, ciphertext: bytes) -> bytes:
-        cipher = self.cipher
-        plaintext = (
-            cipher.decrypt_with_ad(self.handshake_hash, ciphertext) if cipher else ciphertext
-        )
+        cipher, h = self.cipher, self.handshake_hash
+        plaintext = cipher.decrypt_with_ad(h, ciphertext) if cipher is not None else ciphertext
         self.mix_hash(ciphertext)
         return plaintext
-
-    def split(self) -> tuple[CipherState, CipherState]:
-        """The initiator's and the responder's sending CipherStates."""
-        key1, key2 = _hkdf2(self.chaining_key, b"")
-        return CipherState(key1), CipherState(key2)
 
 
 class XXHandshakeState:
@@ -149,40 +134,37 @@ class XXHandshakeState:
         self.static_public = s.public_key().public_bytes_raw()
         self.remote_static: bytes | None = None  # rs, once message 2 or 3 is read
         self._re = b""
-        self._symmetric = SymmetricState(NOISE_PROTOCOL_NAME)
-        self._symmetric.mix_hash(prologue)
+        self._symmetric = SymmetricState(prologue)
         self.message_index = 0  # which of the three messages comes next; 3 when done
-        self._failed = False
+        self.failed = False  # set by a failed read, or by a failed check above Noise
 
     @property
     def our_turn(self) -> bool:
         """True when the next message is ours to write (the initiator writes 1 and 3)."""
         index = self.message_index
-        return not self._failed and index < 3 and (index % 2 == 0) == self.initiator
+        return not self.failed and index < 3 and (index % 2 == 0) == self.initiator
 
     @property
     def is_complete(self) -> bool:
-        return not self._failed and self.message_index == 3
+        return not self.failed and self.message_index == 3
 
     @property
     def handshake_hash(self) -> bytes:
         return self._symmetric.handshake_hash
 
     def _check_turn(self, writing: bool) -> None:
-        if self._failed or self.message_index >= 3:
-            raise LocalProtocolError("the Noise handshake already failed or completed")
-        if self.our_turn != writing:
-            whose = "the remote's" if writing else "our"
-            raise LocalProtocolError(f"handshake message {self.message_index + 1} is {whose}")
-
-    def abort(self) -> None:
-        """Mark the handshake failed: a check above Noise rejected the remote."""
-        self._failed = True
+        if self.our_turn != writing or self.failed or self.message_index >= 3:
+            done = "it is complete" if self.message_index >= 3 else "it is the other side's turn"
+            why = "it failed" if self.failed else done
+            raise LocalProtocolError(f"cannot {'write' if writing else 'read'} Noise: {why}")
 
     def write_message(self, payload: bytes) -> bytes:
-        """The next handshake message, without length prefix; raises
-        :class:`LocalProtocolError` when it is not our turn or would exceed 65535 bytes."""
+        """The next message, without length prefix; :class:`LocalProtocolError` if not ours,
+        :class:`NoiseError` if the remote's ephemeral key is a low-order point."""
         self._check_turn(writing=True)
+        if len(payload) > MAX_NOISE_FRAME_BYTES - _MIN_MESSAGE_BYTES[1]:  # before any change
+            raise LocalProtocolError(f"handshake payload of {len(payload)} bytes is too long")
+        self.failed = True  # until the message is written (a DH with the remote's e can fail)
         sym, parts = self._symmetric, []
         if self.message_index < 2:  # -> e  |  <- e, ee, s, es
             e_public = self._e.public_key().public_bytes_raw()
@@ -196,18 +178,15 @@ class XXHandshakeState:
             parts.append(sym.encrypt_and_hash(self.static_public))
             sym.mix_key(_dh(self._s, self._re))
         parts.append(sym.encrypt_and_hash(payload))
-        message = b"".join(parts)
-        if len(message) > MAX_NOISE_FRAME_BYTES:
-            self._failed = True
-            raise LocalProtocolError(f"handshake message of {len(message)} bytes is too long")
         self.message_index += 1
-        return message
+        self.failed = False
+        return b"".join(parts)
 
     def read_message(self, message: bytes) -> bytes:
         """The payload of the remote's message (no length prefix). Raises :class:`NoiseError`
         for a bad length or MAC, :class:`LocalProtocolError` if it is not the remote's turn."""
         self._check_turn(writing=False)
-        self._failed = True  # until the whole message has checked out
+        self.failed = True  # until the whole message has checked out
         index, sym = self.message_index, self._symmetric
         if not _MIN_MESSAGE_BYTES[index] <= len(message) <= MAX_NOISE_FRAME_BYTES:
             raise NoiseError(f"handshake message {index + 1} has a bad length {len(message)}")
@@ -224,14 +203,15 @@ class XXHandshakeState:
             offset = end
         payload = sym.decrypt_and_hash(bytes(message[offset:]))
         self.message_index += 1
-        self._failed = False
+        self.failed = False
         return payload
 
     def split(self) -> tuple[CipherState, CipherState]:
         """Noise §5.2 Split(): the initiator's and the responder's sending CipherStates."""
         if not self.is_complete:
             raise LocalProtocolError("the Noise handshake is not complete")
-        return self._symmetric.split()
+        key1, key2 = _hkdf2(self._symmetric.chaining_key, b"")
+        return CipherState(key1), CipherState(key2)
 
 
 def _x25519_key(raw: bytes | None) -> X25519PrivateKey:
@@ -295,8 +275,7 @@ class NoiseHandshake:
         return self._remote_public_key
 
     def write_message(self) -> bytes:
-        """Our next handshake message with its 2-byte length prefix; raises
-        :class:`LocalProtocolError` when it is not our turn."""
+        """Our next handshake message, length-prefixed; LocalProtocolError if not our turn."""
         state, payload = self._state, b""
         if state.our_turn and state.message_index > 0:  # messages 2 and 3 identify us
             signature = self._identity.sign(STATIC_KEY_SIGNATURE_PREFIX + state.static_public)
@@ -316,7 +295,7 @@ class NoiseHandshake:
         try:
             self._accept_identity(payload)
         except Exception:
-            self._state.abort()
+            self._state.failed = True
             raise
 
     def _accept_identity(self, payload: bytes) -> None:
@@ -324,14 +303,11 @@ class NoiseHandshake:
         try:
             fields = decode_fields(payload)
             key_bytes, signature = first_bytes(fields, 1), first_bytes(fields, 2)
-        except ProtobufError as e:
-            raise NoiseError(f"malformed handshake payload: {e}") from e
-        if key_bytes is None or signature is None:
-            raise NoiseError("handshake payload lacks identity_key or identity_sig")
-        try:
+            if key_bytes is None or signature is None:
+                raise NoiseError("handshake payload lacks identity_key or identity_sig")
             public_key = PublicKey.from_protobuf(key_bytes)
-        except IdentityError as e:
-            raise NoiseError(f"handshake payload has a bad identity key: {e}") from e
+        except (ProtobufError, IdentityError) as e:
+            raise NoiseError(f"malformed handshake payload: {e}") from e
         remote_static = self._state.remote_static
         assert remote_static is not None  # read just before the payload
         if not public_key.verify(signature, STATIC_KEY_SIGNATURE_PREFIX + remote_static):
@@ -347,7 +323,7 @@ class NoiseHandshake:
         if not self.is_complete or self._transport_taken:
             raise LocalProtocolError("the handshake is not complete or already handed over")
         self._transport_taken = True
-        initiator_sends, responder_sends = self._state.split()
+        initiator_sends, responder_sends = self._state.split()  # Noise §5.2 Split()
         if self._state.initiator:
             return NoiseTransport(send=initiator_sends, receive=responder_sends)
         return NoiseTransport(send=responder_sends, receive=initiator_sends)
@@ -380,9 +356,8 @@ class NoiseTransport:
         return b"".join(parts)
 
     def decrypt_frame(self, frame: _Bytes) -> bytes:
-        """Decrypt the next frame body (no length prefix). Raises :class:`NoiseError` when
-        it is shorter than its tag, too long, or fails the MAC check (tampered, replayed,
-        reordered); the nonce is then left unchanged."""
+        """Decrypt the next frame body (no length prefix). :class:`NoiseError` when it is
+        shorter than a tag, too long, or fails the MAC (tampered, replayed, reordered)."""
         if not TAG_BYTES <= len(frame) <= MAX_NOISE_FRAME_BYTES:
             raise NoiseError(f"Noise transport frame of {len(frame)} bytes")
         return self._receive.decrypt_with_ad(None, frame)
@@ -395,15 +370,9 @@ class NoiseTransport:
         """
         if self._receive_failed:
             raise LocalProtocolError("the Noise receive stream already failed")
-        try:
-            return self._receive_data(memoryview(data).cast("B"))
-        except Exception:
-            self._receive_failed = True
-            raise
-
-    def _receive_data(self, view: memoryview) -> bytes:
+        self._receive_failed = True  # until this call has succeeded
+        view, buffer = memoryview(data).cast("B"), self._buffer
         out: list[bytes] = []
-        buffer = self._buffer
         if buffer:  # finish the frame split across calls, copying only its own bytes
             if len(buffer) < 2:
                 buffer += view[:1]
@@ -426,4 +395,5 @@ class NoiseTransport:
             offset = end
         if offset < end_of_data:
             buffer += view[offset:]
+        self._receive_failed = False
         return b"".join(out)

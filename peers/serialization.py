@@ -43,9 +43,10 @@ class SerializationError(RemoteProtocolError):
     """A frame or value from the remote cannot be decoded."""
 
 
-def _array_ext(code: int, dtype: str, shape: tuple[int, ...], data: Any) -> msgpack.ExtType:
+def _array_ext(code: int, dtype: str, shape: tuple[int, ...], data: memoryview) -> msgpack.ExtType:
     header = msgpack.packb([dtype, list(shape)])
-    return msgpack.ExtType(code, len(header).to_bytes(2, "big") + header + bytes(data))
+    # One copy of the array bytes here (msgpack makes the second into its buffer).
+    return msgpack.ExtType(code, len(header).to_bytes(2, "big") + header + data)
 
 
 def _default(obj: object) -> object:
@@ -53,7 +54,8 @@ def _default(obj: object) -> object:
         if obj.dtype.name not in _ALLOWED_DTYPES:
             raise TypeError(f"arrays of dtype {obj.dtype} cannot be sent")
         array = np.ascontiguousarray(obj)
-        return _array_ext(EXT_NDARRAY, array.dtype.name, array.shape, memoryview(array).cast("B"))
+        raw = array.reshape(-1).view(np.uint8).data
+        return _array_ext(EXT_NDARRAY, array.dtype.name, array.shape, raw)
     if isinstance(obj, np.generic):
         return obj.item()
     torch = sys.modules.get("torch")
@@ -66,7 +68,8 @@ def _default(obj: object) -> object:
             raw = tensor.numpy()
         if name not in _ALLOWED_DTYPES:
             raise TypeError(f"tensors of dtype {tensor.dtype} cannot be sent")
-        return _array_ext(EXT_TORCH, name, tuple(tensor.shape), memoryview(raw).cast("B"))
+        flat = raw.reshape(-1).view(np.uint8).data
+        return _array_ext(EXT_TORCH, name, tuple(tensor.shape), flat)
     if isinstance(obj, tuple | set | frozenset):
         return list(obj)
     raise TypeError(f"cannot serialize {type(obj).__name__}")
@@ -124,7 +127,8 @@ def _ext_hook(code: int, data: bytes) -> object:
 
 def pack(value: object) -> bytes:
     """Serialize a value: msgpack types, numpy arrays and torch tensors. Raises TypeError."""
-    return msgpack.packb(value, default=_default, use_bin_type=True)
+    packed: bytes = msgpack.packb(value, default=_default, use_bin_type=True)
+    return packed
 
 
 def unpack(data: bytes | memoryview) -> Any:

@@ -1,13 +1,15 @@
 """Local multi-process swarms for tests: real peers in real OS processes on 127.0.0.1.
 
 ``LocalSwarm`` starts N processes, each a :class:`peers.Peer` that runs a *target*
-coroutine ``async def target(peer, options, report)`` after it starts listening. Each
-process reports JSON lines on its stdout (``ready`` with its PeerID and addresses,
-then whatever the target reports); the test reads them with bounded waits and kills,
-pauses, resumes or terminates processes by PID. Leaving the ``with`` block stops every
-process it started and waits for it, so nothing is left behind.
+coroutine ``async def target(node: Node)`` after it starts listening. Each process
+reports JSON lines on its stdout (``ready`` with its PeerID and addresses, then
+whatever the target reports with ``node.report``) and reads JSON lines the test sends
+(``node.receive()``); the test reads reports with bounded waits and kills, pauses,
+resumes or terminates processes by PID. Leaving the ``with`` block stops every process
+it started and waits for it, so nothing is left behind.
 
-Run as ``python -m peers.testing --target MODULE:FUNCTION --options JSON``.
+A target is ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``. Run a node by hand as
+``python -m peers.testing --target TARGET --options JSON``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import queue
@@ -35,8 +38,26 @@ DEFAULT_STARTUP_TIMEOUT = 60.0
 #: Seconds a process gets to exit after SIGTERM before it is SIGKILLed.
 TERMINATE_GRACE_SECONDS = 5.0
 
-Report = Callable[[dict[str, Any]], None]
-Target = Callable[[Any, dict[str, Any], Report], Awaitable[None]]
+
+@dataclass
+class Node:
+    """What a target gets: its peer, its options, and its channel to the test."""
+
+    peer: Any  # peers.host.Peer, typed loosely so this module imports nothing heavy
+    options: dict[str, Any]
+    _inbox: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+
+    def report(self, message: dict[str, Any]) -> None:
+        """Send one JSON object to the test (it reads it with ``next_report``)."""
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
+
+    async def receive(self) -> dict[str, Any]:
+        """The next JSON object the test sent with ``PeerProcess.send``."""
+        return await self._inbox.get()
+
+
+Target = Callable[[Node], Awaitable[None]]
 
 
 class SwarmError(Exception):
@@ -78,6 +99,12 @@ class PeerProcess:
                 + "".join(self._stderr_tail[-20:])
             )
         return line
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Send one JSON object to the node's ``receive()``."""
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps(message) + "\n")
+        self.popen.stdin.flush()
 
     def wait_report(self, event: str, timeout: float) -> dict[str, Any]:
         """The next report whose ``event`` field equals ``event`` (others are skipped)."""
@@ -136,7 +163,7 @@ class LocalSwarm:
                 "--options",
                 json.dumps(options),
             ],
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -185,7 +212,7 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
-            for pipe in (proc.popen.stdout, proc.popen.stderr):
+            for pipe in (proc.popen.stdin, proc.popen.stdout, proc.popen.stderr):
                 if pipe is not None:
                     with contextlib.suppress(OSError):
                         pipe.close()
@@ -224,16 +251,18 @@ def _pump_stderr(proc: PeerProcess) -> None:
 # --- the child side ---------------------------------------------------------------
 
 
-async def serve_forever(peer: Any, options: dict[str, Any], report: Report) -> None:
+async def serve_forever(node: Node) -> None:
     """The default target: connect to ``options["bootstrap"]`` if given, then just serve."""
-    for addr in options.get("bootstrap", []):
-        await peer.connect(addr)
-    report({"event": "connected"})
+    for addr in node.options.get("bootstrap", []):
+        await node.peer.connect(addr)
+    node.report({"event": "connected"})
 
 
-def _report(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+def _pump_stdin(loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[dict[str, Any]]) -> None:
+    with contextlib.suppress(ValueError, OSError, RuntimeError):
+        for line in sys.stdin:
+            with contextlib.suppress(json.JSONDecodeError):
+                loop.call_soon_threadsafe(inbox.put_nowait, json.loads(line))
 
 
 async def _child_main(target: Target, options: dict[str, Any]) -> None:
@@ -249,7 +278,9 @@ async def _child_main(target: Target, options: dict[str, Any]) -> None:
         identity=identity, listen_addrs=tuple(options.get("listen", ["/ip4/127.0.0.1/tcp/0"]))
     )
     async with Peer(config) as peer:
-        _report(
+        node = Node(peer=peer, options=options)
+        threading.Thread(target=_pump_stdin, args=(loop, node._inbox), daemon=True).start()
+        node.report(
             {
                 "event": "ready",
                 "peer_id": str(peer.peer_id),
@@ -257,14 +288,14 @@ async def _child_main(target: Target, options: dict[str, Any]) -> None:
                 "pid": os.getpid(),
             }
         )
-        task = asyncio.ensure_future(target(peer, options, _report))
+        task = asyncio.ensure_future(target(node))
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             if task.exception() is not None:
-                _report({"event": "error", "error": repr(task.exception())})
+                node.report({"event": "error", "error": repr(task.exception())})
             else:
-                _report({"event": "done"})
+                node.report({"event": "done"})
             if not options.get("exit_when_done"):
                 await stopper
         task.cancel()
@@ -273,13 +304,29 @@ async def _child_main(target: Target, options: dict[str, Any]) -> None:
             await task
 
 
+def load_target(spec: str) -> Target:
+    """Resolve ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``."""
+    location, _, function_name = spec.rpartition(":")
+    if location.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location(
+            f"_swarm_target_{os.getpid()}", location
+        )
+        if module_spec is None or module_spec.loader is None:
+            raise SwarmError(f"cannot load target file {location}")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(location)
+    target: Target = getattr(module, function_name)
+    return target
+
+
 def _main() -> None:
     parser = argparse.ArgumentParser(prog="python -m peers.testing")
     parser.add_argument("--target", default="peers.testing:serve_forever")
     parser.add_argument("--options", default="{}")
     args = parser.parse_args()
-    module_name, _, function_name = args.target.partition(":")
-    target = getattr(importlib.import_module(module_name), function_name)
+    target = load_target(args.target)
     from peers.runtime import run
 
     run(_child_main(target, json.loads(args.options)))

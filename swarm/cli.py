@@ -107,7 +107,8 @@ async def _demo(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             remote = await peer.connect(boot.maddr)
             print(
-                f"connected (TCP + Noise XX + yamux) in {(time.perf_counter() - started) * 1000:.1f} ms"
+                "connected (TCP + Noise XX + yamux) in "
+                f"{(time.perf_counter() - started) * 1000:.1f} ms"
             )
             info = await peer.identify(remote)
             print(f"identify: agent {info.agent_version}, protocols {', '.join(info.protocols)}")
@@ -131,7 +132,8 @@ async def _demo(args: argparse.Namespace) -> int:
             ok = all(np.array_equal(a, b) for a, b in zip(chunks, received, strict=True))
             size_mib = sum(c.nbytes for c in chunks) / 2**20
             print(
-                f"streaming echo: {len(received)} arrays, {size_mib:.0f} MiB each way in {elapsed:.2f} s, all equal: {ok}"
+                f"streaming echo: {len(received)} arrays, {size_mib:.0f} MiB each way "
+                f"in {elapsed:.2f} s, all equal: {ok}"
             )
             try:
                 await peer.call_unary(

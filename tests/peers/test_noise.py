@@ -294,6 +294,25 @@ def test_garbage_transport_frames() -> None:
         a.receive_data(b"\x00\x20" + os.urandom(32))
 
 
+def test_garbage_frame_split_across_calls() -> None:
+    a, b = transports()
+    assert b.receive_data(b"\x00") == b""
+    assert b.receive_data(b"\x20" + os.urandom(16)) == b""
+    with pytest.raises(NoiseError):
+        b.receive_data(os.urandom(16))
+    with pytest.raises(LocalProtocolError):
+        b.receive_data(a.encrypt(b"late"))
+
+
+def test_low_order_ephemeral_key_is_the_remotes_fault() -> None:
+    _, responder, _, _ = make_pair()
+    responder.read_message(bytes(32))  # an all-zero X25519 point: every DH gives zero
+    with pytest.raises(NoiseError):
+        responder.write_message()
+    with pytest.raises(LocalProtocolError):
+        responder.write_message()
+
+
 def test_replayed_and_reordered_frames_fail() -> None:
     a, b = transports()
     first, second = body(a.encrypt(b"first")), body(a.encrypt(b"second"))

@@ -1,0 +1,892 @@
+"""Transport benchmark: ours (``peers``) against hivemind (Go ``p2pd``) and raw TCP.
+
+Everything runs on 127.0.0.1, each measurement between two separate OS processes (a
+server and a client, started with multiprocessing's ``spawn`` context):
+
+1. unary latency: a 100-byte request echoed, p50 and p95 over a few hundred calls after
+   a warm-up. Ours: ``Peer.call_unary`` to the built-in echo service. Hivemind:
+   ``P2P.call_protobuf_handler`` to a protobuf handler echoing a ``runtime_pb2.Tensor``.
+2. bulk throughput: one float32 array (256 MiB; 64 MiB with ``--quick``) sent over ONE
+   streaming call in chunks, acknowledged by the server at the end. Ours:
+   ``Peer.call_stream`` with numpy chunks; hivemind: ``serialize_torch_tensor`` +
+   ``split_for_streaming`` into a ``stream_input`` protobuf handler, the way its
+   averager and MoE client move tensors. Serialization is inside the timed span for
+   both: it is part of moving a tensor.
+3. the physical limit: the same bytes over a plain TCP socket pair (``sendall`` /
+   ``recv_into``) between two processes.
+4. start-up: from just before ``Popen`` to the line printing a dialable multiaddr. Ours:
+   ``swarm bootstrap``; hivemind: ``P2P.create`` + ``get_visible_maddrs`` in
+   ``python -c``, and the ``hivemind-dht`` command.
+
+Systems alternate within each repetition (rotating the order), so slow drift on a
+noisy machine hits all of them alike; every figure is the median over repetitions.
+The run ends with one JSON line; ratios are oriented so that > 1 means we are better.
+
+    .venv/bin/python benchmarks/bench_transport.py --quick   # under a minute
+    .venv/bin/python benchmarks/bench_transport.py           # full, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+try:
+    from benchmarks._common import (
+        BenchError,
+        LineReader,
+        descendants,
+        emit_result,
+        median,
+        percentile,
+        print_table,
+        stop_pids,
+    )
+except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from _common import (  # type: ignore[no-redef]
+        BenchError,
+        LineReader,
+        descendants,
+        emit_result,
+        median,
+        percentile,
+        print_table,
+        stop_pids,
+    )
+
+LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
+SINK_PROTOCOL = "/swarmtrain/bench-sink/1.0.0"
+HIVEMIND_ECHO = "bench_echo"
+HIVEMIND_SINK = "bench_sink"
+MIB = 1024 * 1024
+#: Throughput unit: 10^6 bytes per second.
+MB = 1_000_000
+
+#: Seconds a spawned child has to import its stack (torch, for hivemind) and listen;
+#: generous because two cores may be starting several interpreters at once.
+CHILD_STARTUP_TIMEOUT = 90.0
+#: Seconds one RPC may take before the run is declared broken.
+CALL_TIMEOUT = 10.0
+#: Seconds for a whole batch of unary calls.
+UNARY_BATCH_TIMEOUT = 120.0
+#: Seconds for one bulk transfer (256 MiB at a miserable 5 MB/s would be 54 s).
+BULK_TIMEOUT = 120.0
+#: Seconds a child lives at most: it exits by itself if the parent forgets it.
+CHILD_LIFETIME = 900.0
+#: Seconds a stopped child (hivemind shuts its daemon down) gets before SIGTERM.
+CHILD_STOP_GRACE = 15.0
+#: Seconds a start-up command has to print its multiaddr.
+STARTUP_TIMEOUT = 60.0
+#: Most bulk transfers a raw TCP server accepts on its one connection.
+MAX_RAW_TRANSFERS = 1000
+
+ADDR_PATTERN = re.compile(r"/ip4/127\.0\.0\.1/tcp/(\d+)/p2p/(\w+)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How much to measure."""
+
+    num_unary_calls: int
+    """Timed unary calls per repetition."""
+    num_unary_warmup: int
+    """Untimed unary calls before each repetition's timed ones."""
+    unary_bytes: int = 100
+    """Request (and echoed reply) payload size."""
+    bulk_bytes: int
+    """Bytes in the one array of a bulk transfer."""
+    chunk_bytes: int = 1 * MIB
+    """Bytes per streamed chunk (hivemind's MoE uses 4 MiB, its averager 64 KiB)."""
+    warmup_bulk_bytes: int = 16 * MIB
+    """One untimed transfer per system first (allocator, windows, caches)."""
+    num_reps: int
+    """Repetitions of each transfer measurement; figures are medians over them."""
+    num_startup_reps: int
+    """Start-ups of ours and of hivemind's ``P2P``."""
+    num_dht_startup_reps: int
+    """Start-ups of ``hivemind-dht`` (0 to skip)."""
+
+
+QUICK = Plan(
+    num_unary_calls=100,
+    num_unary_warmup=20,
+    bulk_bytes=64 * MIB,
+    num_reps=3,
+    num_startup_reps=3,
+    num_dht_startup_reps=1,
+)
+FULL = Plan(
+    num_unary_calls=300,
+    num_unary_warmup=50,
+    bulk_bytes=256 * MIB,
+    num_reps=5,
+    num_startup_reps=7,
+    num_dht_startup_reps=3,
+)
+
+
+# --- the child side -------------------------------------------------------------------
+
+Handler = Callable[[dict[str, Any]], Awaitable[Any]]
+
+
+def _child_entry(role: str, conn: Connection, options: dict[str, Any]) -> None:
+    """Entry point of every spawned child: run ``role``, report a failure on the pipe."""
+    try:
+        ROLES[role](conn, options)
+    except Exception:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def _run_fast_loop(main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run`` on uvloop where installed (ours and hivemind's DHT both use it)."""
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    except ImportError:
+        factory = asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+
+
+async def _recv_command(conn: Connection, deadline: float) -> tuple[str, Any] | None:
+    """The parent's next command, or ``None`` at EOF (the parent is gone) or the deadline."""
+    loop = asyncio.get_running_loop()
+    readable = asyncio.Event()
+    loop.add_reader(conn.fileno(), readable.set)
+    try:
+        async with asyncio.timeout_at(deadline):
+            await readable.wait()
+    except TimeoutError:
+        return None
+    finally:
+        loop.remove_reader(conn.fileno())
+    try:
+        message: tuple[str, Any] = conn.recv()
+    except (EOFError, OSError):
+        return None
+    return message
+
+
+async def _serve_commands(conn: Connection, handlers: dict[str, Handler]) -> None:
+    """Answer the parent's commands until it says stop, goes away, or time runs out."""
+    deadline = asyncio.get_running_loop().time() + CHILD_LIFETIME
+    while True:
+        message = await _recv_command(conn, deadline)
+        if message is None or message[0] == "stop":
+            return
+        kind, options = message
+        try:
+            result = await handlers[kind](options)
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+        else:
+            conn.send(("ok", result))
+
+
+async def _time_calls(call: Callable[[], Awaitable[None]], options: dict[str, Any]) -> list[float]:
+    """Seconds per call of ``call``, after ``warmup`` untimed ones; bounded in time."""
+    async with asyncio.timeout(UNARY_BATCH_TIMEOUT):
+        for _ in range(options["warmup"]):
+            await call()
+        latencies = []
+        for _ in range(options["calls"]):
+            start = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - start)
+    return latencies
+
+
+_ARRAYS: dict[int, Any] = {}
+
+
+def _bulk_array(num_bytes: int) -> Any:
+    """The float32 array to send, made once per size per process."""
+    if num_bytes not in _ARRAYS:
+        import numpy as np
+
+        _ARRAYS.clear()
+        _ARRAYS[num_bytes] = np.random.default_rng(0).random(num_bytes // 4, dtype=np.float32)
+    return _ARRAYS[num_bytes]
+
+
+def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
+    from collections.abc import AsyncIterator
+
+    import numpy as np
+
+    from peers import Peer, PeerConfig, run
+    from peers.echo import install_echo
+    from peers.rpc import CallContext
+
+    async def sink(requests: AsyncIterator[np.ndarray], context: CallContext) -> AsyncIterator[int]:
+        total = 0
+        async for array in requests:
+            total += array.nbytes
+        yield total
+
+    async def main() -> None:
+        async with Peer(PeerConfig(listen_addrs=(LOOPBACK_LISTEN,))) as peer:
+            install_echo(peer)
+            peer.add_stream_handler(SINK_PROTOCOL, sink, np.ndarray)
+            conn.send(("ready", {"addrs": [str(a) for a in peer.listen_addrs]}))
+            await _serve_commands(conn, {})
+
+    run(main())
+
+
+def _ours_client(conn: Connection, options: dict[str, Any]) -> None:
+    from peers import Peer, PeerConfig, run
+    from peers.echo import ECHO_PROTOCOL_ID
+
+    async def main() -> None:
+        async with Peer(PeerConfig(listen_addrs=())) as peer:
+            async with asyncio.timeout(CALL_TIMEOUT):
+                remote = await peer.connect(options["server_addr"])
+
+            async def unary(o: dict[str, Any]) -> list[float]:
+                payload = "x" * o["bytes"]
+
+                async def call() -> None:
+                    reply = await peer.call_unary(
+                        remote, ECHO_PROTOCOL_ID, payload, str, timeout=CALL_TIMEOUT
+                    )
+                    if reply != payload:
+                        raise BenchError("echo returned something else")
+
+                return await _time_calls(call, o)
+
+            async def bulk(o: dict[str, Any]) -> float:
+                array = _bulk_array(o["bytes"])
+                step = o["chunk_bytes"] // array.itemsize
+                start = time.perf_counter()
+                chunks = (array[i : i + step] for i in range(0, array.size, step))
+                acks = [
+                    ack
+                    async for ack in peer.call_stream(
+                        remote, SINK_PROTOCOL, chunks, int, timeout=BULK_TIMEOUT
+                    )
+                ]
+                elapsed = time.perf_counter() - start
+                if acks != [array.nbytes]:
+                    raise BenchError(f"server acknowledged {acks}, expected [{array.nbytes}]")
+                return elapsed
+
+            conn.send(("ready", {}))
+            await _serve_commands(conn, {"unary": unary, "bulk": bulk})
+
+    run(main())
+
+
+def _quiet_hivemind() -> None:
+    # Benchmark children need no INFO chatter from hivemind or its daemon.
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+
+
+def _hivemind_server(conn: Connection, options: dict[str, Any]) -> None:
+    _quiet_hivemind()
+    from collections.abc import AsyncIterator
+
+    from hivemind.p2p import P2P, P2PContext
+    from hivemind.proto import runtime_pb2, test_pb2
+
+    async def echo(request: runtime_pb2.Tensor, context: P2PContext) -> runtime_pb2.Tensor:
+        return request
+
+    async def sink(
+        requests: AsyncIterator[runtime_pb2.Tensor], context: P2PContext
+    ) -> test_pb2.TestResponse:
+        total = 0
+        async for part in requests:
+            total += len(part.buffer)
+        return test_pb2.TestResponse(number=total // 1024)
+
+    async def main() -> None:
+        p2p = await P2P.create(host_maddrs=[LOOPBACK_LISTEN])
+        try:
+            conn.send(("pids", [p2p._child.pid]))
+            await p2p.add_protobuf_handler(HIVEMIND_ECHO, echo, runtime_pb2.Tensor)
+            await p2p.add_protobuf_handler(
+                HIVEMIND_SINK, sink, runtime_pb2.Tensor, stream_input=True
+            )
+            maddrs = await p2p.get_visible_maddrs()
+            conn.send(("ready", {"addrs": [str(m) for m in maddrs]}))
+            await _serve_commands(conn, {})
+        finally:
+            await asyncio.wait_for(p2p.shutdown(), CHILD_STOP_GRACE / 2)
+
+    _run_fast_loop(main())
+
+
+def _hivemind_client(conn: Connection, options: dict[str, Any]) -> None:
+    _quiet_hivemind()
+    import torch
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.proto import runtime_pb2, test_pb2
+    from hivemind.utils.streaming import split_for_streaming
+
+    server_addr: str = options["server_addr"]
+    server_id = PeerID.from_base58(server_addr.rsplit("/p2p/", 1)[1])
+
+    async def main() -> None:
+        p2p = await P2P.create(host_maddrs=[LOOPBACK_LISTEN], initial_peers=[server_addr])
+        try:
+            conn.send(("pids", [p2p._child.pid]))
+
+            async def unary(o: dict[str, Any]) -> list[float]:
+                request = runtime_pb2.Tensor(buffer=b"x" * o["bytes"])
+
+                async def call() -> None:
+                    reply = await asyncio.wait_for(
+                        p2p.call_protobuf_handler(
+                            server_id, HIVEMIND_ECHO, request, runtime_pb2.Tensor
+                        ),
+                        CALL_TIMEOUT,
+                    )
+                    if reply.buffer != request.buffer:
+                        raise BenchError("echo returned something else")
+
+                return await _time_calls(call, o)
+
+            async def bulk(o: dict[str, Any]) -> float:
+                tensor = torch.from_numpy(_bulk_array(o["bytes"]))
+                start = time.perf_counter()
+                serialized = serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)
+
+                async def parts() -> Any:
+                    for part in split_for_streaming(serialized, o["chunk_bytes"]):
+                        yield part
+
+                ack = await asyncio.wait_for(
+                    p2p.call_protobuf_handler(
+                        server_id, HIVEMIND_SINK, parts(), test_pb2.TestResponse
+                    ),
+                    BULK_TIMEOUT,
+                )
+                elapsed = time.perf_counter() - start
+                if ack.number != o["bytes"] // 1024:
+                    raise BenchError(f"server acknowledged {ack.number} KiB of {o['bytes']} B")
+                return elapsed
+
+            conn.send(("ready", {}))
+            await _serve_commands(conn, {"unary": unary, "bulk": bulk})
+        finally:
+            await asyncio.wait_for(p2p.shutdown(), CHILD_STOP_GRACE / 2)
+
+    _run_fast_loop(main())
+
+
+def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes | None:
+    """``num_bytes`` bytes, or ``None`` at a clean EOF before the first byte."""
+    data = bytearray()
+    while len(data) < num_bytes:
+        got = sock.recv(num_bytes - len(data))
+        if not got:
+            if data:
+                raise ConnectionError("connection ended in the middle of a header")
+            return None
+        data += got
+    return bytes(data)
+
+
+def _raw_server(conn: Connection, options: dict[str, Any]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(CHILD_STARTUP_TIMEOUT)
+        conn.send(("ready", {"port": server.getsockname()[1]}))
+        sock, _ = server.accept()
+    with sock:
+        sock.settimeout(CHILD_LIFETIME)
+        buffer = memoryview(bytearray(4 * MIB))
+        for _ in range(MAX_RAW_TRANSFERS):
+            header = _recv_exactly(sock, 8)
+            if header is None:
+                return
+            remaining = int.from_bytes(header, "big")
+            sock.settimeout(BULK_TIMEOUT)
+            while remaining:
+                got = sock.recv_into(buffer[: min(remaining, len(buffer))])
+                if not got:
+                    raise ConnectionError("client left in the middle of a transfer")
+                remaining -= got
+            sock.sendall(b"\x01")
+            sock.settimeout(CHILD_LIFETIME)
+
+
+def _raw_client(conn: Connection, options: dict[str, Any]) -> None:
+    sock = socket.create_connection(("127.0.0.1", options["port"]), timeout=CALL_TIMEOUT)
+    sock.settimeout(BULK_TIMEOUT)
+
+    async def bulk(o: dict[str, Any]) -> float:
+        data = memoryview(_bulk_array(o["bytes"])).cast("B")
+        start = time.perf_counter()
+        sock.sendall(len(data).to_bytes(8, "big"))
+        sock.sendall(data)
+        if sock.recv(1) != b"\x01":
+            raise BenchError("raw TCP server did not acknowledge")
+        return time.perf_counter() - start
+
+    async def main() -> None:
+        conn.send(("ready", {}))
+        await _serve_commands(conn, {"bulk": bulk})
+
+    with sock:
+        asyncio.run(main())
+
+
+ROLES: dict[str, Callable[[Connection, dict[str, Any]], None]] = {
+    "ours_server": _ours_server,
+    "ours_client": _ours_client,
+    "hivemind_server": _hivemind_server,
+    "hivemind_client": _hivemind_client,
+    "raw_server": _raw_server,
+    "raw_client": _raw_client,
+}
+
+
+# --- the parent side ------------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    """One spawned child and our end of its command pipe."""
+
+    name: str
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+
+
+class Fleet:
+    """Every child this run started, and the daemons they started; stops each by PID."""
+
+    def __init__(self) -> None:
+        self._context = multiprocessing.get_context("spawn")
+        self.children: list[Child] = []
+        self.daemon_pids: list[int] = []
+
+    def start(self, role: str, options: dict[str, Any] | None = None) -> Child:
+        ours, theirs = self._context.Pipe()
+        process = self._context.Process(
+            target=_child_entry, args=(role, theirs, options or {}), name=role, daemon=True
+        )
+        process.start()
+        theirs.close()
+        child = Child(role, process, ours)
+        self.children.append(child)
+        return child
+
+    def receive(self, child: Child, timeout: float) -> Any:
+        """The child's next answer; :class:`BenchError` if it fails, dies or is late."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BenchError(f"{child.name} did not answer within {timeout:.0f} s")
+            if child.conn.poll(min(0.2, remaining)):
+                try:
+                    kind, body = child.conn.recv()
+                except (EOFError, OSError) as e:
+                    raise BenchError(f"{child.name} exited (code {child.process.exitcode})") from e
+                if kind == "pids":
+                    self.daemon_pids.extend(body)
+                    continue
+                if kind == "error":
+                    raise BenchError(f"{child.name} failed:\n{body}")
+                return body
+            if not child.process.is_alive() and not child.conn.poll(0):
+                raise BenchError(f"{child.name} exited (code {child.process.exitcode})")
+
+    def request(self, child: Child, kind: str, options: dict[str, Any], timeout: float) -> Any:
+        child.conn.send((kind, options))
+        return self.receive(child, timeout)
+
+    def stop(self, children: list[Child]) -> None:
+        """Ask ``children`` to stop; terminate, then kill, those that do not (by PID)."""
+        trees = {c.name: descendants(c.process.pid) for c in children if c.process.pid}
+        for child in children:
+            with contextlib.suppress(OSError, ValueError):
+                child.conn.send(("stop", None))
+        deadline = time.monotonic() + CHILD_STOP_GRACE
+        for child in children:
+            child.process.join(max(0.0, deadline - time.monotonic()))
+        for child in children:
+            if child.process.is_alive():
+                child.process.terminate()
+                child.process.join(5.0)
+            if child.process.is_alive():
+                child.process.kill()
+                child.process.join(5.0)
+            with contextlib.suppress(OSError):
+                child.conn.close()
+            stop_pids(trees.get(child.name, []))
+            if child in self.children:
+                self.children.remove(child)
+        stop_pids(self.daemon_pids, expect_in_command="p2pd")
+
+    def close(self) -> None:
+        self.stop(list(self.children))
+
+
+@dataclass
+class TransferResults:
+    unary_p50_s: dict[str, list[float]]
+    unary_p95_s: dict[str, list[float]]
+    bulk_s: dict[str, list[float]]
+
+
+def _start_pair(fleet: Fleet, system: str) -> Child:
+    """Start ``system``'s server, then its client connected to it; return the client."""
+    server = fleet.start(f"{system}_server")
+    ready = fleet.receive(server, CHILD_STARTUP_TIMEOUT)
+    options = {"port": ready["port"]} if system == "raw" else {"server_addr": ready["addrs"][0]}
+    client = fleet.start(f"{system}_client", options)
+    fleet.receive(client, CHILD_STARTUP_TIMEOUT)
+    return client
+
+
+def measure_transfers(plan: Plan, systems: list[str], notes: list[str]) -> TransferResults:
+    """Unary latency and bulk throughput of each system, alternating within repetitions.
+
+    A hivemind failure drops hivemind (with a note) and keeps measuring the rest.
+    """
+    results = TransferResults({}, {}, {})
+    fleet = Fleet()
+    try:
+        clients: dict[str, Child] = {}
+        for system in systems:
+            try:
+                clients[system] = _start_pair(fleet, system)
+            except BenchError as e:
+                if system != "hivemind":
+                    raise
+                notes.append(f"hivemind could not start: {e}")
+                print(f"hivemind could not start, measuring without it: {e}", file=sys.stderr)
+        bulk_options = {"bytes": plan.bulk_bytes, "chunk_bytes": plan.chunk_bytes}
+        unary_options = {
+            "bytes": plan.unary_bytes,
+            "calls": plan.num_unary_calls,
+            "warmup": plan.num_unary_warmup,
+        }
+        for system, client in clients.items():
+            warmup = dict(bulk_options, bytes=min(plan.warmup_bulk_bytes, plan.bulk_bytes))
+            fleet.request(client, "bulk", warmup, BULK_TIMEOUT + 15)
+        order = list(clients)
+        for rep in range(plan.num_reps):
+            shift = rep % len(order)
+            for system in order[shift:] + order[:shift]:
+                client = clients[system]
+                line = f"  rep {rep + 1}/{plan.num_reps} {system:>8}:"
+                if system != "raw":
+                    latencies = fleet.request(
+                        client, "unary", unary_options, UNARY_BATCH_TIMEOUT + 15
+                    )
+                    p50, p95 = percentile(latencies, 50), percentile(latencies, 95)
+                    results.unary_p50_s.setdefault(system, []).append(p50)
+                    results.unary_p95_s.setdefault(system, []).append(p95)
+                    line += f" unary p50 {p50 * 1e3:.3f} ms p95 {p95 * 1e3:.3f} ms;"
+                seconds = fleet.request(client, "bulk", bulk_options, BULK_TIMEOUT + 15)
+                results.bulk_s.setdefault(system, []).append(seconds)
+                line += f" bulk {plan.bulk_bytes / seconds / MB:.1f} MB/s"
+                print(line, flush=True)
+    finally:
+        fleet.close()
+    return results
+
+
+# --- start-up -------------------------------------------------------------------------
+
+
+def _script(name: str) -> Path | None:
+    path = Path(sys.executable).parent / name
+    return path if path.exists() else None
+
+
+_HIVEMIND_P2P_SCRIPT = """
+import asyncio, sys
+from hivemind.p2p import P2P
+async def main():
+    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    for maddr in await p2p.get_visible_maddrs():
+        print(maddr, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await p2p.shutdown()
+asyncio.run(main())
+"""
+
+
+def startup_command(system: str) -> list[str]:
+    if system == "ours":
+        swarm = _script("swarm")
+        base = [str(swarm)] if swarm else [sys.executable, "-m", "swarm.cli"]
+        return [*base, "bootstrap", "--listen", LOOPBACK_LISTEN]
+    if system == "hivemind_p2p":
+        return [sys.executable, "-c", _HIVEMIND_P2P_SCRIPT]
+    dht = _script("hivemind-dht")
+    base = [str(dht)] if dht else [sys.executable, "-m", "hivemind.hivemind_cli.run_dht"]
+    return [*base, "--host_maddrs", LOOPBACK_LISTEN]
+
+
+def measure_startup(system: str) -> float:
+    """Seconds from just before ``Popen`` to a printed multiaddr that accepts TCP."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    command = startup_command(system)
+    start = time.perf_counter()
+    popen = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    tree: list[int] = []
+    try:
+        reader = LineReader(popen.stdout)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        for _ in range(10_000):
+            arrived, line = reader.next_line(deadline)
+            match = ADDR_PATTERN.search(line)
+            if match:
+                break
+        else:
+            raise BenchError(f"{system} printed no multiaddr")
+        elapsed = arrived - start
+        # Check the address is real (outside the timed span).
+        with socket.create_connection(("127.0.0.1", int(match.group(1))), timeout=5.0):
+            pass
+        tree = descendants(popen.pid)
+        # Ask politely first: ours and hivemind-dht stop on SIGTERM, the P2P script on EOF.
+        if system == "hivemind_p2p":
+            assert popen.stdin is not None
+            popen.stdin.close()
+        else:
+            popen.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(CHILD_STOP_GRACE)
+        return elapsed
+    finally:
+        tree = tree or descendants(popen.pid)
+        if popen.poll() is None:
+            popen.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(5.0)
+        stop_pids(tree)
+        for pipe in (popen.stdin, popen.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def measure_startups(plan: Plan, hivemind: bool, notes: list[str]) -> dict[str, list[float]]:
+    systems = ["ours", "hivemind_p2p"] if hivemind else ["ours"]
+    results: dict[str, list[float]] = {}
+    for rep in range(plan.num_startup_reps):
+        shift = rep % len(systems)
+        for system in systems[shift:] + systems[:shift]:
+            try:
+                seconds = measure_startup(system)
+            except (BenchError, OSError) as e:
+                if system == "ours":
+                    raise
+                notes.append(f"{system} start-up failed: {e}")
+                systems.remove(system)
+                continue
+            results.setdefault(system, []).append(seconds)
+            print(f"  start-up {rep + 1}/{plan.num_startup_reps} {system}: {seconds:.3f} s")
+    if hivemind:
+        for rep in range(plan.num_dht_startup_reps):
+            try:
+                seconds = measure_startup("hivemind_dht")
+            except (BenchError, OSError) as e:
+                notes.append(f"hivemind-dht start-up failed: {e}")
+                break
+            results.setdefault("hivemind_dht", []).append(seconds)
+            print(f"  start-up {rep + 1}/{plan.num_dht_startup_reps} hivemind-dht: {seconds:.3f} s")
+    return results
+
+
+# --- main -----------------------------------------------------------------------------
+
+
+def probe_hivemind() -> tuple[str | None, str]:
+    """hivemind's version, or ``None`` and why it cannot be used (checked in a child, so
+    this process never imports torch)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import hivemind.p2p, hivemind; print(hivemind.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=CHILD_STARTUP_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"importing hivemind took over {CHILD_STARTUP_TIMEOUT:.0f} s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["unknown error"])[-1]
+        return None, f"hivemind is not importable ({last}); install the 'bench' extra"
+    return done.stdout.strip(), ""
+
+
+def _ms(values: list[float] | None) -> str:
+    return f"{median(values) * 1e3:.3f}" if values else "-"
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 3) if num and den else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="reduced run, under a minute")
+    parser.add_argument("--no-hivemind", action="store_true", help="measure ours only")
+    parser.add_argument("--bulk-mib", type=int, help="bulk array size in MiB")
+    parser.add_argument("--chunk-mib", type=float, help="bulk chunk size in MiB (default 1)")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.bulk_mib:
+        plan = replace(plan, bulk_bytes=args.bulk_mib * MIB)
+    if args.chunk_mib:
+        plan = replace(plan, chunk_bytes=int(args.chunk_mib * MIB) // 4 * 4)
+
+    notes: list[str] = []
+    version, why = (None, "disabled with --no-hivemind") if args.no_hivemind else probe_hivemind()
+    if version is None:
+        notes.append(why)
+        print(f"hivemind: not measured: {why}", file=sys.stderr)
+    mode = "quick" if args.quick else "full"
+    print(
+        f"transport benchmark ({mode}): loopback, 2 processes per measurement, "
+        f"{os.cpu_count()} CPUs; hivemind {version or 'absent'}"
+    )
+    began = time.monotonic()
+    systems = ["ours", "hivemind", "raw"] if version else ["ours", "raw"]
+    transfers = measure_transfers(plan, systems, notes)
+    startups = measure_startups(plan, "hivemind" in transfers.bulk_s, notes)
+    total_s = time.monotonic() - began
+
+    def mbps(system: str) -> float | None:
+        seconds = transfers.bulk_s.get(system)
+        return plan.bulk_bytes / median(seconds) / MB if seconds else None
+
+    def med(table: dict[str, list[float]], system: str) -> float | None:
+        return median(table[system]) if table.get(system) else None
+
+    figures: dict[str, Any] = {}
+    for system in ("ours", "hivemind"):
+        for name, table in (("p50", transfers.unary_p50_s), ("p95", transfers.unary_p95_s)):
+            value = med(table, system)
+            figures[f"unary_{name}_ms_{system}"] = round(value * 1e3, 4) if value else None
+    for system, label in (("ours", "ours"), ("hivemind", "hivemind"), ("raw", "raw_tcp")):
+        value = mbps(system)
+        figures[f"bulk_MBps_{label}"] = round(value, 1) if value else None
+    for system in ("ours", "hivemind_p2p", "hivemind_dht"):
+        value = med(startups, system)
+        figures[f"startup_s_{system}"] = round(value, 4) if value else None
+    figures["bulk_fraction_of_raw_tcp_hivemind"] = _ratio(mbps("hivemind"), mbps("raw"))
+    figures = {k: v for k, v in figures.items() if v is not None}
+
+    ratios = {
+        "unary_latency_p50": _ratio(
+            med(transfers.unary_p50_s, "hivemind"), med(transfers.unary_p50_s, "ours")
+        ),
+        "unary_latency_p95": _ratio(
+            med(transfers.unary_p95_s, "hivemind"), med(transfers.unary_p95_s, "ours")
+        ),
+        "bulk_throughput": _ratio(mbps("ours"), mbps("hivemind")),
+        "bulk_ours_fraction_of_raw_tcp": _ratio(mbps("ours"), mbps("raw")),
+        "bootstrap_startup": _ratio(med(startups, "hivemind_p2p"), med(startups, "ours")),
+        "bootstrap_startup_vs_hivemind_dht": _ratio(
+            med(startups, "hivemind_dht"), med(startups, "ours")
+        ),
+    }
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+
+    def fig(key: str, fmt: str = "{:.1f}") -> str:
+        return fmt.format(figures[key]) if key in figures else "-"
+
+    def rat(key: str) -> str:
+        return f"{ratios[key]:.2f}x" if key in ratios else "-"
+
+    reps = plan.num_reps
+    print_table(
+        f"medians over {reps} reps; MB = 10^6 bytes; ratio > 1 means ours is better",
+        [
+            ["measurement", "ours", "hivemind", "raw TCP", "ratio"],
+            [
+                f"unary {plan.unary_bytes} B echo p50 (ms)",
+                _ms(transfers.unary_p50_s.get("ours")),
+                _ms(transfers.unary_p50_s.get("hivemind")),
+                "",
+                rat("unary_latency_p50"),
+            ],
+            [
+                f"unary {plan.unary_bytes} B echo p95 (ms)",
+                _ms(transfers.unary_p95_s.get("ours")),
+                _ms(transfers.unary_p95_s.get("hivemind")),
+                "",
+                rat("unary_latency_p95"),
+            ],
+            [
+                f"bulk {plan.bulk_bytes // MIB} MiB, {plan.chunk_bytes / MIB:g} MiB chunks (MB/s)",
+                fig("bulk_MBps_ours"),
+                fig("bulk_MBps_hivemind"),
+                fig("bulk_MBps_raw_tcp"),
+                rat("bulk_throughput"),
+            ],
+            [
+                "bulk as a fraction of raw TCP",
+                rat("bulk_ours_fraction_of_raw_tcp").rstrip("x"),
+                fig("bulk_fraction_of_raw_tcp_hivemind", "{:.2f}"),
+                "1.00",
+                "",
+            ],
+            [
+                "start-up to dialable maddr (s), P2P",
+                fig("startup_s_ours", "{:.3f}"),
+                fig("startup_s_hivemind_p2p", "{:.3f}"),
+                "",
+                rat("bootstrap_startup"),
+            ],
+            [
+                "start-up (s), hivemind-dht command",
+                fig("startup_s_ours", "{:.3f}"),
+                fig("startup_s_hivemind_dht", "{:.3f}"),
+                "",
+                rat("bootstrap_startup_vs_hivemind_dht"),
+            ],
+        ],
+    )
+    for note in notes:
+        print(f"note: {note}")
+    print(f"total {total_s:.1f} s")
+    emit_result(
+        "transport",
+        figures,
+        ratios,
+        mode=mode,
+        hivemind=version,
+        notes=notes,
+        plan=asdict(plan),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""A 1 GiB array streams between two processes within a bounded memory window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from peers.testing import LocalSwarm
+
+TARGETS = Path(__file__).parent / "targets" / "bulk.py"
+NUM_BYTES = 1 << 30
+#: Memory either side may hold beyond the array itself: the yamux receive window
+#: (<= 16 MiB), a frame being decoded (4 MiB chunks, two copies), socket buffers, and
+#: allocator slack. A transfer that buffered the payload would exceed it by ~1 GiB.
+MAX_EXTRA_BYTES = 160 * 1024 * 1024
+
+
+def test_one_gib_streams_with_bounded_memory() -> None:
+    with LocalSwarm() as swarm:
+        (receiver,) = swarm.start(1, target=f"{TARGETS}:receiver", options={"num_bytes": NUM_BYTES})
+        (sender,) = swarm.start(1, target=f"{TARGETS}:sender")
+        receiver.wait_report("serving", 30)
+        sender.send({"to": receiver.maddr, "num_bytes": NUM_BYTES})
+        report = sender.wait_report("sent", 240)
+    summary = report["summary"]
+    assert summary["received_items"] == NUM_BYTES // 4
+    assert summary["mismatches"] == 0
+    sender_extra = report["peak_rss"] - report["baseline_rss"] - NUM_BYTES
+    receiver_extra = summary["peak_rss"] - summary["baseline_rss"] - NUM_BYTES
+    print(
+        f"extra memory beyond the array: sender {sender_extra / 2**20:.1f} MiB, "
+        f"receiver {receiver_extra / 2**20:.1f} MiB"
+    )
+    assert sender_extra < MAX_EXTRA_BYTES
+    assert receiver_extra < MAX_EXTRA_BYTES

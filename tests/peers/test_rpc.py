@@ -1,0 +1,278 @@
+"""Two in-process peers on loopback: connections, identify, ping and RPC semantics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from peers import (
+    CallContext,
+    DialError,
+    KeyPair,
+    Peer,
+    PeerIDMismatch,
+    ProtocolNotSupported,
+    RemoteError,
+    with_peer_id,
+)
+from peers.addresses import split_peer_id
+from peers.echo import ECHO_PROTOCOL_ID, ECHO_STREAM_PROTOCOL_ID, install_echo
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Add:
+    a: int
+    b: int
+
+
+@dataclass(frozen=True)
+class Sum:
+    total: int
+    served_by: str
+
+
+def test_connect_identify_ping(arun: Run) -> None:
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            install_echo(a)
+            remote = await b.connect(a.listen_addrs[0])
+            assert remote == a.peer_id
+            info = await b.identify(remote)
+            assert info.peer_id == a.peer_id
+            assert ECHO_PROTOCOL_ID in info.protocols and "/ipfs/ping/1.0.0" in info.protocols
+            assert info.agent_version.startswith("swarmtrain/")
+            assert [str(x) for x in info.listen_addrs] == [
+                str(split_peer_id(x)[0]) for x in a.listen_addrs
+            ]
+            assert 0 < await b.ping(remote) < 5
+            # the connection was reused for all of that
+            assert b.statistics().num_connections == 1
+            # and a sees b as the same authenticated peer
+            assert a.connected_peers() == [b.peer_id]
+
+    arun(main())
+
+
+def test_unary_typed_call_and_remote_error(arun: Run) -> None:
+    async def add(request: Add, context: CallContext) -> Sum:
+        if request.a < 0:
+            raise ValueError(f"negative operand {request.a}")
+        return Sum(request.a + request.b, str(context.remote_peer_id))
+
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            a.add_unary_handler("/test/add/1.0.0", add, Add)
+            result = await b.call_unary(a.listen_addrs[0], "/test/add/1.0.0", Add(2, 3), Sum)
+            assert result == Sum(5, str(b.peer_id))
+            with pytest.raises(RemoteError) as info:
+                await b.call_unary(a.peer_id, "/test/add/1.0.0", Add(-1, 3), Sum)
+            assert info.value.remote_type == "ValueError"
+            assert "negative operand -1" in info.value.remote_message
+            # a request of the wrong shape is refused at the remote's edge, clearly
+            with pytest.raises(RemoteError, match="WireError"):
+                await b.call_unary(a.peer_id, "/test/add/1.0.0", {"a": 1}, Sum)
+            with pytest.raises(ProtocolNotSupported):
+                await b.call_unary(a.peer_id, "/test/nothing/1.0.0", Add(1, 1), Sum)
+            # still fine afterwards, on the same connection
+            assert (await b.call_unary(a.peer_id, "/test/add/1.0.0", Add(1, 1), Sum)).total == 2
+            assert b.statistics().num_connections == 1
+
+    arun(main())
+
+
+def test_deadline_and_cancel_cancel_the_remote_handler(arun: Run) -> None:
+    async def main() -> None:
+        started = asyncio.Event()
+        cancelled: list[float | None] = []
+        cancellation = asyncio.Event()
+
+        async def slow(request: int, context: CallContext) -> int:
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.append(context.timeout)
+                cancellation.set()
+                raise
+            return request
+
+        async with Peer() as a, Peer() as b:
+            a.add_unary_handler("/test/slow/1.0.0", slow, int)
+            with pytest.raises(TimeoutError):
+                await b.call_unary(a.listen_addrs[0], "/test/slow/1.0.0", 1, int, timeout=0.3)
+            async with asyncio.timeout(5):
+                await cancellation.wait()
+            assert cancelled == [0.3]  # the handler saw the caller's deadline
+            # explicit cancellation of the calling task
+            started.clear()
+            cancellation.clear()
+            call = asyncio.ensure_future(b.call_unary(a.peer_id, "/test/slow/1.0.0", 2, int))
+            async with asyncio.timeout(5):
+                await started.wait()
+            call.cancel()
+            async with asyncio.timeout(5):
+                await cancellation.wait()
+            assert cancelled[1] is None
+
+    arun(main())
+
+
+def test_remote_handler_deadline_raises_there_too(arun: Run) -> None:
+    async def main() -> None:
+        async def sleepy(request: float, context: CallContext) -> float:
+            await asyncio.sleep(request)
+            return request
+
+        async with Peer() as a, Peer() as b:
+            a.add_unary_handler("/test/sleepy/1.0.0", sleepy, float)
+            assert (
+                await b.call_unary(a.listen_addrs[0], "/test/sleepy/1.0.0", 0.01, float, timeout=5)
+                == 0.01
+            )
+
+    arun(main())
+
+
+def test_bidirectional_streaming(arun: Run) -> None:
+    async def running_sum(requests: AsyncIterator[int], context: CallContext) -> AsyncIterator[int]:
+        total = 0
+        async for value in requests:
+            total += value
+            yield total
+
+    async def failing(requests: AsyncIterator[int], context: CallContext) -> AsyncIterator[int]:
+        async for value in requests:
+            if value == 3:
+                raise KeyError("three is not allowed")
+            yield value
+
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            a.add_stream_handler("/test/sum/1.0.0", running_sum, int)
+            a.add_stream_handler("/test/failing/1.0.0", failing, int)
+            out = [
+                x
+                async for x in b.call_stream(a.listen_addrs[0], "/test/sum/1.0.0", range(1, 6), int)
+            ]
+            assert out == [1, 3, 6, 10, 15]
+
+            async def slowly() -> AsyncIterator[int]:
+                for i in range(3):
+                    await asyncio.sleep(0)
+                    yield i
+
+            assert [
+                x async for x in b.call_stream(a.peer_id, "/test/sum/1.0.0", slowly(), int)
+            ] == [0, 1, 3]
+            got: list[int] = []
+            with pytest.raises(RemoteError, match="three is not allowed"):
+                async for x in b.call_stream(a.peer_id, "/test/failing/1.0.0", range(10), int):
+                    got.append(x)
+            assert got == [0, 1, 2]
+            assert [x async for x in b.call_stream(a.peer_id, "/test/sum/1.0.0", [], int)] == []
+
+    arun(main())
+
+
+def test_many_concurrent_streams_share_one_connection(arun: Run) -> None:
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            install_echo(a)
+            texts = [f"message {i}" * (i + 1) for i in range(100)]
+            replies = await asyncio.gather(
+                *(
+                    b.call_unary(a.listen_addrs[0], ECHO_PROTOCOL_ID, t, str, timeout=10)
+                    for t in texts
+                )
+            )
+            assert replies == texts
+            arrays = [np.random.default_rng(i).random(50_000).astype(np.float32) for i in range(8)]
+
+            async def echo_arrays(i: int) -> bool:
+                out = [
+                    x
+                    async for x in b.call_stream(
+                        a.peer_id, ECHO_STREAM_PROTOCOL_ID, [arrays[i]] * 4, np.ndarray
+                    )
+                ]
+                return len(out) == 4 and all(np.array_equal(x, arrays[i]) for x in out)
+
+            assert all(await asyncio.gather(*(echo_arrays(i) for i in range(8))))
+            assert b.statistics().num_connections == 1
+
+    arun(main())
+
+
+def test_torch_tensor_over_rpc(arun: Run) -> None:
+    torch = pytest.importorskip("torch")
+
+    async def double(request: Any, context: CallContext) -> Any:
+        assert isinstance(request, torch.Tensor)
+        return request * 2
+
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            a.add_unary_handler("/test/double/1.0.0", double, Any)  # type: ignore[arg-type]
+            tensor = torch.randn(64, 32).to(torch.bfloat16)
+            out = await b.call_unary(a.listen_addrs[0], "/test/double/1.0.0", tensor, torch.Tensor)
+            assert out.dtype == torch.bfloat16 and torch.equal(out, tensor * 2)
+
+    arun(main())
+
+
+def test_dial_failures_are_clear(arun: Run) -> None:
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            impostor = KeyPair.generate().peer_id
+            wrong = with_peer_id(split_peer_id(a.listen_addrs[0])[0], impostor)
+            with pytest.raises(PeerIDMismatch, match=str(impostor)):
+                await b.connect(wrong)
+            with pytest.raises(DialError, match="cannot connect"):
+                await b.connect("/ip4/127.0.0.1/tcp/1")
+            with pytest.raises(DialError, match="no known address"):
+                await b.ping(KeyPair.generate().peer_id)
+            # the honest address still works afterwards
+            assert await b.connect(a.listen_addrs[0]) == a.peer_id
+
+    arun(main())
+
+
+def test_simultaneous_dials_make_one_connection(arun: Run) -> None:
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            results = await asyncio.gather(*(b.connect(a.listen_addrs[0]) for _ in range(10)))
+            assert set(results) == {a.peer_id}
+            assert b.statistics().num_connections == 1
+
+    arun(main())
+
+
+def test_ipv6_loopback(arun: Run) -> None:
+    import socket
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+
+    async def main() -> None:
+        from peers import PeerConfig
+
+        try:
+            server = Peer(PeerConfig(listen_addrs=("/ip6/::1/tcp/0",)))
+            await server.__aenter__()
+        except Exception as e:  # no ::1 configured in this sandbox
+            pytest.skip(f"cannot listen on ::1: {e}")
+        try:
+            async with Peer() as client:
+                assert str(server.listen_addrs[0]).startswith("/ip6/::1/tcp/")
+                assert await client.connect(server.listen_addrs[0]) == server.peer_id
+        finally:
+            await server.__aexit__(None, None, None)
+
+    arun(main())

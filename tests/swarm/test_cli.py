@@ -1,0 +1,150 @@
+"""The ``swarm`` command as a user runs it: real processes, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from peers import KeyPair
+
+SWARM = [sys.executable, "-m", "swarm.cli"]
+
+
+def _start_bootstrap(*args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    proc = subprocess.Popen(
+        [*SWARM, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline().strip()  # bounded by the pytest timeout
+    if not first:
+        proc.kill()
+        raise AssertionError(f"bootstrap printed nothing: {proc.communicate(timeout=10)}")
+    return proc, [first]
+
+
+@pytest.fixture
+def bootstrap(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
+    key = tmp_path / "boot.key"
+    proc, addrs = _start_bootstrap("--identity", str(key))
+    try:
+        yield proc, addrs[0], key
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+def test_bootstrap_prints_full_multiaddr_with_persistent_identity(
+    bootstrap: tuple[subprocess.Popen[str], str, Path],
+) -> None:
+    proc, addr, key = bootstrap
+    identity = KeyPair.load(key)
+    assert addr.startswith("/ip4/127.0.0.1/tcp/")
+    assert addr.endswith(f"/p2p/{identity.peer_id}")
+    assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+
+
+def test_bootstrap_exits_zero_on_sigint(tmp_path: Path) -> None:
+    proc, _ = _start_bootstrap()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) == 0
+    proc.communicate(timeout=10)
+
+
+def test_ping_prints_peer_protocols_and_rtts(
+    bootstrap: tuple[subprocess.Popen[str], str, Path],
+) -> None:
+    _, addr, key = bootstrap
+    out = subprocess.run(
+        [*SWARM, "ping", addr, "--count", "2"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"peer:      {KeyPair.load(key).peer_id}" in out.stdout
+    assert "/ipfs/ping/1.0.0" in out.stdout and "/swarmtrain/echo/1.0.0" in out.stdout
+    assert out.stdout.count(" ms") == 2
+
+
+def test_ping_wrong_peer_id_fails_clearly(
+    bootstrap: tuple[subprocess.Popen[str], str, Path],
+) -> None:
+    _, addr, _ = bootstrap
+    impostor = KeyPair.generate().peer_id
+    wrong = addr.rsplit("/p2p/", 1)[0] + f"/p2p/{impostor}"
+    out = subprocess.run([*SWARM, "ping", wrong], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "but the remote is" in out.stderr
+    assert str(impostor) in out.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_ping_unreachable_fails_clearly() -> None:
+    port = _free_port()
+    out = subprocess.run(
+        [*SWARM, "ping", f"/ip4/127.0.0.1/tcp/{port}"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 1
+    assert "cannot connect" in out.stderr and str(port) in out.stderr
+
+
+def test_ping_handshake_failure_fails_clearly() -> None:
+    # A TCP server that is not libp2p: it answers with an HTTP response and closes.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def serve_once() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            conn.settimeout(30)
+            while conn.recv(4096):  # hold the connection until the client gives up
+                pass
+
+    thread = threading.Thread(target=serve_once, daemon=True)
+    thread.start()
+    try:
+        out = subprocess.run(
+            [*SWARM, "ping", f"/ip4/127.0.0.1/tcp/{port}", "--timeout", "5"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        thread.join(10)
+        server.close()
+    assert out.returncode == 1
+    assert "multistream" in out.stderr or "handshake" in out.stderr
+
+
+def test_ping_malformed_address() -> None:
+    out = subprocess.run(
+        [*SWARM, "ping", "/ip4/999.1.1.1/tcp/1"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 1 and "invalid multiaddr" in out.stderr
+
+
+def test_demo_runs() -> None:
+    out = subprocess.run([*SWARM, "demo"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "unary echo: sent 'hello from the demo', got 'hello from the demo'" in out.stdout
+    assert "all equal: True" in out.stdout

@@ -1,0 +1,52 @@
+"""Layers import one way: peers <- averaging <- swarm; peers never imports torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ALLOWED = {
+    "peers": {"peers"},
+    "averaging": {"peers", "averaging"},
+    "swarm": {"peers", "averaging", "swarm"},
+}
+LAYERS = set(ALLOWED)
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_import_direction(package: str) -> None:
+    for path in sorted((ROOT / package).rglob("*.py")):
+        bad = (_imports(path) & LAYERS) - ALLOWED[package]
+        assert not bad, (
+            f"{path.relative_to(ROOT)} imports {bad}: layers import peers <- averaging <- swarm"
+        )
+
+
+def test_peers_source_never_imports_torch() -> None:
+    for path in sorted((ROOT / "peers").rglob("*.py")):
+        assert "torch" not in _imports(path) or path.name == "serialization.py", path
+    # serialization.py imports torch only inside the decoder of a torch-tensor extension
+
+
+def test_import_peers_does_not_load_torch() -> None:
+    code = "import sys, peers, peers.testing, peers.echo, swarm.cli; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "False"
