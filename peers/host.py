@@ -153,12 +153,14 @@ class Peer:
     async def __aenter__(self) -> Peer:
         self._group = asyncio.TaskGroup()
         await self._group.__aenter__()
+        listening = False
         try:
             for text in self.config.listen_addrs:
                 await self._listen(parse_multiaddr(text))
-        except BaseException:
-            await self.__aexit__(None, None, None)
-            raise
+            listening = True
+        finally:
+            if not listening:  # an address we cannot bind, or cancellation: undo
+                await self.__aexit__(None, None, None)
         return self
 
     async def __aexit__(
@@ -373,26 +375,34 @@ class Peer:
         return conn.remote_peer_id
 
     async def _get_connection(self, peer_id: PeerID) -> Connection:
-        conn = self.connection_to(peer_id)
-        if conn is not None:
-            return conn
         if peer_id == self.peer_id:
             raise DialError("cannot dial ourselves")
-        pending = self._dialing.get(peer_id)
-        if pending is not None:
-            return await asyncio.shield(pending)
+        while True:
+            conn = self.connection_to(peer_id)
+            if conn is not None:
+                return conn
+            pending = self._dialing.get(peer_id)
+            if pending is None:
+                break
+            # Someone is dialing this peer already: share the result. If their dial was
+            # cancelled (their caller gave up), loop and dial ourselves.
+            await asyncio.wait([pending])
+            if not pending.cancelled():
+                return pending.result()
         future: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
         self._dialing[peer_id] = future
         try:
             conn = await self._dial_known(peer_id)
-        except BaseException as e:
+            future.set_result(conn)
+            return conn
+        except Exception as e:
             future.set_exception(e)
-            future.exception()  # mark retrieved: nobody else may be waiting
+            future.exception()  # mark retrieved: there may be no other waiter
             raise
         finally:
             del self._dialing[peer_id]
-        future.set_result(conn)
-        return conn
+            if not future.done():
+                future.cancel()
 
     async def _dial_known(self, peer_id: PeerID) -> Connection:
         addrs = self.known_addresses(peer_id)
@@ -478,6 +488,7 @@ class Peer:
         proposals = [protocols] if isinstance(protocols, str) else list(protocols)
         stream = conn.open_stream_raw()
         dialer = MultistreamDialer(proposals)
+        negotiated = False
         try:
             async with asyncio.timeout(self.config.stream_negotiation_timeout):
                 await stream.write(dialer.initial_bytes())
@@ -488,9 +499,10 @@ class Peer:
                     reply = dialer.receive_data(data)
                     if reply:
                         await stream.write(reply)
-        except BaseException:
-            stream.reset()
-            raise
+            negotiated = True
+        finally:
+            if not negotiated:
+                stream.reset()
         stream.protocol = dialer.selected
         if dialer.leftover:
             stream.unread(dialer.leftover)

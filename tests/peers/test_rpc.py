@@ -276,3 +276,15 @@ def test_ipv6_loopback(arun: Run) -> None:
             await server.__aexit__(None, None, None)
 
     arun(main())
+
+
+def test_dns_address_and_standard_event_loop() -> None:
+    # asyncio.run: the standard loop (the other tests use uvloop where installed).
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            port = split_peer_id(a.listen_addrs[0])[0].value_for_protocol("tcp")
+            remote = await b.connect(f"/dns/localhost/tcp/{port}/p2p/{a.peer_id}")
+            assert remote == a.peer_id
+            assert await b.ping(remote) > 0
+
+    asyncio.run(main())
