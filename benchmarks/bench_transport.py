@@ -19,7 +19,9 @@ server and a client, started with multiprocessing's ``spawn`` context):
    ``python -c``, and the ``hivemind-dht`` command.
 
 Systems alternate within each repetition (rotating the order), so slow drift on a
-noisy machine hits all of them alike; every figure is the median over repetitions.
+noisy machine hits all of them alike. Servers live for the whole run; every repetition
+uses a fresh client process, since a process's throughput depends on its allocator's
+history. Every figure is the median over repetitions (bulk also reports min and max).
 The run ends with one JSON line; ratios are oriented so that > 1 means we are better.
 
     .venv/bin/python benchmarks/bench_transport.py --quick   # under a minute
@@ -40,7 +42,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -91,8 +93,11 @@ CHILD_LIFETIME = 900.0
 CHILD_STOP_GRACE = 15.0
 #: Seconds a start-up command has to print its multiaddr.
 STARTUP_TIMEOUT = 60.0
-#: Most bulk transfers a raw TCP server accepts on its one connection.
+#: Most bulk transfers a raw TCP server accepts on one connection, and most connections.
 MAX_RAW_TRANSFERS = 1000
+MAX_RAW_CLIENTS = 1000
+#: Most commands a child answers before it stops by itself.
+MAX_CHILD_COMMANDS = 10_000
 
 ADDR_PATTERN = re.compile(r"/ip4/127\.0\.0\.1/tcp/(\d+)/p2p/(\w+)")
 
@@ -188,7 +193,7 @@ async def _recv_command(conn: Connection, deadline: float) -> tuple[str, Any] | 
 async def _serve_commands(conn: Connection, handlers: dict[str, Handler]) -> None:
     """Answer the parent's commands until it says stop, goes away, or time runs out."""
     deadline = asyncio.get_running_loop().time() + CHILD_LIFETIME
-    while True:
+    for _ in range(MAX_CHILD_COMMANDS):
         message = await _recv_command(conn, deadline)
         if message is None or message[0] == "stop":
             return
@@ -409,25 +414,28 @@ def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes | None:
 
 def _raw_server(conn: Connection, options: dict[str, Any]) -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
-        server.settimeout(CHILD_STARTUP_TIMEOUT)
+        server.settimeout(CHILD_LIFETIME)
         conn.send(("ready", {"port": server.getsockname()[1]}))
-        sock, _ = server.accept()
-    with sock:
-        sock.settimeout(CHILD_LIFETIME)
         buffer = memoryview(bytearray(4 * MIB))
-        for _ in range(MAX_RAW_TRANSFERS):
-            header = _recv_exactly(sock, 8)
-            if header is None:
-                return
-            remaining = int.from_bytes(header, "big")
-            sock.settimeout(BULK_TIMEOUT)
-            while remaining:
-                got = sock.recv_into(buffer[: min(remaining, len(buffer))])
-                if not got:
-                    raise ConnectionError("client left in the middle of a transfer")
-                remaining -= got
-            sock.sendall(b"\x01")
-            sock.settimeout(CHILD_LIFETIME)
+        for _ in range(MAX_RAW_CLIENTS):  # one connection per client process, in turn
+            sock, _ = server.accept()
+            with sock:
+                _raw_serve_connection(sock, buffer)
+
+
+def _raw_serve_connection(sock: socket.socket, buffer: memoryview) -> None:
+    sock.settimeout(BULK_TIMEOUT)
+    for _ in range(MAX_RAW_TRANSFERS):
+        header = _recv_exactly(sock, 8)
+        if header is None:
+            return
+        remaining = int.from_bytes(header, "big")
+        while remaining:
+            got = sock.recv_into(buffer[: min(remaining, len(buffer))])
+            if not got:
+                raise ConnectionError("client left in the middle of a transfer")
+            remaining -= got
+        sock.sendall(b"\x01")
 
 
 def _raw_client(conn: Connection, options: dict[str, Any]) -> None:
@@ -471,6 +479,8 @@ class Child:
     name: str
     process: multiprocessing.process.BaseProcess
     conn: Connection
+    daemon_pids: list[int] = field(default_factory=list)
+    """PIDs of daemons the child reported starting (hivemind's p2pd)."""
 
 
 class Fleet:
@@ -479,7 +489,6 @@ class Fleet:
     def __init__(self) -> None:
         self._context = multiprocessing.get_context("spawn")
         self.children: list[Child] = []
-        self.daemon_pids: list[int] = []
 
     def start(self, role: str, options: dict[str, Any] | None = None) -> Child:
         ours, theirs = self._context.Pipe()
@@ -505,7 +514,7 @@ class Fleet:
                 except (EOFError, OSError) as e:
                     raise BenchError(f"{child.name} exited (code {child.process.exitcode})") from e
                 if kind == "pids":
-                    self.daemon_pids.extend(body)
+                    child.daemon_pids.extend(body)
                     continue
                 if kind == "error":
                     raise BenchError(f"{child.name} failed:\n{body}")
@@ -519,7 +528,7 @@ class Fleet:
 
     def stop(self, children: list[Child]) -> None:
         """Ask ``children`` to stop; terminate, then kill, those that do not (by PID)."""
-        trees = {c.name: descendants(c.process.pid) for c in children if c.process.pid}
+        trees = {id(c): descendants(c.process.pid) for c in children if c.process.pid}
         for child in children:
             with contextlib.suppress(OSError, ValueError):
                 child.conn.send(("stop", None))
@@ -535,10 +544,10 @@ class Fleet:
                 child.process.join(5.0)
             with contextlib.suppress(OSError):
                 child.conn.close()
-            stop_pids(trees.get(child.name, []))
+            stop_pids(trees.get(id(child), []))
+            stop_pids(child.daemon_pids, expect_in_command="p2pd")
             if child in self.children:
                 self.children.remove(child)
-        stop_pids(self.daemon_pids, expect_in_command="p2pd")
 
     def close(self) -> None:
         self.stop(list(self.children))
@@ -551,60 +560,81 @@ class TransferResults:
     bulk_s: dict[str, list[float]]
 
 
-def _start_pair(fleet: Fleet, system: str) -> Child:
-    """Start ``system``'s server, then its client connected to it; return the client."""
+def _start_server(fleet: Fleet, system: str) -> dict[str, Any]:
+    """Start ``system``'s server; return the options its clients need to reach it."""
     server = fleet.start(f"{system}_server")
     ready = fleet.receive(server, CHILD_STARTUP_TIMEOUT)
-    options = {"port": ready["port"]} if system == "raw" else {"server_addr": ready["addrs"][0]}
-    client = fleet.start(f"{system}_client", options)
-    fleet.receive(client, CHILD_STARTUP_TIMEOUT)
-    return client
+    return {"port": ready["port"]} if system == "raw" else {"server_addr": ready["addrs"][0]}
+
+
+def _measure_client(
+    fleet: Fleet, plan: Plan, system: str, server: dict[str, Any], results: TransferResults
+) -> str:
+    """One repetition with a fresh client process: warm-up, unary batch, bulk transfer.
+
+    Fresh per repetition because a process's bulk throughput can depend on its history
+    (ours varies ~3x between processes with glibc's heap trimming): one long-lived
+    client would sample that only once.
+    """
+    client = fleet.start(f"{system}_client", server)
+    try:
+        fleet.receive(client, CHILD_STARTUP_TIMEOUT)
+        bulk = {"bytes": plan.bulk_bytes, "chunk_bytes": plan.chunk_bytes}
+        warmup = dict(bulk, bytes=min(plan.warmup_bulk_bytes, plan.bulk_bytes))
+        fleet.request(client, "bulk", warmup, BULK_TIMEOUT + 15)
+        line = ""
+        if system != "raw":
+            unary = {
+                "bytes": plan.unary_bytes,
+                "calls": plan.num_unary_calls,
+                "warmup": plan.num_unary_warmup,
+            }
+            latencies = fleet.request(client, "unary", unary, UNARY_BATCH_TIMEOUT + 15)
+            p50, p95 = percentile(latencies, 50), percentile(latencies, 95)
+            results.unary_p50_s.setdefault(system, []).append(p50)
+            results.unary_p95_s.setdefault(system, []).append(p95)
+            line += f" unary p50 {p50 * 1e3:.3f} ms p95 {p95 * 1e3:.3f} ms;"
+        seconds = fleet.request(client, "bulk", bulk, BULK_TIMEOUT + 15)
+        results.bulk_s.setdefault(system, []).append(seconds)
+        return line + f" bulk {plan.bulk_bytes / seconds / MB:.1f} MB/s"
+    finally:
+        fleet.stop([client])
 
 
 def measure_transfers(plan: Plan, systems: list[str], notes: list[str]) -> TransferResults:
     """Unary latency and bulk throughput of each system, alternating within repetitions.
 
+    Servers live for the whole run; each repetition starts a fresh client per system.
     A hivemind failure drops hivemind (with a note) and keeps measuring the rest.
     """
     results = TransferResults({}, {}, {})
     fleet = Fleet()
     try:
-        clients: dict[str, Child] = {}
+        servers: dict[str, dict[str, Any]] = {}
         for system in systems:
             try:
-                clients[system] = _start_pair(fleet, system)
+                servers[system] = _start_server(fleet, system)
             except BenchError as e:
                 if system != "hivemind":
                     raise
                 notes.append(f"hivemind could not start: {e}")
                 print(f"hivemind could not start, measuring without it: {e}", file=sys.stderr)
-        bulk_options = {"bytes": plan.bulk_bytes, "chunk_bytes": plan.chunk_bytes}
-        unary_options = {
-            "bytes": plan.unary_bytes,
-            "calls": plan.num_unary_calls,
-            "warmup": plan.num_unary_warmup,
-        }
-        for system, client in clients.items():
-            warmup = dict(bulk_options, bytes=min(plan.warmup_bulk_bytes, plan.bulk_bytes))
-            fleet.request(client, "bulk", warmup, BULK_TIMEOUT + 15)
-        order = list(clients)
+        order = list(servers)
         for rep in range(plan.num_reps):
             shift = rep % len(order)
             for system in order[shift:] + order[:shift]:
-                client = clients[system]
-                line = f"  rep {rep + 1}/{plan.num_reps} {system:>8}:"
-                if system != "raw":
-                    latencies = fleet.request(
-                        client, "unary", unary_options, UNARY_BATCH_TIMEOUT + 15
-                    )
-                    p50, p95 = percentile(latencies, 50), percentile(latencies, 95)
-                    results.unary_p50_s.setdefault(system, []).append(p50)
-                    results.unary_p95_s.setdefault(system, []).append(p95)
-                    line += f" unary p50 {p50 * 1e3:.3f} ms p95 {p95 * 1e3:.3f} ms;"
-                seconds = fleet.request(client, "bulk", bulk_options, BULK_TIMEOUT + 15)
-                results.bulk_s.setdefault(system, []).append(seconds)
-                line += f" bulk {plan.bulk_bytes / seconds / MB:.1f} MB/s"
-                print(line, flush=True)
+                if system not in servers:
+                    continue
+                try:
+                    line = _measure_client(fleet, plan, system, servers[system], results)
+                except BenchError as e:
+                    if system != "hivemind":
+                        raise
+                    notes.append(f"hivemind failed in repetition {rep + 1}; dropped: {e}")
+                    print(f"hivemind failed, measuring without it: {e}", file=sys.stderr)
+                    del servers[system]
+                    continue
+                print(f"  rep {rep + 1}/{plan.num_reps} {system:>8}:{line}", flush=True)
     finally:
         fleet.close()
     return results
@@ -793,9 +823,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, table in (("p50", transfers.unary_p50_s), ("p95", transfers.unary_p95_s)):
             value = med(table, system)
             figures[f"unary_{name}_ms_{system}"] = round(value * 1e3, 4) if value else None
+    spreads: dict[str, str] = {}
     for system, label in (("ours", "ours"), ("hivemind", "hivemind"), ("raw", "raw_tcp")):
         value = mbps(system)
         figures[f"bulk_MBps_{label}"] = round(value, 1) if value else None
+        if transfers.bulk_s.get(system):
+            low = plan.bulk_bytes / max(transfers.bulk_s[system]) / MB
+            high = plan.bulk_bytes / min(transfers.bulk_s[system]) / MB
+            figures[f"bulk_MBps_{label}_min"] = round(low, 1)
+            figures[f"bulk_MBps_{label}_max"] = round(high, 1)
+            spreads[system] = f"{low:.0f}-{high:.0f}"
     for system in ("ours", "hivemind_p2p", "hivemind_dht"):
         value = med(startups, system)
         figures[f"startup_s_{system}"] = round(value, 4) if value else None
@@ -849,6 +886,13 @@ def main(argv: list[str] | None = None) -> int:
                 fig("bulk_MBps_hivemind"),
                 fig("bulk_MBps_raw_tcp"),
                 rat("bulk_throughput"),
+            ],
+            [
+                "  range over reps (MB/s)",
+                spreads.get("ours", "-"),
+                spreads.get("hivemind", "-"),
+                spreads.get("raw", "-"),
+                "",
             ],
             [
                 "bulk as a fraction of raw TCP",

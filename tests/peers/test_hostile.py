@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import random
 import struct
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import pytest
 
 from peers import (
+    CallContext,
     ConnectionClosed,
     DialError,
     KeyPair,
@@ -34,7 +36,7 @@ from peers import (
 )
 from peers.addresses import tcp_target
 from peers.connection import Stream
-from peers.echo import ECHO_PROTOCOL_ID, ECHO_STREAM_PROTOCOL_ID, _echo, install_echo
+from peers.echo import ECHO_PROTOCOL_ID, ECHO_STREAM_PROTOCOL_ID, install_echo
 from peers.multistream import MULTISTREAM_PROTOCOL_ID, MultistreamDialer, encode_message
 from peers.noise import NOISE_PROTOCOL_ID, NoiseHandshake, NoiseTransport
 from peers.rpc import FramedStream
@@ -56,9 +58,10 @@ pytestmark = pytest.mark.timeout(60)
 #: Bound on every single wait: generous for a loaded 2-core CI machine, yet a hang
 #: still fails in seconds.
 WAIT_SECONDS = 5.0
-#: Traced memory that may remain after a loop of bad inputs: caches and log records, not
-#: anything per attempt (a leaked connection or stream buffer per attempt is far more).
-MAX_GROWTH_BYTES = 2 * 1024 * 1024
+#: Traced memory that may remain after a loop of bad inputs. What legitimately stays is
+#: bounded and small (yamux remembers up to 1024 closed stream ids: ~70 KiB at most; we
+#: measure ~2-25 KiB). One leaked Connection is ~8 KiB, so 100 leaked attempts break it.
+MAX_GROWTH_BYTES = 256 * 1024
 #: A protocol nobody serves.
 UNKNOWN_PROTOCOL_ID = "/hostile/unknown/1.0.0"
 #: A test service whose handler never reads, so its stream's window fills up.
@@ -192,9 +195,6 @@ class RawConnection:
             while await self.receive():
                 pass
 
-    def close(self) -> None:
-        self.writer.close()
-
 
 @contextlib.asynccontextmanager
 async def raw_connection(victim: Peer) -> AsyncIterator[RawConnection]:
@@ -213,15 +213,14 @@ async def raw_connection(victim: Peer) -> AsyncIterator[RawConnection]:
         yield RawConnection(reader, writer, upgraded.transport, session, events)
 
 
-def handshake_prefix() -> tuple[bytes, NoiseHandshake]:
+def handshake_prefix() -> bytes:
     """multistream for /noise and Noise message 1, pipelined as go-libp2p does."""
     initiator = NoiseHandshake(initiator=True, identity=KeyPair.generate())
-    data = (
+    return (
         encode_message(MULTISTREAM_PROTOCOL_ID)
         + encode_message(NOISE_PROTOCOL_ID)
         + initiator.write_message()
     )
-    return data, initiator
 
 
 @contextlib.asynccontextmanager
@@ -279,7 +278,7 @@ def test_bad_noise_handshake_messages_are_refused() -> None:
             # A real message 1, then a forged message 3 (pipelined: the victim reads it
             # after sending message 2): its MAC cannot check out.
             async with raw_tcp(victim) as (reader, writer):
-                writer.write(handshake_prefix()[0] + b"\x00\x60" + os.urandom(0x60))
+                writer.write(handshake_prefix() + b"\x00\x60" + os.urandom(0x60))
                 await read_until_closed(reader)
             await wait_until(lambda: victim.statistics().num_handshake_failures == failures + 2)
             await assert_serves(victim, honest)
@@ -294,11 +293,11 @@ def test_truncated_handshake_then_close_leaves_nothing_behind() -> None:
             async def attempt() -> None:
                 failures = victim.statistics().num_handshake_failures
                 async with raw_tcp(victim) as (_, writer):
-                    writer.write(handshake_prefix()[0])
+                    writer.write(handshake_prefix())
                     await writer.drain()
                 await wait_until(lambda: victim.statistics().num_handshake_failures == failures + 1)
 
-            growth = await traced_growth(attempt, repeats=50)
+            growth = await traced_growth(attempt, repeats=100)
             assert growth < MAX_GROWTH_BYTES, growth
             assert victim.statistics().num_connections == 0
             await assert_serves(victim, honest)
@@ -311,19 +310,13 @@ def test_slowloris_connections_are_cut_at_the_handshake_timeout() -> None:
 
     async def main() -> None:
         async with victim_and_honest(config) as (victim, honest):
-            async with (
-                raw_tcp(victim) as (silent_reader, _),
-                raw_tcp(victim) as (
-                    stalled_reader,
-                    stalled_writer,
-                ),
-            ):
+            async with raw_tcp(victim) as (silent, _), raw_tcp(victim) as (stalled, writer):
                 # One says nothing; the other stops after Noise message 1.
-                stalled_writer.write(handshake_prefix()[0])
+                writer.write(handshake_prefix())
                 # Holding both does not keep an honest peer out.
                 await assert_serves(victim, honest)
-                await read_until_closed(silent_reader)
-                await read_until_closed(stalled_reader)
+                await read_until_closed(silent)
+                await read_until_closed(stalled)
             assert victim.statistics().num_handshake_failures == 2
             assert victim.statistics().num_connections == 1  # the honest one
             await assert_serves(victim, honest)
@@ -452,10 +445,13 @@ def test_frame_bound_is_exact() -> None:
                 return encode_uvarint(len(body)) + body, text
         raise AssertionError(f"no request packs to {num_bytes} bytes")
 
+    async def echo(request: str, context: CallContext) -> str:
+        return request
+
     async def main() -> None:
         async with victim_and_honest() as (victim, attacker):
             victim.add_unary_handler(
-                SMALL_ECHO_PROTOCOL_ID, _echo, str, max_frame_bytes=SMALL_FRAME_BYTES
+                SMALL_ECHO_PROTOCOL_ID, echo, str, max_frame_bytes=SMALL_FRAME_BYTES
             )
             await attacker.connect(victim.listen_addrs[0])
             frame, text = request_of_size(SMALL_FRAME_BYTES)
@@ -500,7 +496,7 @@ def test_hostile_server_cannot_make_a_caller_buffer_a_huge_response() -> None:
 # --- 5, 6: streams ------------------------------------------------------------------
 
 
-def test_unknown_protocol_costs_only_the_stream() -> None:
+def test_unknown_protocol_costs_only_the_stream(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         async with victim_and_honest() as (victim, attacker):
             await attacker.connect(victim.listen_addrs[0])
@@ -516,6 +512,9 @@ def test_unknown_protocol_costs_only_the_stream() -> None:
             assert growth < MAX_GROWTH_BYTES, growth
             await assert_serves(victim, attacker)
             assert attacker.connection_to(victim.peer_id) is connection
+            # A dialer resetting after our "na" is ordinary: no warning per stream, or
+            # any remote could flood our log.
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
     run(main())
 
@@ -640,7 +639,7 @@ def test_second_connection_from_the_same_identity_is_refused() -> None:
                 )
                 await wait_until(lambda: twin.connection_to(victim.peer_id) is None)
 
-            growth = await traced_growth(attempt, repeats=30)
+            growth = await traced_growth(attempt, repeats=100)
             assert growth < MAX_GROWTH_BYTES, growth
             assert victim.connection_to(identity.peer_id) is kept
             await assert_serves(victim, original)
@@ -667,7 +666,7 @@ def test_data_beyond_the_window_closes_the_connection() -> None:
                     await raw.read_until_closed()
                 await wait_until(lambda: victim.statistics().num_connections == 0)
 
-            growth = await traced_growth(attempt, repeats=30)
+            growth = await traced_growth(attempt, repeats=100)
             assert growth < MAX_GROWTH_BYTES, growth
             await assert_serves(victim, honest)
 
@@ -727,7 +726,7 @@ def test_bad_noise_frame_after_the_handshake_closes_the_connection(kind: str) ->
                     await raw.read_until_closed()
                 await wait_until(lambda: victim.statistics().num_connections == 0)
 
-            growth = await traced_growth(attempt, repeats=30)
+            growth = await traced_growth(attempt, repeats=100)
             assert growth < MAX_GROWTH_BYTES, growth
             await assert_serves(victim, honest)
 
