@@ -199,7 +199,12 @@ def add_stream_handler(
         framed = FramedStream(stream, max_frame_bytes)
 
         async def work() -> None:
-            first = await framed.read_frame()
+            try:
+                first = await framed.read_frame()
+            except RemoteProtocolError as e:  # a bad first frame: refuse it like any other
+                await framed.write_frame(_error_frame(e))
+                await stream.close()
+                return
             context = CallContext(
                 stream.remote_peer_id, protocol, _timeout_of(first) if first else None
             )
