@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from multiaddr import Multiaddr
@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 #: Bytes asked of the socket per read: large enough that a bulk transfer costs few
 #: Python-level iterations, small enough to keep a connection's buffer modest.
 READ_CHUNK_BYTES = 256 * 1024
+#: Most bytes handed to yamux and Noise at once when writing. Their output is built
+#: per call; pieces this size stay in cache and in the allocator's free lists, where
+#: multi-MiB temporaries cost page faults on every chunk of a bulk transfer.
+SEND_PIECE_BYTES = 256 * 1024
 
 
 class Stream:
@@ -146,17 +150,22 @@ class Stream:
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         """Send all of ``data``, waiting for the remote's window and the socket."""
-        view = memoryview(data).cast("B")
-        while view.nbytes:
-            if self._error is not None:
-                raise self._error
-            if self._write_closed:
-                raise ConnectionClosed("stream was closed for writing", by_us=True)
-            sent = self.connection._send(self.stream_id, view)
-            view = view[sent:]
-            if view.nbytes and not sent:
-                self._writable.clear()
-                await self._writable.wait()
+        await self.write_many((data,))
+
+    async def write_many(self, buffers: Iterable[bytes | bytearray | memoryview]) -> None:
+        """Send the buffers in order, as if concatenated, without concatenating them."""
+        for data in buffers:
+            view = memoryview(data).cast("B")
+            while view.nbytes:
+                if self._error is not None:
+                    raise self._error
+                if self._write_closed:
+                    raise ConnectionClosed("stream was closed for writing", by_us=True)
+                sent = self.connection._send(self.stream_id, view[:SEND_PIECE_BYTES])
+                view = view[sent:]
+                if view.nbytes and not sent:
+                    self._writable.clear()
+                    await self._writable.wait()
         await self.connection._drain()
 
     async def close(self) -> None:
@@ -249,13 +258,14 @@ class Connection:
                 try:
                     if self._initial_plaintext:
                         self._handle_plaintext(self._initial_plaintext)
+                        self._flush()
                     while self._closed is None:
                         data = await self._reader.read(READ_CHUNK_BYTES)
                         if not data:
                             break
-                        plaintext = self._transport.receive_data(data)
-                        if plaintext:
+                        for plaintext in self._transport.receive_frames(data):
                             self._handle_plaintext(plaintext)
+                        self._flush()
                 except (NoiseError, YamuxError, RemoteProtocolError) as e:
                     logger.info("closing connection to %s: %s", self.remote_peer_id, e)
                     reason = ConnectionClosed(f"remote broke the protocol: {e}")
@@ -318,7 +328,6 @@ class Connection:
                 logger.info("refused a stream from %s: it has too many open", self.remote_peer_id)
             elif isinstance(event, GoAwayReceived):
                 self._closed = ConnectionClosed(f"remote went away (code {event.code})")
-        self._flush()
 
     async def _serve_inbound(self, stream: Stream) -> None:
         try:
@@ -332,9 +341,9 @@ class Connection:
     # --- called by streams --------------------------------------------------------
 
     def _flush(self) -> None:
-        data = self._session.data_to_send()
-        if data and not self._writer.is_closing():
-            self._writer.write(self._transport.encrypt(data))
+        frames = self._session.frames_to_send()
+        if frames and not self._writer.is_closing():
+            self._writer.writelines(self._transport.encrypt_frames(frames))
 
     def _flush_quietly(self) -> None:
         with contextlib.suppress(ConnectionError, OSError, RuntimeError):

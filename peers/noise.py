@@ -355,6 +355,35 @@ class NoiseTransport:
             parts.append(ciphertext)
         return b"".join(parts)
 
+    def encrypt_frames(self, messages: list[bytes]) -> list[bytes]:
+        """Wire buffers for ``messages`` sent in order: small consecutive messages share a
+        Noise frame, each large one gets its own (split only past the frame limit).
+
+        Returns the length prefixes and ciphertexts as separate buffers for
+        ``writelines``, so no buffer larger than one frame is ever built.
+        """
+        encrypt, pack = self._send.encrypt_with_ad, _LENGTH.pack
+        out: list[bytes] = []
+        pending: list[bytes] = []
+        pending_bytes = 0
+        for message in messages:
+            if pending_bytes + len(message) > MAX_PLAINTEXT_PER_FRAME and pending:
+                ciphertext = encrypt(None, b"".join(pending))
+                out += (pack(len(ciphertext)), ciphertext)
+                pending, pending_bytes = [], 0
+            if len(message) > MAX_PLAINTEXT_PER_FRAME:
+                view = memoryview(message)
+                for start in range(0, len(view), MAX_PLAINTEXT_PER_FRAME):
+                    ciphertext = encrypt(None, view[start : start + MAX_PLAINTEXT_PER_FRAME])
+                    out += (pack(len(ciphertext)), ciphertext)
+            elif message:
+                pending.append(message)
+                pending_bytes += len(message)
+        if pending:
+            ciphertext = encrypt(None, pending[0] if len(pending) == 1 else b"".join(pending))
+            out += (pack(len(ciphertext)), ciphertext)
+        return out
+
     def decrypt_frame(self, frame: _Bytes) -> bytes:
         """Decrypt the next frame body (no length prefix). :class:`NoiseError` when it is
         shorter than a tag, too long, or fails the MAC (tampered, replayed, reordered)."""
@@ -368,6 +397,10 @@ class NoiseTransport:
         Raises :class:`NoiseError` on a bad frame; the stream is then unusable and later
         calls raise :class:`LocalProtocolError`.
         """
+        return b"".join(self.receive_frames(data))
+
+    def receive_frames(self, data: _Bytes) -> list[bytes]:
+        """As :meth:`receive_data`, but the plaintexts one per frame, not joined."""
         if self._receive_failed:
             raise LocalProtocolError("the Noise receive stream already failed")
         self._receive_failed = True  # until this call has succeeded
@@ -396,4 +429,4 @@ class NoiseTransport:
         if offset < end_of_data:
             buffer += view[offset:]
         self._receive_failed = False
-        return b"".join(out)
+        return out

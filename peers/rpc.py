@@ -29,7 +29,7 @@ from multiaddr import Multiaddr
 from peers.connection import Stream
 from peers.errors import ConnectionClosed, RemoteError, RemoteProtocolError
 from peers.identity import PeerID
-from peers.serialization import MAX_FRAME_BYTES, FrameDecoder, encode_frame, pack, unpack
+from peers.serialization import MAX_FRAME_BYTES, FrameDecoder, frame_buffers, unpack
 from peers.wire import from_wire, to_wire
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class FramedStream:
         return frame
 
     async def write_frame(self, frame: list[Any]) -> None:
-        await self.stream.write(encode_frame(pack(frame)))
+        await self.stream.write_many(frame_buffers(frame))
 
 
 def _error_frame(error: BaseException) -> list[Any]:

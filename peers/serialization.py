@@ -1,12 +1,15 @@
-"""Wire values: msgpack with arrays as an extension type, and length-prefixed frames.
+"""Wire values: msgpack with arrays as out-of-band raw buffers, and length-prefixed frames.
 
-An array travels as msgpack extension ``EXT_NDARRAY`` (or ``EXT_TORCH`` for a torch
-tensor): a small msgpack header ``[dtype, shape]`` followed by the raw C-order bytes.
-Decoding wraps those bytes with ``numpy.frombuffer`` (no copy). Nothing is pickled.
+A serialized value is ``uvarint(len(head)) head raw...``: ``head`` is msgpack in which
+each array is an extension ``EXT_NDARRAY`` (or ``EXT_TORCH`` for a torch tensor) holding
+only its descriptor ``[dtype, shape]``; the arrays' raw C-order bytes follow the head,
+in the order the descriptors appear. So an array is never copied into a msgpack
+buffer on the way out (:func:`pack_buffers` returns the array's own memory), and on
+the way in it is a ``numpy.frombuffer`` view of the received frame. Nothing is pickled.
 
-Frames are an unsigned-varint length then that many bytes of msgpack (libp2p's usual
-length-prefixed framing). :class:`FrameDecoder` is a pure state machine that refuses a
-length over its bound *before* buffering the body.
+Frames are an unsigned-varint length then that many bytes (libp2p's usual framing).
+:class:`FrameDecoder` is a pure state machine that refuses a length over its bound
+*before* buffering the body.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ EXT_TORCH = 2
 #: so a frame never needs to be big; 16 MiB keeps one frame's buffer cheap for a peer
 #: serving hundreds of streams while leaving room for large DHT batches.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
-#: Longest array header (dtype name and shape) we decode; a remote cannot make us parse
-#: a huge shape list.
+#: Longest array descriptor (dtype name and shape) we decode; a remote cannot make us
+#: parse a huge shape list.
 MAX_ARRAY_HEADER_BYTES = 512
 #: Most dimensions an array may have (numpy's own limit is 64).
 MAX_ARRAY_DIMS = 32
@@ -43,104 +46,149 @@ class SerializationError(RemoteProtocolError):
     """A frame or value from the remote cannot be decoded."""
 
 
-def _array_ext(code: int, dtype: str, shape: tuple[int, ...], data: memoryview) -> msgpack.ExtType:
-    header = msgpack.packb([dtype, list(shape)])
-    # One copy of the array bytes here (msgpack makes the second into its buffer).
-    return msgpack.ExtType(code, len(header).to_bytes(2, "big") + header + data)
+class _Packer:
+    """Collects the raw buffers of the arrays met while packing one value."""
+
+    def __init__(self) -> None:
+        self.buffers: list[memoryview] = []
+
+    def _descriptor(
+        self, code: int, dtype: str, shape: tuple[int, ...], raw: memoryview
+    ) -> msgpack.ExtType:
+        self.buffers.append(raw)
+        return msgpack.ExtType(code, msgpack.packb([dtype, list(shape)]))
+
+    def default(self, obj: object) -> object:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.name not in _ALLOWED_DTYPES:
+                raise TypeError(f"arrays of dtype {obj.dtype} cannot be sent")
+            array = np.ascontiguousarray(obj)  # a copy only if it was not contiguous
+            return self._descriptor(
+                EXT_NDARRAY, array.dtype.name, array.shape, array.reshape(-1).view(np.uint8).data
+            )
+        if isinstance(obj, np.generic):
+            return obj.item()
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            tensor = obj.detach().cpu().contiguous()
+            name = str(tensor.dtype).removeprefix("torch.")
+            if name not in _ALLOWED_DTYPES:
+                raise TypeError(f"tensors of dtype {tensor.dtype} cannot be sent")
+            raw = (tensor.view(torch.int16) if name == "bfloat16" else tensor).numpy()
+            return self._descriptor(
+                EXT_TORCH, name, tuple(tensor.shape), raw.reshape(-1).view(np.uint8).data
+            )
+        if isinstance(obj, tuple | set | frozenset):
+            return list(obj)
+        raise TypeError(f"cannot serialize {type(obj).__name__}")
 
 
-def _default(obj: object) -> object:
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.name not in _ALLOWED_DTYPES:
-            raise TypeError(f"arrays of dtype {obj.dtype} cannot be sent")
-        array = np.ascontiguousarray(obj)
-        raw = array.reshape(-1).view(np.uint8).data
-        return _array_ext(EXT_NDARRAY, array.dtype.name, array.shape, raw)
-    if isinstance(obj, np.generic):
-        return obj.item()
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        tensor = obj.detach().cpu().contiguous()
-        name = str(tensor.dtype).removeprefix("torch.")
-        if name == "bfloat16":
-            raw = tensor.view(torch.int16).numpy()
-        else:
-            raw = tensor.numpy()
-        if name not in _ALLOWED_DTYPES:
-            raise TypeError(f"tensors of dtype {tensor.dtype} cannot be sent")
-        flat = raw.reshape(-1).view(np.uint8).data
-        return _array_ext(EXT_TORCH, name, tuple(tensor.shape), flat)
-    if isinstance(obj, tuple | set | frozenset):
-        return list(obj)
-    raise TypeError(f"cannot serialize {type(obj).__name__}")
+def pack_buffers(value: object) -> list[bytes | memoryview]:
+    """Serialize ``value`` as a list of buffers whose concatenation is the wire form.
+
+    Array bodies are views of the arrays themselves (no copy): do not modify them until
+    the buffers are written. Raises TypeError for values that cannot travel.
+    """
+    packer = _Packer()
+    head: bytes = msgpack.packb(value, default=packer.default, use_bin_type=True)
+    return [encode_uvarint(len(head)), head, *packer.buffers]
 
 
-def _decode_array_header(data: bytes) -> tuple[str, tuple[int, ...], int]:
-    if len(data) < 2:
-        raise SerializationError("array extension is truncated")
-    header_len = int.from_bytes(data[:2], "big")
-    if header_len > MAX_ARRAY_HEADER_BYTES or 2 + header_len > len(data):
-        raise SerializationError("array header is too long or truncated")
+def pack(value: object) -> bytes:
+    """Serialize a value (msgpack types, numpy arrays, torch tensors) into one bytes."""
+    return b"".join(pack_buffers(value))
+
+
+def frame_buffers(value: object) -> list[bytes | memoryview]:
+    """A length-prefixed frame carrying ``value``, as buffers (see :func:`pack_buffers`)."""
+    buffers = pack_buffers(value)
+    return [encode_uvarint(sum(len(b) for b in buffers)), *buffers]
+
+
+def _decode_descriptor(data: bytes) -> tuple[str, tuple[int, ...]]:
+    if len(data) > MAX_ARRAY_HEADER_BYTES:
+        raise SerializationError("array descriptor is too long")
     try:
-        dtype, shape = msgpack.unpackb(data[2 : 2 + header_len], use_list=True)
+        dtype, shape = msgpack.unpackb(data, use_list=True)
     except (ValueError, msgpack.UnpackException, TypeError) as e:
-        raise SerializationError(f"array header is malformed: {e}") from e
+        raise SerializationError(f"array descriptor is malformed: {e}") from e
     if not isinstance(dtype, str) or dtype not in _ALLOWED_DTYPES:
         raise SerializationError(f"array dtype {dtype!r} is not allowed")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_ARRAY_DIMS
-        or not all(isinstance(d, int) and 0 <= d for d in shape)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape)
     ):
         raise SerializationError(f"array shape {shape!r} is invalid")
-    return dtype, tuple(shape), 2 + header_len
+    return dtype, tuple(shape)
 
 
-def _numpy_view(dtype: str, shape: tuple[int, ...], body: memoryview) -> np.ndarray:
-    np_dtype = np.dtype("int16") if dtype == "bfloat16" else np.dtype(dtype)
-    count = 1
-    for dim in shape:
-        count *= dim
-    if count * np_dtype.itemsize != len(body):
-        raise SerializationError(
-            f"array of shape {shape} and dtype {dtype} needs {count * np_dtype.itemsize} bytes, "
-            f"got {len(body)}"
-        )
-    return np.frombuffer(body, dtype=np_dtype).reshape(shape)
+class _Unpacker:
+    """Hands out views of the raw section, in order, as descriptors are decoded."""
 
+    def __init__(self, raw: memoryview) -> None:
+        self.raw = raw
+        self.offset = 0
 
-def _ext_hook(code: int, data: bytes) -> object:
-    if code not in (EXT_NDARRAY, EXT_TORCH):
-        raise SerializationError(f"unknown msgpack extension type {code}")
-    dtype, shape, offset = _decode_array_header(data)
-    if code == EXT_NDARRAY and dtype == "bfloat16":
-        raise SerializationError("numpy has no bfloat16; send it as a torch tensor")
-    array = _numpy_view(dtype, shape, memoryview(data)[offset:])
-    if code == EXT_NDARRAY:
-        return array
-    import torch  # only reached when a peer sent a torch tensor, i.e. torch is in use
+    def ext_hook(self, code: int, data: bytes) -> object:
+        if code not in (EXT_NDARRAY, EXT_TORCH):
+            raise SerializationError(f"unknown msgpack extension type {code}")
+        dtype, shape = _decode_descriptor(data)
+        if code == EXT_NDARRAY and dtype == "bfloat16":
+            raise SerializationError("numpy has no bfloat16; send it as a torch tensor")
+        np_dtype = np.dtype("int16") if dtype == "bfloat16" else np.dtype(dtype)
+        count = 1
+        for dim in shape:
+            count *= dim
+        num_bytes = count * np_dtype.itemsize
+        if num_bytes > len(self.raw) - self.offset:
+            raise SerializationError(
+                f"array of shape {shape} and dtype {dtype} needs {num_bytes} bytes, "
+                f"only {len(self.raw) - self.offset} remain"
+            )
+        body = self.raw[self.offset : self.offset + num_bytes]
+        self.offset += num_bytes
+        array = np.frombuffer(body, dtype=np_dtype).reshape(shape)
+        if code == EXT_NDARRAY:
+            return array
+        import torch  # only reached when a peer sent a torch tensor, i.e. torch is in use
 
-    # frombuffer views are read-only; torch wants writable memory, so copy once here.
-    tensor = torch.from_numpy(array.copy())
-    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
-
-
-def pack(value: object) -> bytes:
-    """Serialize a value: msgpack types, numpy arrays and torch tensors. Raises TypeError."""
-    packed: bytes = msgpack.packb(value, default=_default, use_bin_type=True)
-    return packed
+        # frombuffer views are read-only; torch wants writable memory, so copy once here.
+        tensor = torch.from_numpy(array.copy())
+        return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
 def unpack(data: bytes | memoryview) -> Any:
-    """Deserialize a value from a remote; raises :class:`SerializationError` on garbage."""
+    """Deserialize a value from a remote; raises :class:`SerializationError` on garbage.
+
+    Arrays in the result are read-only views of ``data`` (no copy).
+    """
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
     try:
-        return msgpack.unpackb(
-            data, ext_hook=_ext_hook, raw=False, use_list=True, strict_map_key=False
+        decoded = decode_uvarint(view)
+    except VarintError as e:
+        raise SerializationError(f"bad value head length: {e}") from e
+    if decoded is None or decoded[0] > len(view) - decoded[1]:
+        raise SerializationError("value is truncated")
+    head_len, start = decoded
+    unpacker = _Unpacker(view[start + head_len :])
+    try:
+        value = msgpack.unpackb(
+            view[start : start + head_len],
+            ext_hook=unpacker.ext_hook,
+            raw=False,
+            use_list=True,
+            strict_map_key=False,
         )
     except SerializationError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
         raise SerializationError(f"malformed msgpack: {e}") from e
+    if unpacker.offset != len(unpacker.raw):
+        raise SerializationError(
+            f"{len(unpacker.raw) - unpacker.offset} raw bytes follow the value unclaimed"
+        )
+    return value
 
 
 def encode_frame(body: bytes) -> bytes:
@@ -151,44 +199,55 @@ def encode_frame(body: bytes) -> bytes:
 class FrameDecoder:
     """Splits a byte stream into length-prefixed frames, bounded by ``max_frame_bytes``.
 
-    Raises :class:`LimitExceeded` as soon as a prefix announces a larger frame (nothing
-    of it is buffered) and :class:`SerializationError` for a malformed prefix.
+    A body is collected as the pieces it arrived in and joined once when complete (one
+    copy). Raises :class:`LimitExceeded` as soon as a prefix announces a larger frame
+    (nothing of it is buffered) and :class:`SerializationError` for a malformed prefix.
     """
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.max_frame_bytes = max_frame_bytes
-        self._buffer = bytearray()
+        self._head = b""  # an incomplete length prefix (< 10 bytes)
+        self._parts: list[memoryview] = []
+        self._have = 0
         self._needed: int | None = None
-        self._body_start = 0
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._buffer)
+        return len(self._head) + self._have
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes | memoryview) -> list[bytes]:
         """Add bytes; return every frame body now complete."""
-        self._buffer += data
         frames: list[bytes] = []
-        while True:
+        view = memoryview(data)
+        while view:
             if self._needed is None:
+                probe = self._head + bytes(view[:10])
                 try:
-                    decoded = decode_uvarint(self._buffer)
+                    decoded = decode_uvarint(probe)
                 except VarintError as e:
                     raise SerializationError(f"bad frame length prefix: {e}") from e
                 if decoded is None:
+                    self._head = probe
                     return frames
-                length, self._body_start = decoded
+                length, end = decoded
                 if length > self.max_frame_bytes:
                     raise LimitExceeded(
                         f"frame of {length} bytes exceeds the limit of {self.max_frame_bytes}"
                     )
+                view = view[end - len(self._head) :]
+                self._head = b""
                 self._needed = length
-            end = self._body_start + self._needed
-            if len(self._buffer) < end:
-                return frames
-            frames.append(bytes(self._buffer[self._body_start : end]))
-            del self._buffer[:end]
-            self._needed = None
+            take = min(len(view), self._needed - self._have)
+            if take:
+                self._parts.append(view[:take])
+                self._have += take
+                view = view[take:]
+            if self._have == self._needed:
+                frames.append(b"".join(self._parts))
+                self._parts.clear()
+                self._have = 0
+                self._needed = None
+        return frames
 
     def at_frame_boundary(self) -> bool:
-        return not self._buffer
+        return self._needed is None and not self._head

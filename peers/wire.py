@@ -2,7 +2,8 @@
 
 A message class is a frozen dataclass whose fields use wire-safe types: ``int``,
 ``float``, ``str``, ``bytes``, ``bool``, ``numpy.ndarray``, ``list[T]``, ``dict[K, V]``,
-``T | None``, ``typing.Any`` (no check), and other message classes. On the wire it is a
+``T | None``, ``typing.Any``, bare ``list``/``dict`` (contents unchecked), and other
+message classes. On the wire it is a
 msgpack array of its field values in declaration order (compact, and a field added at
 the end with a default stays readable by older peers). :func:`from_wire` raises
 :class:`WireError`, naming the field, for anything that does not fit.
@@ -104,7 +105,7 @@ def _convert(tp: Any, raw: object, where: str) -> object:
         if isinstance(raw, int) and not isinstance(raw, bool):
             return raw
         raise WireError(f"{where}: expected an integer, got {type(raw).__name__}")
-    if tp in (str, bytes, bool, np.ndarray):
+    if tp in (str, bytes, bool, np.ndarray, list, dict):  # bare list/dict: contents unchecked
         if isinstance(raw, tp):
             return raw
         raise WireError(f"{where}: expected {tp.__name__}, got {type(raw).__name__}")

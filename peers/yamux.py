@@ -31,9 +31,11 @@ MAX_WINDOW_BYTES = 16 * 1024 * 1024
 # it a remote could make the application buffer MAX_STREAMS * MAX_WINDOW_BYTES (8 GiB); with
 # it, at most MAX_STREAMS * INITIAL_WINDOW_BYTES + this. Four streams at full size fit.
 MAX_WINDOW_GROWTH_BYTES = 64 * 1024 * 1024
-# Payload of one outgoing Data frame: go-yamux's MaxMessageSize (64 KiB with the header), so
-# a bulk stream never holds the wire long enough to delay other streams' small frames.
-MAX_FRAME_PAYLOAD_BYTES = 64 * 1024 - 12
+# Payload of one outgoing Data frame: just under go-yamux's MaxMessageSize (64 KiB with the
+# header), so a bulk stream never holds the wire long enough to delay other streams' small
+# frames, and sized so header + payload fill exactly one Noise transport frame (65535 bytes
+# less its 16-byte tag): each Data frame is encrypted whole, with no re-slicing.
+MAX_FRAME_PAYLOAD_BYTES = 65535 - 16 - 12
 # Closed remote stream ids we remember to catch a reused id. go-yamux takes an id before it
 # sends the SYN, so two openers' SYNs may cross and "ids only grow" would misfire; an id
 # reused after this many closes is merely a new stream, which max_streams still bounds.
@@ -344,9 +346,17 @@ class YamuxSession:
 
     def data_to_send(self) -> bytes:
         """Return and clear every byte queued for the wire."""
-        out = b"".join(self._out)
-        self._out.clear()
-        self._num_wire_bytes_sent += len(out)
+        return b"".join(self.frames_to_send())
+
+    def frames_to_send(self) -> list[bytes]:
+        """Return and clear the queued frames, one bytes per frame (header included).
+
+        The same bytes as :meth:`data_to_send` without joining them: a bulk writer hands
+        each frame to the encryption layer as it is, instead of building one big buffer.
+        """
+        out = self._out
+        self._out = []
+        self._num_wire_bytes_sent += sum(len(frame) for frame in out)
         return out
 
     def open_stream(self) -> int:
@@ -382,8 +392,7 @@ class YamuxSession:
         num_bytes = min(len(view), stream.send_window)
         for start in range(0, num_bytes, MAX_FRAME_PAYLOAD_BYTES):
             chunk = view[start : min(start + MAX_FRAME_PAYLOAD_BYTES, num_bytes)]
-            self._out.append(_HEADER.pack(_VERSION, _DATA, 0, stream_id, len(chunk)))
-            self._out.append(chunk.tobytes())
+            self._out.append(_HEADER.pack(_VERSION, _DATA, 0, stream_id, len(chunk)) + chunk)
         stream.send_window -= num_bytes
         self._num_data_bytes_sent += num_bytes
         return num_bytes

@@ -332,8 +332,11 @@ _MALFORMED_FRAMES = [
     ("length-2^63", b"\x80" * 9 + b"\x01", False, "SerializationError"),  # needs 10 bytes
     ("ten-0xff", b"\xff" * 10, False, "SerializationError"),
     ("non-minimal-length", b"\x80\x00", False, "SerializationError"),
-    ("not-msgpack", b"\x03\xc1\xc1\xc1", False, "SerializationError"),  # 0xc1: never used
-    ("not-an-array", b"\x01\x05", False, "RemoteProtocolError"),
+    # A frame body is uvarint(len(head)) + msgpack head + raw array bytes.
+    ("not-msgpack", b"\x04\x03\xc1\xc1\xc1", False, "SerializationError"),  # 0xc1: never used
+    ("head-past-frame", b"\x02\x05\x05", False, "SerializationError"),
+    ("unclaimed-raw-bytes", b"\x04\x01\x05\x00\x00", False, "SerializationError"),
+    ("not-an-array", b"\x02\x01\x05", False, "RemoteProtocolError"),
     ("cut-mid-frame", b"\x64" + bytes(10), True, "RemoteProtocolError"),
 ]
 

@@ -8,7 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from peers.serialization import EXT_NDARRAY, SerializationError, pack, unpack
+from peers.serialization import EXT_NDARRAY, SerializationError, pack, pack_buffers, unpack
+from peers.varint import decode_uvarint, encode_uvarint
 from peers.wire import WireError, from_wire, to_wire
 
 
@@ -26,9 +27,23 @@ def test_arrays_travel_as_raw_bytes_not_lists() -> None:
     array = np.arange(1000, dtype=np.float32)
     packed = pack(array)
     assert len(packed) < array.nbytes + 64  # a list of floats would be ~5 bytes each
-    ext = msgpack.unpackb(packed)
+    assert packed.endswith(array.tobytes())  # the raw section follows the head
+    head_len, start = decode_uvarint(packed) or (0, 0)
+    ext = msgpack.unpackb(packed[start : start + head_len])
     assert isinstance(ext, msgpack.ExtType) and ext.code == EXT_NDARRAY
-    assert array.tobytes() in ext.data
+    assert msgpack.unpackb(ext.data) == ["float32", [1000]]
+
+
+def test_contiguous_arrays_are_not_copied_when_packed_or_unpacked() -> None:
+    array = np.arange(1 << 16, dtype=np.float64)
+    buffers = pack_buffers({"w": array, "b": [array[:10]]})
+    raw = [b for b in buffers if isinstance(b, memoryview)]
+    assert any(np.shares_memory(np.frombuffer(b, dtype=np.uint8), array) for b in raw)
+    wire = b"".join(buffers)
+    out = unpack(wire)
+    assert np.array_equal(out["w"], array) and np.array_equal(out["b"][0], array[:10])
+    assert not out["w"].flags.writeable  # a view of the received bytes
+    assert np.shares_memory(out["w"], np.frombuffer(wire, dtype=np.uint8))
 
 
 def test_non_contiguous_and_empty_arrays() -> None:
@@ -53,23 +68,32 @@ def test_object_arrays_are_refused() -> None:
         pack(np.array([object()], dtype=object))
 
 
-def _ext(header: object, body: bytes) -> bytes:
-    head = msgpack.packb(header)
-    return msgpack.packb(msgpack.ExtType(EXT_NDARRAY, len(head).to_bytes(2, "big") + head + body))
+def _value(head: bytes, raw: bytes = b"") -> bytes:
+    return encode_uvarint(len(head)) + head + raw
+
+
+def _ext(descriptor: object, raw: bytes, code: int = EXT_NDARRAY) -> bytes:
+    return _value(msgpack.packb(msgpack.ExtType(code, msgpack.packb(descriptor))), raw)
 
 
 @pytest.mark.parametrize(
     "payload",
     [
-        _ext(["float32", [4]], b"\x00" * 15),  # wrong byte count
+        _ext(["float32", [4]], b"\x00" * 15),  # too few raw bytes
+        _ext(["float32", [4]], b"\x00" * 17),  # raw bytes left unclaimed
+        _ext(["float32", [2**40, 2**40]], b"\x00" * 16),  # huge shape, tiny body
         _ext(["object", [1]], b"\x00" * 8),  # forbidden dtype
         _ext(["float32", [-1]], b""),  # negative dim
         _ext(["float32", [1] * 40], b"\x00" * 4),  # too many dims
         _ext("nonsense", b""),
-        msgpack.packb(msgpack.ExtType(EXT_NDARRAY, b"\x00")),  # truncated header
-        msgpack.packb(msgpack.ExtType(99, b"abc")),  # unknown extension
-        b"\xc1",  # never-used msgpack byte
-        b"\x92\x01",  # truncated array
+        _ext(["bfloat16", [1]], b"\x00\x00"),  # numpy has no bfloat16
+        _value(msgpack.packb(msgpack.ExtType(EXT_NDARRAY, b"\xc1"))),  # garbage descriptor
+        _value(msgpack.packb(msgpack.ExtType(99, b"abc"))),  # unknown extension
+        _value(b"\xc1"),  # never-used msgpack byte
+        _value(b"\x92\x01"),  # truncated msgpack array
+        b"\x05\x01",  # head longer than the value
+        b"\xff" * 10,  # overlong head length
+        b"",
     ],
 )
 def test_malformed_values_raise_serialization_error(payload: bytes) -> None:
