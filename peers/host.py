@@ -477,8 +477,12 @@ class Peer:
     ) -> Stream:
         """Open a stream to ``peer`` (dialing if needed) speaking one of ``protocols``.
 
-        Raises :class:`ProtocolNotSupported` if the remote serves none of them,
-        :class:`DialError`/:class:`HandshakeError` if it cannot be reached.
+        With one protocol the proposal is sent and the stream returned at once (lazy
+        negotiation, one round trip saved): a refusal then surfaces as
+        :class:`ProtocolNotSupported` from the first ``read``. With several, the
+        negotiation completes here and raises :class:`ProtocolNotSupported` if the remote
+        serves none of them. :class:`DialError`/:class:`HandshakeError` if it cannot be
+        reached.
         """
         if isinstance(peer, PeerID):
             peer_id = peer
@@ -488,6 +492,11 @@ class Peer:
         proposals = [protocols] if isinstance(protocols, str) else list(protocols)
         stream = conn.open_stream_raw()
         dialer = MultistreamDialer(proposals)
+        if len(proposals) == 1:
+            await stream.write(dialer.initial_bytes())
+            stream.protocol = proposals[0]
+            stream.begin_lazy_negotiation(dialer)
+            return stream
         negotiated = False
         try:
             async with asyncio.timeout(self.config.stream_negotiation_timeout):

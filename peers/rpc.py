@@ -113,19 +113,16 @@ def _message_body(frame: list[Any]) -> Any:
 async def _serve_guarded(stream: Stream, work: Awaitable[None]) -> None:
     """Run ``work``, cancelling it as soon as the remote resets the stream."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(stream.wait_failed())
+
+    def cancel_work() -> None:
+        task.cancel()
+
+    stream.on_failure(cancel_work)
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-    if not task.cancelled():
-        task.result()
+        await task
+    except asyncio.CancelledError:
+        if not stream.is_reset:  # we are being cancelled, not the remote's reset
+            raise
 
 
 def _timeout_of(frame: list[Any]) -> float | None:

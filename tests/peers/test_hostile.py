@@ -508,8 +508,12 @@ def test_unknown_protocol_costs_only_the_stream(caplog: pytest.LogCaptureFixture
 
             async def attempt() -> None:
                 async with asyncio.timeout(WAIT_SECONDS):
+                    # One proposal is negotiated lazily: the refusal arrives on first read.
+                    stream = await attacker.new_stream(victim.peer_id, UNKNOWN_PROTOCOL_ID)
                     with pytest.raises(ProtocolNotSupported):
-                        await attacker.new_stream(victim.peer_id, UNKNOWN_PROTOCOL_ID)
+                        await stream.read()
+                    with pytest.raises(ProtocolNotSupported):  # several: at once
+                        await attacker.new_stream(victim.peer_id, [UNKNOWN_PROTOCOL_ID, "/x/1"])
                 await wait_until(lambda: victim.statistics().num_streams == 0)
 
             growth = await traced_growth(attempt, repeats=100)
