@@ -77,6 +77,12 @@ class Stream:
         self._failed = asyncio.Event()
         self._fail_callbacks: list[Callable[[], None]] = []
         self._dialer: MultistreamDialer | None = None
+        self._prefix = b""  # a lazy protocol proposal not yet written
+
+    @property
+    def has_buffered_data(self) -> bool:
+        """Whether a ``read`` would return data without waiting."""
+        return bool(self._buffered_bytes or self._unread)
 
     @property
     def remote_peer_id(self) -> PeerID:
@@ -102,6 +108,11 @@ class Stream:
         callbacks, self._fail_callbacks = self._fail_callbacks, []
         for callback in callbacks:
             callback()
+
+    def remove_on_failure(self, callback: Callable[[], None]) -> None:
+        """Undo :meth:`on_failure` (no-op if it already ran)."""
+        if callback in self._fail_callbacks:
+            self._fail_callbacks.remove(callback)
 
     def on_failure(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once) when the stream is reset or its connection breaks."""
@@ -130,14 +141,17 @@ class Stream:
         return await self._read_raw(max_bytes)
 
     def begin_lazy_negotiation(self, dialer: MultistreamDialer) -> None:
-        """Mark the stream as negotiating ``dialer``'s single proposal, already sent:
-        the caller may write at once (saving a round trip, as go-libp2p's lazy
-        multistream does); the remote's answer is checked on the first read."""
+        """Negotiate ``dialer``'s single proposal lazily (as go-libp2p's lazy multistream
+        does, saving a round trip): the proposal goes out with the first write (or
+        close, or read), and the remote's answer is checked on the first read."""
         self._dialer = dialer
+        self._prefix = dialer.initial_bytes()
 
     async def _finish_negotiation(self) -> None:
         dialer = self._dialer
         assert dialer is not None
+        if self._prefix:
+            await self.write_many(())
         done = False
         try:
             while dialer.selected is None:
@@ -210,7 +224,17 @@ class Stream:
         await self.write_many((data,))
 
     async def write_many(self, buffers: Iterable[bytes | bytearray | memoryview]) -> None:
-        """Send the buffers in order, as if concatenated, without concatenating them."""
+        """Send the buffers in order, as if concatenated, without concatenating large ones.
+
+        Small buffers (a frame's length prefix and msgpack head) are joined first so
+        they travel as one yamux frame.
+        """
+        buffers = list(buffers)
+        if self._prefix:
+            buffers.insert(0, self._prefix)
+            self._prefix = b""
+        if len(buffers) > 1 and sum(len(b) for b in buffers) < SMALL_WRITE_BYTES:
+            buffers = [b"".join(buffers)]
         for data in buffers:
             view = memoryview(data).cast("B")
             while view.nbytes:
@@ -229,6 +253,8 @@ class Stream:
         """Half-close: we send no more; the remote may still send until it closes."""
         if self._write_closed or self._error is not None:
             return
+        if self._prefix:
+            await self.write_many(())
         self._write_closed = True
         self.connection._close_stream(self.stream_id)
         with contextlib.suppress(ConnectionClosed, ConnectionError):
@@ -323,7 +349,9 @@ class Connection:
                             break
                         for plaintext in self._transport.receive_frames(data):
                             self._handle_plaintext(plaintext)
-                        self._flush()
+                        # Soon, not now: acks and window updates then leave together with
+                        # what the streams woken by this data answer in the meantime.
+                        self._flush_soon()
                 except (NoiseError, YamuxError, RemoteProtocolError) as e:
                     logger.info("closing connection to %s: %s", self.remote_peer_id, e)
                     reason = ConnectionClosed(f"remote broke the protocol: {e}")

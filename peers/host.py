@@ -312,14 +312,24 @@ class Peer:
         listener = MultistreamListener(self._handlers.keys())
         try:
             async with asyncio.timeout(self.config.stream_negotiation_timeout):
-                await stream.write(listener.initial_bytes())
+                # If the proposal came with the stream's opening (lazy dialers send them
+                # together), our header goes out with our answer: one frame, not two.
+                # Otherwise it goes now, for dialers that wait for it before proposing.
+                header = listener.initial_bytes()
+                if not stream.has_buffered_data:
+                    await stream.write(header)
+                    header = b""
                 while listener.selected is None:
-                    data = await stream.read(1024)
-                    if not data:
-                        return
+                    if listener.has_pending_input:  # more after a refusal: parse it first
+                        data = b""
+                    else:
+                        data = await stream.read(1024)
+                        if not data:
+                            return
                     reply = listener.receive_data(data)
                     if reply:
-                        await stream.write(reply)
+                        await stream.write(header + reply)
+                        header = b""
         except (TimeoutError, RemoteProtocolError) as e:
             self._counters.streams_refused += 1
             logger.info("stream from %s failed to negotiate: %r", stream.remote_peer_id, e)
@@ -493,7 +503,6 @@ class Peer:
         stream = conn.open_stream_raw()
         dialer = MultistreamDialer(proposals)
         if len(proposals) == 1:
-            await stream.write(dialer.initial_bytes())
             stream.protocol = proposals[0]
             stream.begin_lazy_negotiation(dialer)
             return stream

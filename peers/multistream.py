@@ -64,6 +64,10 @@ class _MessageReader:
         except UnicodeDecodeError as e:
             raise HandshakeError("multistream: message is not UTF-8") from e
 
+    @property
+    def has_input(self) -> bool:
+        return bool(self._buffer)
+
     def take_rest(self) -> bytes:
         rest = bytes(self._buffer)
         self._buffer.clear()
@@ -154,6 +158,14 @@ class MultistreamListener:
                 out += encode_message(message)
             else:
                 # "ls" and anything unknown get "na": we do not list our protocols here
-                # (identify does that, authenticated).
+                # (identify does that, authenticated). Stop at a refusal: what follows
+                # may be a lazy dialer's data for the refused protocol, not a proposal,
+                # and the refusal must reach it before we judge those bytes.
                 out += encode_message(_NA)
+                break
         return out
+
+    @property
+    def has_pending_input(self) -> bool:
+        """Bytes received but not yet parsed (call ``receive_data(b"")`` to go on)."""
+        return self._reader.has_input

@@ -111,18 +111,25 @@ def _message_body(frame: list[Any]) -> Any:
 
 
 async def _serve_guarded(stream: Stream, work: Awaitable[None]) -> None:
-    """Run ``work``, cancelling it as soon as the remote resets the stream."""
-    task = asyncio.ensure_future(work)
+    """Run ``work`` in this task, cancelling it as soon as the remote resets the stream."""
+    task = asyncio.current_task()
+    assert task is not None
+    reset = False
 
     def cancel_work() -> None:
+        nonlocal reset
+        reset = True
         task.cancel()
 
     stream.on_failure(cancel_work)
     try:
-        await task
+        await work
     except asyncio.CancelledError:
-        if not stream.is_reset:  # we are being cancelled, not the remote's reset
+        # Our own cancellation of a reset call ends quietly; any other propagates.
+        if not (reset and task.uncancel() == 0):
             raise
+    finally:
+        stream.remove_on_failure(cancel_work)
 
 
 def _timeout_of(frame: list[Any]) -> float | None:

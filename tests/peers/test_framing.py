@@ -125,3 +125,17 @@ def test_frame_decoder_refuses_before_buffering() -> None:
         FrameDecoder().feed(encode_uvarint(2**63 - 1))
     with pytest.raises(SerializationError):
         FrameDecoder().feed(b"\xff" * 10)
+
+
+def test_multistream_listener_answers_na_before_judging_lazy_data() -> None:
+    # A lazy dialer sends its proposal and its data at once; when we refuse the
+    # protocol, the "na" must go out before the data is parsed (and found garbage).
+    dialer = MultistreamDialer(["/unknown"])
+    listener = MultistreamListener({"/known"})
+    reply = listener.receive_data(dialer.initial_bytes() + b"\x00\x05\x01request")
+    assert reply == encode_message("na")
+    assert listener.has_pending_input
+    with pytest.raises(HandshakeError):
+        listener.receive_data(b"")
+    with pytest.raises(ProtocolNotSupported):
+        dialer.receive_data(listener.initial_bytes() + reply)
