@@ -145,6 +145,20 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="swarm", description="swarmtrain: train together, peer to peer."
@@ -172,8 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ping = sub.add_parser("ping", help="dial a peer, identify it and ping it")
     ping.add_argument("maddr", metavar="MADDR", help="e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
-    ping.add_argument("--count", type=int, default=3, help="number of pings (default 3)")
-    ping.add_argument("--timeout", type=float, default=10.0, help="seconds per step (default 10)")
+    ping.add_argument("--count", type=_positive_int, default=3, help="number of pings (default 3)")
+    ping.add_argument(
+        "--timeout", type=_positive_float, default=10.0, help="seconds per step (default 10)"
+    )
 
     sub.add_parser("demo", help="run a local bootstrap peer and exchange messages with it")
     return parser

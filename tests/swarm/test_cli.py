@@ -148,3 +148,36 @@ def test_demo_runs() -> None:
     assert out.returncode == 0, out.stderr
     assert "unary echo: sent 'hello from the demo', got 'hello from the demo'" in out.stdout
     assert "all equal: True" in out.stdout
+
+
+def test_bootstrap_with_corrupt_identity_fails_clearly(tmp_path: Path) -> None:
+    key = tmp_path / "corrupt.key"
+    key.write_bytes(b"definitely not a libp2p key")
+    out = subprocess.run(
+        [*SWARM, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(key)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "is not a valid libp2p key" in out.stderr and str(key) in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "listen", ["/ip4/127.0.0.1/udp/5", "not-an-address", "/ip4/203.0.113.7/tcp/0"]
+)
+def test_bootstrap_with_unusable_listen_address_fails_clearly(listen: str) -> None:
+    out = subprocess.run(
+        [*SWARM, "bootstrap", "--listen", listen], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args", [["--count", "0"], ["--count", "x"], ["--timeout", "-1"]])
+def test_ping_rejects_bad_options(args: list[str]) -> None:
+    out = subprocess.run(
+        [*SWARM, "ping", "/ip4/127.0.0.1/tcp/1", *args], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "error: argument" in out.stderr
