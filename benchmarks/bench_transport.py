@@ -47,28 +47,17 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-try:
-    from benchmarks._common import (
-        BenchError,
-        LineReader,
-        descendants,
-        emit_result,
-        median,
-        percentile,
-        print_table,
-        stop_pids,
-    )
-except ImportError:  # run as a script: benchmarks/ itself is on sys.path
-    from _common import (  # type: ignore[no-redef]
-        BenchError,
-        LineReader,
-        descendants,
-        emit_result,
-        median,
-        percentile,
-        print_table,
-        stop_pids,
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
+from _common import (
+    BenchError,
+    LineReader,
+    descendants,
+    emit_result,
+    median,
+    percentile,
+    print_table,
+    stop_pids,
+)
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 SINK_PROTOCOL = "/swarmtrain/bench-sink/1.0.0"
