@@ -6,6 +6,7 @@ ones libp2p users already know: ``/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from multiaddr import Multiaddr
@@ -24,10 +25,20 @@ __all__ = [
 ]
 
 
+#: Parsed addresses remembered: the multiaddr package parses slowly (tens of
+#: microseconds), and a DHT node sees the same few hundred addresses over and over.
+_PARSE_CACHE_SIZE = 4096
+
+
 def parse_multiaddr(text: str | bytes | Multiaddr) -> Multiaddr:
     """Parse a multiaddr; raises :class:`AddressError` with the reason if it is malformed."""
     if isinstance(text, Multiaddr):
         return text
+    return _parse_cached(text)
+
+
+@functools.lru_cache(maxsize=_PARSE_CACHE_SIZE)
+def _parse_cached(text: str | bytes) -> Multiaddr:
     try:
         return Multiaddr(text)
     except (MultiaddrError, ValueError, TypeError) as e:
@@ -38,7 +49,13 @@ def split_peer_id(addr: Multiaddr) -> tuple[Multiaddr, PeerID | None]:
     """Split ``/.../p2p/ID`` into the transport part and the PeerID (``None`` if absent).
 
     Only a trailing ``/p2p`` is split off; a relayed address keeps its inner parts.
+    Raises :class:`peers.errors.IdentityError` if the /p2p part is not a PeerID.
     """
+    return _split_cached(addr)
+
+
+@functools.lru_cache(maxsize=_PARSE_CACHE_SIZE)
+def _split_cached(addr: Multiaddr) -> tuple[Multiaddr, PeerID | None]:
     items = list(addr.items())
     if not items or items[-1][0].name != "p2p":
         return addr, None

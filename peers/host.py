@@ -137,6 +137,7 @@ class Peer:
         self._num_connections = 0
         self._servers: list[asyncio.Server] = []
         self._listen_addrs: list[Multiaddr] = []
+        self._full_listen_addrs: list[Multiaddr] | None = None
         self._group: asyncio.TaskGroup | None = None
         self._address_book = _AddressBook()
         self._counters = _Counters()
@@ -190,12 +191,15 @@ class Peer:
         for sock in server.sockets:
             host, port = sock.getsockname()[:2]
             self._listen_addrs.append(tcp_multiaddr(host, port))
+        self._full_listen_addrs = None
 
     @property
     def listen_addrs(self) -> list[Multiaddr]:
         """The addresses we are reachable at, each ending in ``/p2p/OUR_ID``."""
-        base = [parse_multiaddr(a) for a in self.config.announce_addrs] or self._listen_addrs
-        return [with_peer_id(a, self.peer_id) for a in base]
+        if self._full_listen_addrs is None:
+            base = [parse_multiaddr(a) for a in self.config.announce_addrs] or self._listen_addrs
+            self._full_listen_addrs = [with_peer_id(a, self.peer_id) for a in base]
+        return list(self._full_listen_addrs)
 
     @property
     def protocols(self) -> list[str]:

@@ -12,8 +12,10 @@ the end with a default stays readable by older peers). :func:`from_wire` raises
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
+from collections.abc import Callable
 from functools import cache
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
@@ -45,10 +47,18 @@ def is_message_class(cls: object) -> bool:
     return isinstance(cls, type) and dataclasses.is_dataclass(cls)
 
 
+Encoder = Callable[[Any], Any]
+Decoder = Callable[[Any], Any]
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
 def to_wire(value: object) -> object:
     """Turn a message (recursively) into msgpack-ready values."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [to_wire(getattr(value, name)) for name, _, _ in _hints(type(value))]
+        return _encoder(type(value))(value)
     if isinstance(value, list | tuple):
         return [to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -56,80 +66,173 @@ def to_wire(value: object) -> object:
     return value
 
 
-def from_wire(cls: type[T], raw: object) -> T:
-    """Decode ``raw`` into ``cls``; raises :class:`WireError`."""
-    return typing.cast(T, _convert(cls, raw, cls.__name__))
-
-
-def _convert(tp: Any, raw: object, where: str) -> object:
-    if tp is Any:
-        return raw
+@cache
+def _encoder(tp: Any) -> Encoder:
+    """An encoder for values of declared type ``tp``, built once per type."""
     origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        if raw is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, raw, where)
-            except WireError as e:
-                errors.append(str(e))
-        raise WireError("; ".join(errors) or f"{where}: unexpected None")
+    if is_message_class(tp):
+        fields = [(name, _encoder(field_tp)) for name, field_tp, _ in _hints(tp)]
+        if not fields:
+            return lambda v: []
+        if all(enc is _identity for _, enc in fields):
+            getter = operator.attrgetter(*(name for name, _ in fields))
+            if len(fields) == 1:
+                return lambda v: [getter(v)]
+            return lambda v: list(getter(v))
+        return lambda v: [enc(getattr(v, name)) for name, enc in fields]
     if origin is list:
         (item_tp,) = get_args(tp)
-        if not isinstance(raw, list):
-            raise WireError(f"{where}: expected a list, got {type(raw).__name__}")
-        if len(raw) > MAX_WIRE_ITEMS:
-            raise WireError(f"{where}: more than {MAX_WIRE_ITEMS} items")
-        return [_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(raw)]
+        item = _encoder(item_tp)
+        return _identity if item is _identity else (lambda v: [item(x) for x in v])
+    if origin is dict:
+        _, value_tp = get_args(tp)
+        value_enc = _encoder(value_tp)
+        if value_enc is _identity:
+            return _identity
+        return lambda v: {k: value_enc(x) for k, x in v.items()}
+    if origin in (typing.Union, types.UnionType) or tp is Any:
+        return to_wire
+    return _identity
+
+
+def from_wire(cls: type[T], raw: object) -> T:
+    """Decode ``raw`` into ``cls``; raises :class:`WireError` naming the field."""
+    try:
+        decode: Decoder = _decoder(typing.cast(Any, cls))
+        return typing.cast(T, decode(raw))
+    except WireError as e:
+        raise WireError(f"{cls.__name__}{e}") from None
+
+
+def _fail(expected: str, raw: object) -> WireError:
+    return WireError(f": expected {expected}, got {type(raw).__name__}")
+
+
+def _check_count(raw: list[Any] | dict[Any, Any]) -> None:
+    if len(raw) > MAX_WIRE_ITEMS:
+        raise WireError(f": more than {MAX_WIRE_ITEMS} items")
+
+
+@cache
+def _decoder(tp: Any) -> Decoder:
+    """A validating decoder for declared type ``tp``, built once per type. Errors are
+    raised as WireError(": ...") and each enclosing level prefixes its field name."""
+    if tp is Any:
+        return _identity
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _union_decoder(get_args(tp))
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        return _list_decoder(_decoder(item_tp))
     if origin is dict:
         key_tp, value_tp = get_args(tp)
-        if not isinstance(raw, dict):
-            raise WireError(f"{where}: expected a map, got {type(raw).__name__}")
-        if len(raw) > MAX_WIRE_ITEMS:
-            raise WireError(f"{where}: more than {MAX_WIRE_ITEMS} items")
-        return {
-            _convert(key_tp, k, f"{where} key"): _convert(value_tp, v, f"{where}[{k!r}]")
-            for k, v in raw.items()
-        }
+        return _dict_decoder(_decoder(key_tp), _decoder(value_tp))
     if is_message_class(tp):
-        return _convert_message(tp, raw, where)
+        return _message_decoder(tp)
     if tp is float:
-        if isinstance(raw, float) or (isinstance(raw, int) and not isinstance(raw, bool)):
-            return float(raw)
-        raise WireError(f"{where}: expected a number, got {type(raw).__name__}")
+
+        def decode_float(raw: Any) -> float:
+            if type(raw) is float or (isinstance(raw, int) and not isinstance(raw, bool)):
+                return float(raw)
+            raise _fail("a number", raw)
+
+        return decode_float
     if tp is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        raise WireError(f"{where}: expected an integer, got {type(raw).__name__}")
-    if tp in (str, bytes, bool, np.ndarray, list, dict):  # bare list/dict: contents unchecked
-        if isinstance(raw, tp):
-            return raw
-        raise WireError(f"{where}: expected {tp.__name__}, got {type(raw).__name__}")
-    if isinstance(tp, type) and hasattr(tp, "__module__") and tp.__module__ == "torch":
-        if isinstance(raw, tp):
-            return raw
-        raise WireError(f"{where}: expected a tensor, got {type(raw).__name__}")
-    raise TypeError(f"{where}: type {tp!r} cannot be used in a wire message")
+
+        def decode_int(raw: Any) -> int:
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                return raw
+            raise _fail("an integer", raw)
+
+        return decode_int
+    if tp in (str, bytes, bool, np.ndarray, list, dict) or (
+        isinstance(tp, type) and tp.__module__ == "torch"
+    ):  # bare list/dict: contents unchecked
+
+        def decode_instance(raw: Any) -> Any:
+            if isinstance(raw, tp):
+                return raw
+            raise _fail(tp.__name__, raw)
+
+        return decode_instance
+    raise TypeError(f"type {tp!r} cannot be used in a wire message")
 
 
-def _convert_message(cls: type, raw: object, where: str) -> object:
-    if not isinstance(raw, list):
-        raise WireError(f"{where}: expected an array of fields, got {type(raw).__name__}")
-    fields = _hints(cls)
-    if len(raw) > len(fields) + 64:
-        raise WireError(f"{where}: {len(raw)} fields is far more than {len(fields)}")
-    kwargs = {}
-    for i, (name, tp, required) in enumerate(fields):
-        if i < len(raw):
-            kwargs[name] = _convert(tp, raw[i], f"{where}.{name}")
-        elif required:
-            raise WireError(f"{where}: field {name} is missing")
-    # Extra trailing fields come from a newer peer: ignored, as protobuf would.
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise WireError(f"{where}: {e}") from e
+def _union_decoder(args: tuple[Any, ...]) -> Decoder:
+    optional = type(None) in args
+    options = [_decoder(a) for a in args if a is not type(None)]
+
+    def decode_union(raw: Any) -> Any:
+        if raw is None and optional:
+            return None
+        errors = []
+        for option in options:
+            try:
+                return option(raw)
+            except WireError as e:
+                errors.append(str(e))
+        raise WireError("; ".join(errors) or ": unexpected None")
+
+    return decode_union
+
+
+def _list_decoder(item: Decoder) -> Decoder:
+    def decode_list(raw: Any) -> list[Any]:
+        if not isinstance(raw, list):
+            raise _fail("a list", raw)
+        _check_count(raw)
+        if item is _identity:
+            return raw
+        out = []
+        for i, value in enumerate(raw):
+            try:
+                out.append(item(value))
+            except WireError as e:
+                raise WireError(f"[{i}]{e}") from None
+        return out
+
+    return decode_list
+
+
+def _dict_decoder(key: Decoder, value: Decoder) -> Decoder:
+    def decode_dict(raw: Any) -> dict[Any, Any]:
+        if not isinstance(raw, dict):
+            raise _fail("a map", raw)
+        _check_count(raw)
+        out = {}
+        for k, v in raw.items():
+            try:
+                out[key(k)] = value(v)
+            except WireError as e:
+                raise WireError(f"[{k!r}]{e}") from None
+        return out
+
+    return decode_dict
+
+
+def _message_decoder(cls: type) -> Decoder:
+    fields = [(name, _decoder(tp), required) for name, tp, required in _hints(cls)]
+    num_fields = len(fields)
+
+    def decode_message(raw: Any) -> Any:
+        if not isinstance(raw, list):
+            raise _fail(f"an array of {cls.__name__} fields", raw)
+        if len(raw) > num_fields + 64:
+            raise WireError(f": {len(raw)} fields is far more than {num_fields}")
+        kwargs = {}
+        for i, (name, decode, required) in enumerate(fields):
+            if i < len(raw):
+                try:
+                    kwargs[name] = decode(raw[i])
+                except WireError as e:
+                    raise WireError(f".{name}{e}") from None
+            elif required:
+                raise WireError(f": field {name} is missing")
+        # Extra trailing fields come from a newer peer: ignored, as protobuf would.
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise WireError(f": {e}") from e
+
+    return decode_message
