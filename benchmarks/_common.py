@@ -144,6 +144,29 @@ def stop_popen_tree(popen: subprocess.Popen[Any], *, graceful: bool = True) -> N
     stop_pids(tree)
 
 
+def memory_bytes(pid: int) -> tuple[int, int] | None:
+    """Resident and proportional set sizes (RSS, PSS) of ``pid`` in bytes, from /proc;
+    ``None`` if it is gone. PSS splits each shared page among the processes mapping it,
+    so a forked child's pages are not counted twice; where the kernel has no
+    ``smaps_rollup``, PSS falls back to RSS."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    rss = pss = 0
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return rss, rss
+    for line in rollup.splitlines():
+        if line.startswith("Pss:"):
+            pss = int(line.split()[1]) * 1024
+    return rss, pss or rss
+
+
 class LineReader:
     """Reads a child's output lines in a thread, each stamped with ``perf_counter``."""
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from multiaddr import Multiaddr
 
 from peers.connection import Stream
-from peers.errors import ConnectionClosed, RemoteError, RemoteProtocolError
+from peers.errors import ConnectionClosed, RemoteError, RemoteProtocolError, StreamReset
 from peers.identity import PeerID
 from peers.serialization import MAX_FRAME_BYTES, FrameDecoder, frame_buffers, unpack
 from peers.wire import from_wire, to_wire
@@ -90,6 +90,14 @@ class FramedStream:
 
     async def write_frame(self, frame: list[Any]) -> None:
         await self.stream.write_many(frame_buffers(frame))
+
+
+async def _refuse(framed: FramedStream, error: RemoteProtocolError) -> None:
+    """Answer a malformed call with an error frame, then reset the stream: the caller
+    may still be sending (an oversized frame, say) and must not wait on a window we
+    will never open again. The error frame arrives before the reset."""
+    await framed.write_frame(_error_frame(error))
+    framed.stream.reset()
 
 
 def _error_frame(error: BaseException) -> list[Any]:
@@ -167,8 +175,7 @@ def add_unary_handler(
                 request = from_wire(request_type, _message_body(frame))
                 context = CallContext(stream.remote_peer_id, protocol, _timeout_of(frame))
             except RemoteProtocolError as e:
-                await framed.write_frame(_error_frame(e))
-                await stream.close()
+                await _refuse(framed, e)
                 return
             try:
                 async with asyncio.timeout(context.timeout):
@@ -206,8 +213,7 @@ def add_stream_handler(
             try:
                 first = await framed.read_frame()
             except RemoteProtocolError as e:  # a bad first frame: refuse it like any other
-                await framed.write_frame(_error_frame(e))
-                await stream.close()
+                await _refuse(framed, e)
                 return
             context = CallContext(
                 stream.remote_peer_id, protocol, _timeout_of(first) if first else None
@@ -258,8 +264,11 @@ async def call_unary(
         answered = False
         try:
             framed = FramedStream(stream, max_frame_bytes)
-            await framed.write_frame([_KIND_MESSAGE, to_wire(request), timeout])
-            await stream.close()
+            try:
+                await framed.write_frame([_KIND_MESSAGE, to_wire(request), timeout])
+                await stream.close()
+            except StreamReset:
+                pass  # the remote refused mid-request: its error frame, if any, is next
             frame = await framed.read_frame()
             answered = True
             if frame is None:

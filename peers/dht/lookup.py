@@ -1,0 +1,197 @@
+"""The iterative node lookup of Maymounkov & Mazières 2002, "Kademlia", §2.3.
+
+A pure state machine: it says whom to ask next (:meth:`Lookup.next_queries`), learns
+from answers (:meth:`Lookup.on_response`) and timeouts (:meth:`Lookup.on_failure`), and
+says when it is :attr:`Lookup.done`. The caller sends the FIND_NODE (or FIND_VALUE)
+RPCs, enforces their deadlines and decides when a found value ends the lookup early.
+
+As in §2.3, at most alpha queries are in flight, each going to the closest candidate
+not yet asked among the k closest known; the lookup ends when the k closest candidates
+that have not failed have all answered and nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+from bisect import insort
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from peers.dht.ids import Contact, NodeID, distance
+from peers.dht.routing import K
+from peers.identity import PeerID
+
+#: The paper's alpha (§2.3): queries in flight at once. 3, the paper's choice, trades a
+#: little redundant traffic for not waiting on one slow or dead node.
+ALPHA = 3
+#: Candidates not yet asked are kept only among the closest ``CANDIDATE_FACTOR * k``
+#: known: spares for the k closest if many of them fail (2k of them), and a bound on
+#: the memory a hostile responder can make us spend (an answer adds at most k more
+#: before the excess is dropped).
+CANDIDATE_FACTOR = 3
+
+
+class _State(enum.Enum):
+    CANDIDATE = enum.auto()
+    IN_FLIGHT = enum.auto()
+    RESPONDED = enum.auto()
+
+
+class _Candidate:
+    __slots__ = ("contact", "state")
+
+    def __init__(self, contact: Contact) -> None:
+        self.contact = contact
+        self.state = _State.CANDIDATE
+
+
+@dataclass(frozen=True, slots=True)
+class LookupStatistics:
+    num_queried: int
+    num_responded: int
+    num_failed: int
+    num_in_flight: int
+    num_candidates: int
+
+
+class Lookup:
+    """One iterative lookup of ``target``; see the module docstring."""
+
+    def __init__(
+        self,
+        target: NodeID,
+        initial: Iterable[Contact],
+        *,
+        local_peer_id: PeerID | None = None,
+        k: int = K,
+        alpha: int = ALPHA,
+    ) -> None:
+        """Start from ``initial`` (usually the routing table's k nearest to ``target``).
+        ``k`` and ``alpha`` are the paper's k (result size) and alpha (parallelism).
+        ``local_peer_id`` is never queried, wherever it shows up."""
+        if k < 1 or alpha < 1:
+            raise ValueError("k and alpha must be positive")
+        self.target = target
+        self.k = k
+        self.alpha = alpha
+        self._local_peer_id = local_peer_id
+        self._max_candidates = CANDIDATE_FACTOR * k
+        # Non-failed candidates by distance to target: distances are unique, since the
+        # XOR metric is injective for a fixed target and node ids are distinct.
+        self._by_distance: dict[int, _Candidate] = {}
+        self._order: list[int] = []  # the keys of _by_distance, ascending
+        self._failed: set[PeerID] = set()
+        self._num_in_flight = 0
+        self._num_queried = 0
+        self._num_responded = 0
+        self._add(initial)
+
+    def next_queries(self) -> list[Contact]:
+        """The contacts to query now, marked in flight: the closest not yet asked among
+        the k closest non-failed candidates, as many as keep at most alpha in flight.
+        Empty when nothing more should be sent until an answer or failure arrives."""
+        chosen: list[Contact] = []
+        for d in self._order[: self.k]:
+            if self._num_in_flight >= self.alpha:
+                break
+            candidate = self._by_distance[d]
+            if candidate.state is _State.CANDIDATE:
+                candidate.state = _State.IN_FLIGHT
+                self._num_in_flight += 1
+                self._num_queried += 1
+                chosen.append(candidate.contact)
+        return chosen
+
+    def on_response(self, contact: Contact, closer: Iterable[Contact]) -> None:
+        """``contact`` answered with ``closer``, the contacts it knows nearest the target.
+
+        Only the first k of ``closer`` are read (more is the remote's fault); the local
+        peer, known and failed contacts among them are skipped. An answer that arrives
+        after :meth:`on_failure` for the same contact, and a second answer, are ignored.
+        Raises ValueError for a contact this lookup never asked."""
+        candidate = self._find(contact)
+        if candidate is None and contact.peer_id in self._failed:
+            return
+        if candidate is None or candidate.state is _State.CANDIDATE:
+            raise ValueError(f"{contact.peer_id} answered a lookup that never asked it")
+        if candidate.state is _State.RESPONDED:
+            return
+        candidate.state = _State.RESPONDED
+        self._num_in_flight -= 1
+        self._num_responded += 1
+        limited: list[Contact] = []
+        for item in closer:
+            if len(limited) >= self.k:
+                break
+            limited.append(item)
+        self._add(limited)
+
+    def on_failure(self, contact: Contact) -> None:
+        """The query to ``contact`` timed out or failed: it is never among the answered,
+        and never asked again. Raises ValueError for a contact not in flight."""
+        candidate = self._find(contact)
+        if candidate is None or candidate.state is not _State.IN_FLIGHT:
+            raise ValueError(f"{contact.peer_id} has no query in flight in this lookup")
+        d = distance(contact.node_id, self.target)
+        del self._by_distance[d]
+        self._order.remove(d)
+        self._failed.add(contact.peer_id)
+        self._num_in_flight -= 1
+
+    @property
+    def done(self) -> bool:
+        """True when nothing is in flight and the k closest non-failed candidates have all
+        answered (so also when every candidate has been asked, or none was known)."""
+        if self._num_in_flight:
+            return False
+        return all(self._by_distance[d].state is _State.RESPONDED for d in self._order[: self.k])
+
+    def closest_responded(self) -> list[Contact]:
+        """Up to k contacts that answered, closest to the target first."""
+        answered = (self._by_distance[d] for d in self._order)
+        return [c.contact for c in answered if c.state is _State.RESPONDED][: self.k]
+
+    @property
+    def num_queried(self) -> int:
+        return self._num_queried
+
+    @property
+    def num_responded(self) -> int:
+        return self._num_responded
+
+    @property
+    def num_failed(self) -> int:
+        return len(self._failed)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def statistics(self) -> LookupStatistics:
+        return LookupStatistics(
+            num_queried=self._num_queried,
+            num_responded=self._num_responded,
+            num_failed=len(self._failed),
+            num_in_flight=self._num_in_flight,
+            num_candidates=len(self._order),
+        )
+
+    def _find(self, contact: Contact) -> _Candidate | None:
+        candidate = self._by_distance.get(distance(contact.node_id, self.target))
+        return candidate if candidate is not None and candidate.contact == contact else None
+
+    def _add(self, contacts: Iterable[Contact]) -> None:
+        for contact in contacts:
+            if contact.peer_id == self._local_peer_id or contact.peer_id in self._failed:
+                continue
+            d = distance(contact.node_id, self.target)
+            if d not in self._by_distance:
+                self._by_distance[d] = _Candidate(contact)
+                insort(self._order, d)
+        # Candidates not yet asked that rank past the bound are dropped; asked ones stay,
+        # as the lookup still needs their answers (and there is one per query at most).
+        for index in range(len(self._order) - 1, self._max_candidates - 1, -1):
+            d = self._order[index]
+            if self._by_distance[d].state is _State.CANDIDATE:
+                del self._by_distance[d]
+                del self._order[index]

@@ -1,0 +1,612 @@
+"""The DHT node: Kademlia (Maymounkov & Mazières 2002) over our RPC.
+
+The pure parts decide: :class:`RoutingTable` (who we know), :class:`Lookup` (whom to ask
+next), :class:`RecordStore` (what we keep). This module moves their decisions over the
+network, enforces timeouts, and owns the background work (bucket refresh, republish,
+re-bootstrap, pinging stale contacts) in a TaskGroup entered with ``async with``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+
+from peers.addresses import parse_multiaddr, split_peer_id
+from peers.dht.ids import Contact, NodeID, distance, key_id, node_id_of
+from peers.dht.lookup import ALPHA, Lookup
+from peers.dht.protocol import (
+    FIND_NODE_PROTOCOL,
+    FIND_VALUE_PROTOCOL,
+    MAX_RECORDS_PER_MESSAGE,
+    PING_PROTOCOL,
+    STORE_PROTOCOL,
+    FindNodeRequest,
+    FindNodeResponse,
+    FindValueRequest,
+    FindValueResponse,
+    PingRequest,
+    PingResponse,
+    SenderInfo,
+    StoreRequest,
+    StoreResponse,
+    contact_to_wire,
+    contacts_from_wire,
+    record_from_wire,
+    record_to_wire,
+    sender_addrs,
+)
+from peers.dht.records import Record, RecordError, owner_of, validate
+from peers.dht.routing import K, RoutingTable
+from peers.dht.storage import RecordStore, StoreResult
+from peers.errors import PeersError
+from peers.host import Peer
+from peers.identity import PeerID
+from peers.rpc import CallContext
+from peers.serialization import pack, unpack
+from peers.wire import WireError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Replicas a value is stored at (the paper stores at k; a handful survive churn: with
+#: 30% of peers gone at once, all of 8 replicas are lost with probability 0.3^8 < 1e-4,
+#: and republishing restores the count).
+NUM_REPLICAS = 8
+
+
+#: Contacts whose addresses we remember having handed to the address book; past this
+#: the memory is dropped (it only saves repeated parsing).
+MAX_ADDRESS_MEMORY = 4096
+
+
+class DHTError(PeersError):
+    """The DHT cannot do what was asked (no initial peer answered, a record is invalid)."""
+
+
+def dht_time() -> float:
+    """Record expirations are absolute wall-clock times, shared by every peer."""
+    return time.time()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DHTConfig:
+    """How a :class:`DHT` node joins the swarm and keeps itself and its records alive."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs (with /p2p/ID) of peers to join through; any one that answers suffices."""
+    client_mode: bool | None = None
+    """Never enter others' routing tables (for peers that cannot accept connections).
+    ``None``: automatic, client mode exactly when the peer has no listen address."""
+    k: int = K
+    """Kademlia's k: bucket size and how many closest nodes a lookup converges on."""
+    alpha: int = ALPHA
+    """Kademlia's alpha: queries in flight during a lookup."""
+    num_replicas: int = NUM_REPLICAS
+    """Closest nodes a record is stored at."""
+    rpc_timeout: float = 3.0
+    """Seconds one DHT request may take before its peer counts as failed."""
+    bootstrap_timeout: float = 10.0
+    """Seconds to reach the initial peers."""
+    refresh_interval: float = 600.0
+    """Seconds after which a bucket no lookup touched is refreshed (paper: an hour)."""
+    republish_interval: float = 1200.0
+    """Seconds between re-stores of the records this node published."""
+    maintenance_interval: float = 15.0
+    """Seconds between maintenance passes (refresh, republish, re-bootstrap, purge)."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.alpha < 1 or self.num_replicas < 1:
+            raise ValueError("k, alpha and num_replicas must be at least 1")
+        for name in (
+            "rpc_timeout",
+            "bootstrap_timeout",
+            "refresh_interval",
+            "republish_interval",
+            "maintenance_interval",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        for addr in self.initial_peers:
+            if split_peer_id(parse_multiaddr(addr))[1] is None:
+                raise ValueError(f"initial peer {addr} lacks its /p2p/ID part")
+
+
+@dataclass(frozen=True, slots=True)
+class ValueWithExpiration:
+    value: Any
+    expiration_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class DHTStatistics:
+    num_contacts: int
+    num_records: int
+    client_mode: bool
+    rpcs_served: dict[str, int]
+    rpcs_sent: dict[str, int]
+    rpcs_failed: dict[str, int]
+
+
+@dataclass
+class _Published:
+    record: Record
+    last_stored: float
+
+
+@dataclass
+class _Counters:
+    served: Counter[str] = field(default_factory=Counter)
+    sent: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+
+
+def _as_key(key: str | bytes) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+class DHT:
+    """A Kademlia node on a :class:`peers.Peer`. Use ``async with DHT(peer, config)``."""
+
+    def __init__(self, peer: Peer, config: DHTConfig | None = None) -> None:
+        self.peer = peer
+        self.config = config or DHTConfig()
+        self.node_id = node_id_of(peer.peer_id)
+        self.routing = RoutingTable(self.node_id, k=self.config.k)
+        self.store_ = RecordStore()
+        self._published: dict[tuple[bytes, bytes | None], _Published] = {}
+        self._counters = _Counters()
+        self._group: asyncio.TaskGroup | None = None
+        self._pinging: set[PeerID] = set()
+        self._sender_info: SenderInfo | None = None
+        self._addrs_told: dict[PeerID, tuple[str, ...]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Start background work in our TaskGroup, remembered so we can stop it."""
+        assert self._group is not None
+        task = self._group.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def client_mode(self) -> bool:
+        if self.config.client_mode is not None:
+            return self.config.client_mode
+        return not self.peer.listen_addrs
+
+    def _sender(self) -> SenderInfo:
+        """Who we are, as every request says it (computed once: addresses are fixed)."""
+        if self._sender_info is None:
+            if self.client_mode:
+                self._sender_info = SenderInfo([], True)
+            else:
+                addrs = [str(split_peer_id(a)[0]) for a in self.peer.listen_addrs]
+                self._sender_info = SenderInfo(addrs, False)
+        return self._sender_info
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    async def __aenter__(self) -> DHT:
+        if not self.client_mode:
+            self.peer.add_unary_handler(PING_PROTOCOL, self.rpc_ping, PingRequest)
+            self.peer.add_unary_handler(FIND_NODE_PROTOCOL, self.rpc_find_node, FindNodeRequest)
+            self.peer.add_unary_handler(FIND_VALUE_PROTOCOL, self.rpc_find_value, FindValueRequest)
+            self.peer.add_unary_handler(STORE_PROTOCOL, self.rpc_store, StoreRequest)
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        started = False
+        try:
+            if self.config.initial_peers:
+                await self.bootstrap()
+            self._spawn(self._maintain())
+            started = True
+        finally:
+            if not started:
+                await self.__aexit__(None, None, None)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._group is not None
+        for task in list(self._tasks):  # our background work ends with us
+            task.cancel()
+        await self._group.__aexit__(exc_type, exc, tb)
+        if not self.client_mode:
+            for protocol in (
+                PING_PROTOCOL,
+                FIND_NODE_PROTOCOL,
+                FIND_VALUE_PROTOCOL,
+                STORE_PROTOCOL,
+            ):
+                self.peer.remove_stream_handler(protocol)
+
+    async def bootstrap(self) -> int:
+        """Join through the initial peers; the number that answered.
+
+        Logs a warning naming each unreachable one; raises :class:`DHTError` if none
+        answers. Then looks up our own id, which fills our buckets (§2.3 "joining").
+        """
+        addrs = self.config.initial_peers
+        results = await asyncio.gather(*(self._ping_addr(a) for a in addrs), return_exceptions=True)
+        reached = 0
+        for addr, result in zip(addrs, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("initial peer %s did not answer: %s", addr, result)
+            else:
+                reached += 1
+        if addrs and not reached:
+            raise DHTError(f"none of the {len(addrs)} initial peers answered: {', '.join(addrs)}")
+        await self.find_nearest(self.node_id)
+        return reached
+
+    async def _ping_addr(self, addr: str) -> None:
+        async with asyncio.timeout(self.config.bootstrap_timeout):
+            peer_id = await self.peer.connect(addr)
+            transport = split_peer_id(parse_multiaddr(addr))[0]
+            await self._call(
+                Contact(peer_id, (str(transport),)),
+                PING_PROTOCOL,
+                PingRequest(self._sender()),
+                PingResponse,
+            )
+
+    async def _maintain(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.maintenance_interval)
+            try:
+                await self.maintain_once()
+            except PeersError as e:
+                logger.info("DHT maintenance pass failed: %s", e)
+
+    async def maintain_once(self) -> None:
+        """One maintenance pass: re-bootstrap if alone, refresh idle buckets, republish
+        our records, purge expired ones. Runs every ``maintenance_interval`` seconds."""
+        now = time.monotonic()
+        if not len(self.routing) and self.config.initial_peers:
+            with contextlib.suppress(DHTError):
+                await self.bootstrap()
+        for target in self.routing.buckets_to_refresh(now, self.config.refresh_interval):
+            await self.find_nearest(target)
+            self.routing.mark_bucket_refreshed(target, time.monotonic())
+        wall = dht_time()
+        for slot, published in list(self._published.items()):
+            if published.record.expiration_time <= wall:
+                del self._published[slot]
+            elif now - published.last_stored >= self.config.republish_interval:
+                await self._store_record(published.record)
+                published.last_stored = now
+        self.store_.purge_expired(wall)
+
+    def _records_for(self, key: bytes, now: float) -> list[Record]:
+        held = self.store_.get(key, now)
+        if held is None:
+            return []
+        return ([held.plain] if held.plain is not None else []) + list(held.subkeys.values())
+
+    # --- serving (rpc_*) ---------------------------------------------------------
+
+    def _heard_from(self, peer_id: PeerID, sender: SenderInfo) -> None:
+        """A peer called us: remember it, unless it is a client (§2.2: every message
+        updates the bucket). A full bucket's oldest contact gets pinged, not evicted."""
+        if sender.client_mode:
+            return
+        addrs = sender_addrs(sender)
+        if not addrs:
+            return
+        self._learn(Contact(peer_id, addrs))
+
+    def _learn(self, contact: Contact) -> None:
+        stale = self.routing.update(contact, time.monotonic())
+        self._remember_addrs(contact)
+        if stale is not None and stale.peer_id not in self._pinging and self._group is not None:
+            self._pinging.add(stale.peer_id)
+            self._spawn(self._ping_stale(stale, contact))
+
+    async def _ping_stale(self, stale: Contact, newcomer: Contact) -> None:
+        try:
+            await self._call(stale, PING_PROTOCOL, PingRequest(self._sender()), PingResponse)
+        except (PeersError, TimeoutError):
+            self.routing.remove(stale.peer_id)
+            self.routing.update(newcomer, time.monotonic())
+        finally:
+            self._pinging.discard(stale.peer_id)
+
+    def _remember_addrs(self, contact: Contact) -> None:
+        """Tell the peer's address book where ``contact`` is (once per change of addrs)."""
+        if not contact.addrs or self._addrs_told.get(contact.peer_id) == contact.addrs:
+            return
+        if len(self._addrs_told) >= MAX_ADDRESS_MEMORY:
+            self._addrs_told.clear()
+        self._addrs_told[contact.peer_id] = contact.addrs
+        good = []
+        for addr in contact.addrs:
+            try:
+                good.append(parse_multiaddr(addr))
+            except PeersError:
+                continue
+        if good:
+            self.peer.add_addresses(contact.peer_id, good)
+
+    async def rpc_ping(self, request: PingRequest, context: CallContext) -> PingResponse:
+        self._counters.served["ping"] += 1
+        self._heard_from(context.remote_peer_id, request.sender)
+        return PingResponse()
+
+    async def rpc_find_node(
+        self, request: FindNodeRequest, context: CallContext
+    ) -> FindNodeResponse:
+        self._counters.served["find_node"] += 1
+        if len(request.target) != 32:
+            raise WireError("a find-node target has 32 bytes")
+        self._heard_from(context.remote_peer_id, request.sender)
+        nearest = self.routing.nearest(
+            int.from_bytes(request.target, "big"), self.config.k, exclude=(context.remote_peer_id,)
+        )
+        return FindNodeResponse([contact_to_wire(c) for c in nearest])
+
+    async def rpc_find_value(
+        self, request: FindValueRequest, context: CallContext
+    ) -> FindValueResponse:
+        self._counters.served["find_value"] += 1
+        self._heard_from(context.remote_peer_id, request.sender)
+        records = self._records_for(request.key, dht_time())[:MAX_RECORDS_PER_MESSAGE]
+        nearest = self.routing.nearest(
+            key_id(request.key), self.config.k, exclude=(context.remote_peer_id,)
+        )
+        return FindValueResponse(
+            [record_to_wire(r) for r in records], [contact_to_wire(c) for c in nearest]
+        )
+
+    async def rpc_store(self, request: StoreRequest, context: CallContext) -> StoreResponse:
+        self._counters.served["store"] += 1
+        if len(request.records) > MAX_RECORDS_PER_MESSAGE:
+            raise WireError(f"more than {MAX_RECORDS_PER_MESSAGE} records in one store")
+        self._heard_from(context.remote_peer_id, request.sender)
+        accepted = []
+        now = dht_time()
+        for wire in request.records:
+            try:
+                result = self.store_.store(
+                    record_from_wire(wire), source=context.remote_peer_id, now=now
+                )
+            except RecordError as e:
+                logger.info("refused a record from %s: %s", context.remote_peer_id, e)
+                accepted.append(False)
+            else:
+                accepted.append(result is StoreResult.ACCEPTED)
+        return StoreResponse(accepted)
+
+    # --- calling (call_*) --------------------------------------------------------
+
+    async def _call(
+        self, contact: Contact, protocol: str, request: object, response_type: type[T]
+    ) -> T:
+        name = protocol.split("/")[3]
+        self._counters.sent[name] += 1
+        self._remember_addrs(contact)
+        try:
+            response = await self.peer.call_unary(
+                contact.peer_id, protocol, request, response_type, timeout=self.config.rpc_timeout
+            )
+        except (PeersError, TimeoutError):
+            self._counters.failed[name] += 1
+            self.routing.record_failure(contact.peer_id, time.monotonic())
+            raise
+        if contact.addrs:
+            self._learn(contact)
+        return response
+
+    async def call_find_node(self, contact: Contact, target: NodeID) -> list[Contact]:
+        response = await self._call(
+            contact,
+            FIND_NODE_PROTOCOL,
+            FindNodeRequest(self._sender(), target.to_bytes(32, "big")),
+            FindNodeResponse,
+        )
+        return contacts_from_wire(response.contacts)
+
+    async def call_find_value(
+        self, contact: Contact, key: bytes
+    ) -> tuple[list[Record], list[Contact]]:
+        response = await self._call(
+            contact, FIND_VALUE_PROTOCOL, FindValueRequest(self._sender(), key), FindValueResponse
+        )
+        if len(response.records) > MAX_RECORDS_PER_MESSAGE:
+            raise WireError("too many records in one response")
+        return [record_from_wire(r) for r in response.records], contacts_from_wire(
+            response.contacts
+        )
+
+    async def call_store(self, contact: Contact, records: list[Record]) -> list[bool]:
+        response = await self._call(
+            contact,
+            STORE_PROTOCOL,
+            StoreRequest(self._sender(), [record_to_wire(r) for r in records]),
+            StoreResponse,
+        )
+        return response.accepted
+
+    # --- lookups -----------------------------------------------------------------
+
+    async def _run_lookup(
+        self,
+        target: NodeID,
+        query: Callable[[Contact], Awaitable[list[Contact]]],
+        num_closest: int | None = None,
+    ) -> Lookup:
+        """Drive a :class:`Lookup`: at most alpha queries in flight, each bounded by
+        ``rpc_timeout``, until the ``num_closest`` (default k) closest have answered
+        (§2.3). Stores and gets converge on the ``num_replicas`` closest only: that is
+        where records live, and it halves the requests of a lookup."""
+        k = num_closest or self.config.k
+        lookup = Lookup(
+            target,
+            self.routing.nearest(target, max(k, self.config.alpha)),
+            local_peer_id=self.peer.peer_id,
+            k=k,
+            alpha=self.config.alpha,
+        )
+        running: dict[asyncio.Task[list[Contact]], Contact] = {}
+        try:
+            while not lookup.done:
+                for contact in lookup.next_queries():
+                    running[asyncio.ensure_future(query(contact))] = contact
+                if not running:
+                    break
+                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    contact = running.pop(task)
+                    if task.exception() is None:
+                        lookup.on_response(contact, task.result())
+                    else:
+                        lookup.on_failure(contact)
+        finally:
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running)
+        return lookup
+
+    async def find_nearest(self, target: NodeID, count: int | None = None) -> list[Contact]:
+        """The ``count`` (default k) closest live nodes to ``target`` (iterative FIND_NODE)."""
+        lookup = await self._run_lookup(target, lambda c: self.call_find_node(c, target), count)
+        return lookup.closest_responded()
+
+    # --- the API -----------------------------------------------------------------
+
+    async def store(
+        self,
+        key: str | bytes,
+        value: object,
+        expiration_time: float,
+        *,
+        subkey: str | bytes | None = None,
+    ) -> bool:
+        """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time`` (a
+        wall-clock time, e.g. ``dht_time() + 60``) at the closest replicas.
+
+        If the key or subkey names us as owner (``records.owner_marker``), the record is
+        signed. True if at least one replica (possibly this node) accepted it. Raises
+        :class:`RecordError` if the record itself is invalid (too large, expired...).
+        The record is republished every ``republish_interval`` until it expires.
+        """
+        record = Record(
+            key=_as_key(key),
+            subkey=None if subkey is None else _as_key(subkey),
+            value=pack(value),
+            expiration_time=float(expiration_time),
+        )
+        if owner_of(record.key, record.subkey) == self.peer.peer_id:
+            record = record.sign(self.peer.identity)
+        validate(record, dht_time())
+        self._published[(record.key, record.subkey)] = _Published(record, time.monotonic())
+        return await self._store_record(record)
+
+    async def _store_record(self, record: Record) -> bool:
+        target = key_id(record.key)
+        nearest = await self.find_nearest(target, self.config.num_replicas)
+        accepted = 0
+        if not self.client_mode and (
+            len(nearest) < self.config.num_replicas
+            or distance(self.node_id, target) < distance(nearest[-1].node_id, target)
+        ):
+            if (
+                self.store_.store(record, source=self.peer.peer_id, now=dht_time())
+                is StoreResult.ACCEPTED
+            ):
+                accepted += 1
+        results = await asyncio.gather(
+            *(self.call_store(c, [record]) for c in nearest), return_exceptions=True
+        )
+        accepted += sum(1 for r in results if isinstance(r, list) and r and r[0])
+        return accepted > 0
+
+    async def get(
+        self, key: str | bytes
+    ) -> ValueWithExpiration | dict[bytes, ValueWithExpiration] | None:
+        """The freshest value stored under ``key`` among its closest nodes (and ours).
+
+        A plain value comes back as :class:`ValueWithExpiration`; a key holding subkeys
+        as ``{subkey: ValueWithExpiration}``; ``None`` if nothing live is stored.
+        Records from peers are validated (expiry, size, owner signatures) before use.
+        """
+        raw_key = _as_key(key)
+        now = dht_time()
+        best: dict[bytes | None, Record] = {}
+        holders: dict[PeerID, set[bytes | None]] = {}
+
+        def consider(records: Iterable[Record], holder: PeerID | None) -> None:
+            for record in records:
+                if record.key != raw_key:
+                    continue
+                try:
+                    record = validate(record, now)
+                except RecordError as e:
+                    logger.info("dropping an invalid record from %s: %s", holder, e)
+                    continue
+                held = best.get(record.subkey)
+                if held is None or record.expiration_time > held.expiration_time:
+                    best[record.subkey] = record
+                if holder is not None:
+                    holders.setdefault(holder, set()).add(record.subkey)
+
+        consider(self._records_for(raw_key, now), None)
+
+        async def query(contact: Contact) -> list[Contact]:
+            records, closer = await self.call_find_value(contact, raw_key)
+            consider(records, contact.peer_id)
+            return closer
+
+        lookup = await self._run_lookup(key_id(raw_key), query, self.config.num_replicas)
+        if not best and self.config.k > self.config.num_replicas:
+            # Nothing at the replicas' place: look wider before answering "absent" (a
+            # store made while the swarm was forming may sit a little off its place).
+            lookup = await self._run_lookup(key_id(raw_key), query)
+        if not best:
+            return None
+        await self._cache_along_path(lookup, best, holders)
+        entries = {
+            s: ValueWithExpiration(unpack(r.value), r.expiration_time) for s, r in best.items()
+        }
+        if list(entries) == [None]:
+            return entries[None]
+        return {s: v for s, v in entries.items() if s is not None}
+
+    async def _cache_along_path(
+        self,
+        lookup: Lookup,
+        best: dict[bytes | None, Record],
+        holders: dict[PeerID, set[bytes | None]],
+    ) -> None:
+        """§2.3: store the value at the closest node that answered without it."""
+        for contact in lookup.closest_responded():
+            missing = [
+                r
+                for s, r in best.items()
+                if r.expiration_time > 0 and s not in holders.get(contact.peer_id, set())
+            ]
+            if missing:
+                with contextlib.suppress(PeersError, TimeoutError):
+                    await self.call_store(contact, missing)
+                return
+
+    def statistics(self) -> DHTStatistics:
+        return DHTStatistics(
+            num_contacts=len(self.routing),
+            num_records=len(self.store_),
+            client_mode=self.client_mode,
+            rpcs_served=dict(self._counters.served),
+            rpcs_sent=dict(self._counters.sent),
+            rpcs_failed=dict(self._counters.failed),
+        )

@@ -1,0 +1,205 @@
+"""Hostile peers against a DHT node: forged, replayed, far-future, oversized and
+flooding stores, and lies about who is where. Each is sent over the real RPC."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from peers import KeyPair, Peer, PeerConfig, RemoteError
+from peers.dht.ids import Contact, node_id_of
+from peers.dht.node import DHT, DHTConfig, ValueWithExpiration, dht_time
+from peers.dht.protocol import (
+    FIND_NODE_PROTOCOL,
+    STORE_PROTOCOL,
+    FindNodeRequest,
+    FindNodeResponse,
+    SenderInfo,
+    StoreRequest,
+    StoreResponse,
+    WireRecord,
+    record_to_wire,
+)
+from peers.dht.records import MAX_TTL_SECONDS, MAX_VALUE_BYTES, Record, owner_marker
+from peers.serialization import pack
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+FAST = {"rpc_timeout": 2.0, "maintenance_interval": 3600.0}
+
+
+@contextlib.asynccontextmanager
+async def victim_and_attacker() -> AsyncIterator[tuple[DHT, Peer]]:
+    """A DHT node, and a plain peer that speaks the DHT protocols by hand."""
+    async with Peer() as victim_peer, DHT(victim_peer, DHTConfig(**FAST)) as victim:
+        async with Peer() as attacker:
+            await attacker.connect(victim_peer.listen_addrs[0])
+            yield victim, attacker
+
+
+async def raw_store(attacker: Peer, victim: DHT, records: list[WireRecord]) -> list[bool]:
+    response = await attacker.call_unary(
+        victim.peer.peer_id,
+        STORE_PROTOCOL,
+        StoreRequest(SenderInfo(), records),
+        StoreResponse,
+        timeout=10,
+    )
+    return response.accepted
+
+
+def wire(key: bytes, value: object, expiration: float, subkey: bytes | None = None) -> WireRecord:
+    return WireRecord(key, subkey, pack(value), expiration)
+
+
+def held(victim: DHT, key: bytes) -> Any:
+    record = victim.store_.get_record(key, None, dht_time())
+    return None if record is None else record
+
+
+def test_unsigned_overwrite_of_a_signed_record_is_refused(arun: Run) -> None:
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            owner = KeyPair.generate()
+            key = b"profile" + owner_marker(owner.peer_id)
+            genuine = Record(key, None, pack("genuine"), dht_time() + 60).sign(owner)
+            assert await raw_store(attacker, victim, [record_to_wire(genuine)]) == [True]
+            forged = [
+                wire(key, "forged", dht_time() + 120),  # no signature
+                WireRecord(key, None, pack("forged"), dht_time() + 120, b"\x00" * 64),  # a bad one
+                record_to_wire(
+                    Record(key, None, pack("forged"), dht_time() + 120).sign(KeyPair.generate())
+                ),
+            ]
+            assert await raw_store(attacker, victim, forged) == [False, False, False]
+            assert held(victim, key).value == pack("genuine")
+
+    arun(main())
+
+
+def test_replay_of_an_older_signed_value_is_refused(arun: Run) -> None:
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            owner = KeyPair.generate()
+            key = b"status" + owner_marker(owner.peer_id)
+            old = Record(key, None, pack("step 1"), dht_time() + 30).sign(owner)
+            new = Record(key, None, pack("step 2"), dht_time() + 60).sign(owner)
+            assert await raw_store(attacker, victim, [record_to_wire(old)]) == [True]
+            assert await raw_store(attacker, victim, [record_to_wire(new)]) == [True]
+            # the attacker captured "step 1" (validly signed) and replays it
+            assert await raw_store(attacker, victim, [record_to_wire(old)]) == [False]
+            assert held(victim, key).value == pack("step 2")
+
+    arun(main())
+
+
+def test_far_future_expiry_cannot_hijack_a_key(arun: Run) -> None:
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            ten_years = dht_time() + 10 * 365 * 86400
+            assert await raw_store(attacker, victim, [wire(b"open-key", "hijack", ten_years)]) == [
+                False
+            ]
+            assert held(victim, b"open-key") is None
+            # the longest legal expiry only holds the key for MAX_TTL: an honest peer's
+            # later store (expiring later) takes it over
+            assert await raw_store(
+                attacker, victim, [wire(b"open-key", "squat", dht_time() + MAX_TTL_SECONDS)]
+            ) == [True]
+            later = dht_time() + MAX_TTL_SECONDS + 1
+            assert not victim.store_.get_record(b"open-key", None, later)  # expired by then
+
+    arun(main())
+
+
+def test_oversized_value_is_refused(arun: Run) -> None:
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            big = WireRecord(b"big", None, b"\x00" * (MAX_VALUE_BYTES + 1), dht_time() + 60)
+            assert await raw_store(attacker, victim, [big]) == [False]
+            assert len(victim.store_) == 0
+            # and a frame beyond the RPC limit is refused as a whole, the node keeps serving
+            huge = WireRecord(b"huge", None, b"\x00" * (17 << 20), dht_time() + 60)
+            with pytest.raises(RemoteError):
+                await raw_store(attacker, victim, [huge])
+            assert await raw_store(attacker, victim, [wire(b"small", 1, dht_time() + 60)]) == [True]
+
+    arun(main())
+
+
+def test_a_flood_from_one_peer_does_not_evict_honest_records(arun: Run) -> None:
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            async with Peer() as honest:
+                await honest.connect(victim.peer.listen_addrs[0])
+                honest_records = [
+                    wire(f"honest-{i}".encode(), i, dht_time() + 600) for i in range(200)
+                ]
+                assert all(await raw_store(honest, victim, honest_records))
+                accepted = 0
+                for batch in range(10):  # 10^4 stores in batches of 1000
+                    flood = [
+                        wire(f"flood-{batch}-{i}".encode(), "x" * 512, dht_time() + 600)
+                        for i in range(1000)
+                    ]
+                    accepted += sum(await raw_store(attacker, victim, flood))
+                print(f"flood: {accepted} of 10000 stores accepted")
+                assert accepted < 10_000  # the quota stopped it
+                for i in range(200):
+                    record = victim.store_.get_record(f"honest-{i}".encode(), None, dht_time())
+                    assert record is not None and record.value == pack(i)
+
+    arun(main())
+
+
+def test_a_peer_cannot_choose_its_node_id_or_impersonate(arun: Run) -> None:
+    """No message carries a node id: a peer's place is sha256 of the PeerID its
+    connection authenticated. A contact that names someone else's PeerID at the
+    attacker's address fails the Noise check when dialed and is dropped."""
+
+    async def main() -> None:
+        async with Peer() as victim_peer, DHT(victim_peer, DHTConfig(**FAST)) as victim:
+            async with Peer() as attacker:
+                addr = str(attacker.listen_addrs[0]).rsplit("/p2p/", 1)[0]
+                # the attacker calls with extra trailing fields (say, a chosen node id)
+                request = FindNodeRequest(SenderInfo([addr], False), b"\x00" * 32)
+                raw = [[[addr], False], b"\x00" * 32, b"\xff" * 32]
+                await attacker.connect(victim_peer.listen_addrs[0])
+                await attacker.call_unary(
+                    victim_peer.peer_id, FIND_NODE_PROTOCOL, request, FindNodeResponse
+                )
+                await attacker.call_unary(
+                    victim_peer.peer_id, FIND_NODE_PROTOCOL, raw, FindNodeResponse
+                )
+                entry = victim.routing.get(attacker.peer_id)
+                assert entry is not None and entry.node_id == node_id_of(attacker.peer_id)
+
+                # now the attacker poses as someone else, at its own address
+                impostor_of = KeyPair.generate().peer_id
+                fake = Contact(impostor_of, (addr,))
+                assert victim.routing.update(fake, 0.0) is None
+                with pytest.raises(Exception, match="but the remote is"):
+                    await victim.call_find_node(fake, 0)
+                for _ in range(3):
+                    with contextlib.suppress(Exception):
+                        await victim.call_find_node(fake, 0)
+                assert impostor_of not in victim.routing
+
+    arun(main())
+
+
+def test_client_mode_is_automatic_without_a_listen_address(arun: Run) -> None:
+    async def main() -> None:
+        async with Peer() as server_peer, DHT(server_peer, DHTConfig(**FAST)) as server:
+            initial = (str(server_peer.listen_addrs[0]),)
+            async with Peer(PeerConfig(listen_addrs=())) as client_peer:
+                async with DHT(client_peer, DHTConfig(initial_peers=initial, **FAST)) as client:
+                    assert client.client_mode
+                    assert await client.store("k", "v", dht_time() + 60)
+                    assert client_peer.peer_id not in server.routing
+                    found = await client.get("k")
+                    assert isinstance(found, ValueWithExpiration) and found.value == "v"
+
+    arun(main())

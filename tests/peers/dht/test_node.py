@@ -1,0 +1,143 @@
+"""DHT nodes in one process on loopback: joining, storing, getting, signatures, clients."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from peers import Peer, PeerConfig
+from peers.dht.node import DHT, DHTConfig, DHTError, ValueWithExpiration, dht_time
+from peers.dht.records import RecordError, owner_marker
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+FAST = {"rpc_timeout": 2.0, "maintenance_interval": 3600.0}
+
+
+@contextlib.asynccontextmanager
+async def swarm(num_nodes: int, **config: Any) -> AsyncIterator[list[DHT]]:
+    async with contextlib.AsyncExitStack() as stack:
+        first_peer = await stack.enter_async_context(Peer())
+        first = await stack.enter_async_context(DHT(first_peer, DHTConfig(**FAST, **config)))
+        nodes = [first]
+        initial = (str(first_peer.listen_addrs[0]),)
+        for _ in range(num_nodes - 1):
+            peer = await stack.enter_async_context(Peer())
+            nodes.append(
+                await stack.enter_async_context(
+                    DHT(peer, DHTConfig(initial_peers=initial, **FAST, **config))
+                )
+            )
+        for node in nodes:  # a second round of lookups, now that everyone is there
+            await node.find_nearest(node.node_id)
+        yield nodes
+
+
+def test_store_and_get_from_every_node(arun: Run) -> None:
+    async def main() -> None:
+        async with swarm(8) as nodes:
+            assert await nodes[3].store("greeting", {"hello": [1, 2, 3]}, dht_time() + 60)
+            for node in nodes:
+                found = await node.get("greeting")
+                assert isinstance(found, ValueWithExpiration)
+                assert found.value == {"hello": [1, 2, 3]}
+            assert await nodes[0].get("nothing here") is None
+
+    arun(main())
+
+
+def test_newest_value_wins(arun: Run) -> None:
+    async def main() -> None:
+        async with swarm(6) as nodes:
+            now = dht_time()
+            assert await nodes[1].store("k", "new", now + 50)
+            await nodes[2].store("k", "old", now + 20)  # older: refused where "new" is held
+            for node in nodes:
+                found = await node.get("k")
+                assert isinstance(found, ValueWithExpiration) and found.value == "new"
+
+    arun(main())
+
+
+def test_subkeys_let_many_peers_announce_under_one_key(arun: Run) -> None:
+    async def main() -> None:
+        async with swarm(6) as nodes:
+            for node in nodes:
+                subkey = owner_marker(node.peer.peer_id)
+                assert await node.store(
+                    "members", str(node.peer.peer_id), dht_time() + 60, subkey=subkey
+                )
+            found = await nodes[0].get("members")
+            assert isinstance(found, dict)
+            assert {v.value for v in found.values()} == {str(n.peer.peer_id) for n in nodes}
+
+    arun(main())
+
+
+def test_signed_records_cannot_be_forged(arun: Run) -> None:
+    async def main() -> None:
+        async with swarm(5) as nodes:
+            owner, attacker = nodes[1], nodes[2]
+            key = b"profile" + owner_marker(owner.peer.peer_id)
+            assert await owner.store(key, "genuine", dht_time() + 30)
+            # the attacker's node will not sign for someone else: the record is invalid
+            with pytest.raises(RecordError):
+                await attacker.store(key, "forged", dht_time() + 60)
+            for node in nodes:
+                found = await node.get(key)
+                assert isinstance(found, ValueWithExpiration) and found.value == "genuine"
+
+    arun(main())
+
+
+def test_client_mode_peer_uses_the_dht_but_is_in_no_routing_table(arun: Run) -> None:
+    async def main() -> None:
+        async with swarm(5) as nodes:
+            initial = (str(nodes[0].peer.listen_addrs[0]),)
+            async with Peer(PeerConfig(listen_addrs=())) as client_peer:
+                async with DHT(client_peer, DHTConfig(initial_peers=initial, **FAST)) as client:
+                    assert client.client_mode
+                    assert await client.store("from-client", 42, dht_time() + 60)
+                    found = await nodes[4].get("from-client")
+                    assert isinstance(found, ValueWithExpiration) and found.value == 42
+                    for node in nodes:
+                        await node.find_nearest(client.node_id)
+                        assert client_peer.peer_id not in node.routing
+                    assert client.statistics().num_records == 0  # clients hold nothing
+
+    arun(main())
+
+
+def test_unreachable_initial_peers(arun: Run, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with swarm(2) as nodes:
+            good = str(nodes[0].peer.listen_addrs[0])
+            dead = good.rsplit("/tcp/", 1)[0] + "/tcp/1/p2p/" + str(nodes[1].peer.peer_id)
+            async with (
+                Peer() as peer,
+                DHT(peer, DHTConfig(initial_peers=(dead, good), **FAST)) as dht,
+            ):
+                assert len(dht.routing) >= 1
+            assert any(dead in r.getMessage() for r in caplog.records)
+            async with Peer() as peer:
+                with pytest.raises(DHTError, match="none of the 1 initial peers answered"):
+                    async with DHT(
+                        peer, DHTConfig(initial_peers=(dead,), bootstrap_timeout=2, **FAST)
+                    ):
+                        pass
+
+    arun(main())
+
+
+def test_statistics(arun: Run) -> None:
+    async def main() -> None:
+        async with swarm(4) as nodes:
+            await nodes[0].store("x", 1, dht_time() + 60)
+            stats = nodes[0].statistics()
+            assert stats.num_contacts == 3 and not stats.client_mode
+            assert stats.rpcs_sent.get("find-node", 0) > 0 and stats.rpcs_sent.get("store", 0) > 0
+            assert sum(n.statistics().num_records for n in nodes) >= 1
+
+    arun(main())
