@@ -7,11 +7,14 @@ on stdout and read JSON commands on stdin, with the same meaning:
 
 - start-up: ``{"event": "joined", "join_s": ..., "addrs": [...]}`` once the node has joined
   (``join_s``: seconds from creating the DHT object to joined, imports excluded);
-- ``{"op": "ops", "kind": "store"|"get", "items": [[key, value], ...], "concurrency": c,
+- ``{"op": "ops", "kind": "store"|"get"|"get_latest", "items": [[key, value], ...], "concurrency": c,
   "warmup": w, "op_timeout": s, "deadline_s": s, "ttl": s}`` -> ``{"event": "ops",
   "latencies": [...], "outcomes": {...}, "started": t, "ended": t}``: the first ``w`` items
   are done untimed; the rest by ``c`` workers, each op timed on its own (``latencies`` holds
   the successful ones, in seconds); a get succeeds when it returns the item's value.
+  ``get`` is hivemind's default ``get(key)`` (any live value: it may stop at the first
+  replica that has one); ``get_latest`` is ``get(key, latest=True)`` (the freshest among
+  the closest replicas), which is what our ``DHT.get`` always does.
   ``started``/``ended`` are ``time.monotonic()`` (one clock for every process on the host).
   No op starts after ``deadline_s``; those not started count as ``not_started``.
 - ``{"op": "stop"}`` or the end of stdin: leave the DHT and exit.
@@ -138,6 +141,7 @@ async def ours_node(node: Any) -> None:
                     return "missing"
                 return "ok" if found.value == value else "wrong_value"
 
+            # Our get always looks for the freshest value: "get" and "get_latest" alike.
             node.report(await _ours_batch(batch, store if batch.kind == "store" else get))
 
 
@@ -158,15 +162,18 @@ def _hivemind_batch(dht: Any, batch: _Batch) -> dict[str, Any]:
 
     def one(key: str, value: Any, timed: bool) -> None:
         start = time.perf_counter()
+        future = None
         try:
             with issue:
                 if batch.kind == "store":
                     future = dht.store(key, value, get_dht_time() + batch.ttl, return_future=True)
                 else:
-                    future = dht.get(key, return_future=True)
+                    latest = batch.kind == "get_latest"
+                    future = dht.get(key, latest=latest, return_future=True)
             result = future.result(timeout=batch.op_timeout)
         except TimeoutError:
-            future.cancel()
+            if future is not None:
+                future.cancel()
             batch.record("timeout", 0.0, timed)
             return
         except Exception as e:

@@ -12,9 +12,17 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+)
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -123,6 +131,20 @@ class _AddressBook:
         del known[: max(0, len(known) - 16)]
 
 
+def _expand_wildcard(addr: Multiaddr) -> list[Multiaddr]:
+    """A wildcard bind (0.0.0.0, ::) as the concrete addresses others can dial: loopback
+    and this host's addresses (as libp2p resolves unspecified listen addresses)."""
+    target = tcp_target(addr)
+    if target.host not in ("0.0.0.0", "::"):
+        return [addr]
+    family = socket.AF_INET if target.host == "0.0.0.0" else socket.AF_INET6
+    hosts = {"127.0.0.1" if family == socket.AF_INET else "::1"}
+    with contextlib.suppress(OSError):
+        for info in socket.getaddrinfo(socket.gethostname(), None, family):
+            hosts.add(str(info[4][0]))
+    return [tcp_multiaddr(h, target.port) for h in sorted(hosts)]
+
+
 class Peer:
     """A libp2p-compatible peer. Use ``async with Peer(config) as peer``."""
 
@@ -139,6 +161,7 @@ class Peer:
         self._listen_addrs: list[Multiaddr] = []
         self._full_listen_addrs: list[Multiaddr] | None = None
         self._group: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._address_book = _AddressBook()
         self._counters = _Counters()
         self._closing = False
@@ -176,8 +199,12 @@ class Peer:
         for conns in list(self._connections.values()):
             for conn in conns:
                 conn.close()
+        for task in list(self._tasks):  # handshakes in progress, connection readers
+            task.cancel()
         assert self._group is not None
-        await self._group.__aexit__(exc_type, exc, tb)
+        # The body's own exception (if any) propagates as it is: our group only owns
+        # our tasks, and wrapping a caller's error in an ExceptionGroup would hide it.
+        await self._group.__aexit__(None, None, None)
 
     async def _listen(self, addr: Multiaddr) -> None:
         target = tcp_target(addr)
@@ -197,7 +224,9 @@ class Peer:
     def listen_addrs(self) -> list[Multiaddr]:
         """The addresses we are reachable at, each ending in ``/p2p/OUR_ID``."""
         if self._full_listen_addrs is None:
-            base = [parse_multiaddr(a) for a in self.config.announce_addrs] or self._listen_addrs
+            base = [parse_multiaddr(a) for a in self.config.announce_addrs] or [
+                concrete for a in self._listen_addrs for concrete in _expand_wildcard(a)
+            ]
             self._full_listen_addrs = [with_peer_id(a, self.peer_id) for a in base]
         return list(self._full_listen_addrs)
 
@@ -237,12 +266,26 @@ class Peer:
             writer.close()
             return
         self._inbound_per_ip[ip] += 1
+        # The server's own task only admits; the connection's life belongs to our group.
+        self._spawn(self._serve_inbound_tcp(reader, writer, ip, int(peername[1])))
+
+    async def _serve_inbound_tcp(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ip: str, port: int
+    ) -> None:
         try:
-            await self._accept(reader, writer, tcp_multiaddr(ip, int(peername[1])))
+            await self._accept(reader, writer, tcp_multiaddr(ip, port))
         finally:
+            writer.close()
             self._inbound_per_ip[ip] -= 1
             if not self._inbound_per_ip[ip]:
                 del self._inbound_per_ip[ip]
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Start work in our TaskGroup, remembered so closing the peer can stop it."""
+        assert self._group is not None
+        task = self._group.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _accept(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, remote: Multiaddr
@@ -474,7 +517,7 @@ class Peer:
             self.add_addresses(conn.remote_peer_id, [addr])
             assert self._group is not None
             registered = True
-            self._group.create_task(self._run_outbound(conn))
+            self._spawn(self._run_outbound(conn))
             return conn
         finally:
             if not registered:

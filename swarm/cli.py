@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 import time
@@ -23,34 +24,12 @@ from peers import (
     RemoteError,
     parse_multiaddr,
     run,
-    split_peer_id,
 )
-from peers.addresses import tcp_multiaddr, tcp_target
+from peers.dht import DHT, DHTConfig, dht_time
+from peers.dht.presence import announce_forever, list_peers
 from peers.echo import install_echo
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
-
-
-def _expand_unspecified(peer: Peer) -> list[str]:
-    """Full multiaddrs, with a wildcard listen address replaced by the host's addresses."""
-    import socket
-
-    out: list[str] = []
-    for addr in peer.listen_addrs:
-        transport, _ = split_peer_id(addr)
-        target = tcp_target(transport)
-        if target.host in ("0.0.0.0", "::"):
-            family = socket.AF_INET if target.host == "0.0.0.0" else socket.AF_INET6
-            hosts = {"127.0.0.1" if family == socket.AF_INET else "::1"}
-            try:
-                for info in socket.getaddrinfo(socket.gethostname(), None, family):
-                    hosts.add(str(info[4][0]))
-            except OSError:
-                pass
-            out += [f"{tcp_multiaddr(h, target.port)}/p2p/{peer.peer_id}" for h in sorted(hosts)]
-        else:
-            out.append(str(addr))
-    return out
 
 
 async def _bootstrap(args: argparse.Namespace) -> int:
@@ -60,15 +39,43 @@ async def _bootstrap(args: argparse.Namespace) -> int:
         listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
         announce_addrs=tuple(args.announce or []),
     )
+    dht_config = DHTConfig(initial_peers=tuple(args.initial_peers or ()), client_mode=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Peer(config) as peer:
+    async with Peer(config) as peer, DHT(peer, dht_config) as dht, asyncio.TaskGroup() as group:
         install_echo(peer)
-        for addr in _expand_unspecified(peer) if not args.announce else map(str, peer.listen_addrs):
+        for addr in peer.listen_addrs:
             print(addr, flush=True)
+        announcer = group.create_task(announce_forever(dht, peer.config.agent_version))
         await stop.wait()
+        announcer.cancel()
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> int:
+    """Join as a client, list every peer that can be found, and leave."""
+    dht_config = DHTConfig(
+        initial_peers=tuple(args.initial_peers), client_mode=True, bootstrap_timeout=args.timeout
+    )
+    async with Peer(PeerConfig(listen_addrs=())) as peer, DHT(peer, dht_config) as dht:
+        announced = {p.peer_id: p for p in await list_peers(dht)}
+        now_wall, now_mono = dht_time(), time.monotonic()
+        rows: list[tuple[str, str, str]] = []
+        for presence in announced.values():
+            seconds = max(0.0, now_wall - presence.last_seen)
+            rows.append((str(presence.peer_id), f"{seconds:.0f} s ago", " ".join(presence.addrs)))
+        for contact in dht.routing.contacts():  # answered us but did not announce
+            if contact.peer_id not in announced:
+                heard = dht.routing.last_seen(contact.peer_id)
+                ago = "now" if heard is None else f"{max(0.0, now_mono - heard):.0f} s ago"
+                full = " ".join(f"{a}/p2p/{contact.peer_id}" for a in contact.addrs)
+                rows.append((str(contact.peer_id), ago, full))
+    print(f"{len(rows)} peers")
+    print(f"{'PEER ID':54}  {'LAST SEEN':>10}  ADDRESSES")
+    for peer_id, last_seen, addrs in rows:
+        print(f"{peer_id:54}  {last_seen:>10}  {addrs}")
     return 0
 
 
@@ -179,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to announce instead of the bound ones; repeatable",
     )
     boot.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="join an existing swarm through these peers (any one that answers suffices)",
+    )
+    boot.add_argument(
         "--identity",
         metavar="PATH",
         help="key file (libp2p protobuf); created with mode 0600 if missing",
@@ -191,18 +204,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_positive_float, default=10.0, help="seconds per step (default 10)"
     )
 
+    status = sub.add_parser("status", help="join as a client and list the peers of a swarm")
+    status.add_argument("--initial-peers", nargs="+", metavar="MADDR", required=True)
+    status.add_argument(
+        "--timeout", type=_positive_float, default=10.0, help="seconds to reach them (default 10)"
+    )
+
     sub.add_parser("demo", help="run a local bootstrap peer and exchange messages with it")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     command = args.command or "demo"
     try:
         if command == "bootstrap":
             return run(_bootstrap(args))
         if command == "ping":
             return run(_ping(args))
+        if command == "status":
+            return run(_status(args))
         return run(_demo(args))
     except PeersError as e:
         print(f"error: {e}", file=sys.stderr)

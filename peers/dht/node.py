@@ -221,7 +221,7 @@ class DHT:
         assert self._group is not None
         for task in list(self._tasks):  # our background work ends with us
             task.cancel()
-        await self._group.__aexit__(exc_type, exc, tb)
+        await self._group.__aexit__(None, None, None)  # the caller's error stays its own
         if not self.client_mode:
             for protocol in (
                 PING_PROTOCOL,

@@ -181,3 +181,43 @@ def test_ping_rejects_bad_options(args: list[str]) -> None:
         [*SWARM, "ping", "/ip4/127.0.0.1/tcp/1", *args], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "error: argument" in out.stderr
+
+
+def test_second_bootstrap_joins_and_status_lists_both(tmp_path: Path) -> None:
+    first, (first_addr,) = _start_bootstrap()
+    second, (second_addr,) = _start_bootstrap("--initial-peers", first_addr)
+    try:
+        dead = (
+            first_addr.rsplit("/tcp/", 1)[0]
+            + f"/tcp/{_free_port()}/p2p/{KeyPair.generate().peer_id}"
+        )
+        out = subprocess.run(
+            [*SWARM, "status", "--initial-peers", dead, first_addr, "--timeout", "5"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert f"warning: initial peer {dead} did not answer" in out.stderr
+        for addr in (first_addr, second_addr):
+            peer_id = addr.rsplit("/p2p/", 1)[1]
+            line = next(line for line in out.stdout.splitlines() if line.startswith(peer_id))
+            assert "s ago" in line and addr in line  # full PeerID, last seen, addresses
+    finally:
+        for proc in (first, second):
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+            proc.communicate(timeout=10)
+
+
+def test_status_with_no_reachable_initial_peer_fails_clearly() -> None:
+    dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{KeyPair.generate().peer_id}"
+    out = subprocess.run(
+        [*SWARM, "status", "--initial-peers", dead, "--timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "error: none of the 1 initial peers answered" in out.stderr and dead in out.stderr
+    assert "Traceback" not in out.stderr
