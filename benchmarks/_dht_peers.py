@@ -7,8 +7,9 @@ on stdout and read JSON commands on stdin, with the same meaning:
 
 - start-up: ``{"event": "joined", "join_s": ..., "addrs": [...]}`` once the node has joined
   (``join_s``: seconds from creating the DHT object to joined, imports excluded);
-- ``{"op": "ops", "kind": "store"|"get"|"get_latest", "items": [[key, value], ...], "concurrency": c,
-  "warmup": w, "op_timeout": s, "deadline_s": s, "ttl": s}`` -> ``{"event": "ops",
+- ``{"op": "ops", "kind": "store"|"get"|"get_latest", "items": [[key, value], ...],
+  "concurrency": c, "warmup": w, "op_timeout": s, "deadline_s": s, "ttl": s}`` ->
+  ``{"event": "ops",
   "latencies": [...], "outcomes": {...}, "started": t, "ended": t}``: the first ``w`` items
   are done untimed; the rest by ``c`` workers, each op timed on its own (``latencies`` holds
   the successful ones, in seconds); a get succeeds when it returns the item's value.

@@ -15,7 +15,9 @@ system, a fresh swarm:
 2. latency, timed inside the peer processes: a few peers each store a few hundred keys
    one after another (the peers run at the same time), after a short untimed warm-up;
    then as many other peers get those keys, one after another, each key one that
-   another peer stored. p50/p95 pool every timed op of the repetition.
+   another peer stored; then the same peers get another writer's keys asking for the
+   freshest value (hivemind's ``get(key, latest=True)``; ours always does this, so
+   only hivemind's figure differs in meaning). p50/p95 pool the repetition's timed ops.
 3. throughput: several peers at once, each with a few ops in flight, store fresh keys,
    then get the keys a neighbour stored. ops/s = successful ops / (last end - first start).
 4. memory per peer, after the above: RSS summed over the peer's process and all its
@@ -282,6 +284,8 @@ class RepResult:
     """``rss`` / ``pss`` / ``daemon_rss`` -> one figure per peer."""
     bad_ops: Counter[str] = field(default_factory=Counter)
     """Timed ops that did not succeed, by phase and outcome."""
+    phase_s: dict[str, float] = field(default_factory=dict)
+    """Seconds the ops phases and the teardown took (to see where a run's time goes)."""
     errors: list[str] = field(default_factory=list)
     """The first exception each batch met, if any."""
 
@@ -394,17 +398,23 @@ def measure_memory(members: list[Member], result: RepResult) -> None:
 def run_rep(system: str, plan: Plan, rep: int) -> RepResult:
     """One fresh swarm of ``system``: bring-up, ops, memory; always torn down."""
     swarm: Swarm = OursSwarm() if system == "ours" else HivemindSwarm()
+    result: RepResult | None = None
     try:
         seconds, join_s = bring_up(swarm, plan.num_peers)
         result = RepResult(seconds, join_s)
         if isinstance(swarm, HivemindSwarm):
             for member in swarm.members:
                 member.remember_tree()
+        began = time.perf_counter()
         measure_ops(plan, swarm.members, result, f"bench/{system}/{rep}")
+        result.phase_s["ops"] = time.perf_counter() - began
         measure_memory(swarm.members, result)
         return result
     finally:
+        began = time.perf_counter()
         swarm.close()
+        if result is not None:
+            result.phase_s["teardown"] = time.perf_counter() - began
 
 
 # --- main -----------------------------------------------------------------------------
@@ -536,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                 f" store p50 {percentile(r.latencies_s['store'] or [0.0], 50) * 1e3:.2f} ms,"
                 f" get p50 {percentile(r.latencies_s['get'] or [0.0], 50) * 1e3:.2f} ms,"
                 f" {r.ops_per_s['mixed']:.0f} ops/s, RSS/peer {median(r.memory_mb['rss']):.1f} MB"
+                f" (ops {r.phase_s['ops']:.1f} s, teardown {r.phase_s['teardown']:.1f} s)"
                 + (f", failed ops {dict(r.bad_ops)}" if r.bad_ops else ""),
                 flush=True,
             )
