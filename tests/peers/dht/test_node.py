@@ -141,3 +141,71 @@ def test_statistics(arun: Run) -> None:
             assert sum(n.statistics().num_records for n in nodes) >= 1
 
     arun(main())
+
+
+def test_republish_restores_records_after_their_holders_leave(arun: Run) -> None:
+    async def main() -> None:
+        async with contextlib.AsyncExitStack() as outer:
+            first_peer = await outer.enter_async_context(Peer())
+            first = await outer.enter_async_context(
+                DHT(first_peer, DHTConfig(**{**FAST, "republish_interval": 0.001}))
+            )
+            initial = (str(first_peer.listen_addrs[0]),)
+            config = DHTConfig(initial_peers=initial, **FAST)
+            stayers = []
+            for _ in range(4):
+                peer = await outer.enter_async_context(Peer())
+                stayers.append(await outer.enter_async_context(DHT(peer, config)))
+            async with contextlib.AsyncExitStack() as leavers_stack:
+                leavers = []
+                for _ in range(8):
+                    peer = await leavers_stack.enter_async_context(Peer())
+                    leavers.append(await leavers_stack.enter_async_context(DHT(peer, config)))
+                for node in [first, *stayers, *leavers]:
+                    await node.find_nearest(node.node_id)
+                assert await first.store("durable", "value", dht_time() + 300)
+                holders = [
+                    n for n in [first, *stayers, *leavers] if n.store_.get(b"durable", dht_time())
+                ]
+                assert holders
+            # the 8 leavers are gone, with whatever copies they held; drop our local copy
+            # too, so only a republish can bring the record back
+            first.store_ = type(first.store_)()
+            for node in [first, *stayers]:
+                await node.find_nearest(node.node_id)  # notice the departures
+            await first.maintain_once()
+            found = await stayers[-1].get("durable")
+            assert isinstance(found, ValueWithExpiration) and found.value == "value"
+
+    arun(main())
+
+
+def test_a_get_caches_the_value_at_the_closest_node_that_lacked_it(arun: Run) -> None:
+    async def main() -> None:
+        async with swarm(10) as nodes:
+            assert await nodes[0].store("cached", 7, dht_time() + 300)
+            now = dht_time()
+            holders = {n.peer.peer_id for n in nodes if n.store_.get(b"cached", now)}
+            # drop it from one holder; the next get stores it back there
+            victim = next(n for n in nodes if n.peer.peer_id in holders and n is not nodes[5])
+            victim.store_ = type(victim.store_)()
+            for _ in range(3):
+                found = await nodes[5].get("cached")
+                assert isinstance(found, ValueWithExpiration) and found.value == 7
+            after = {n.peer.peer_id for n in nodes if n.store_.get(b"cached", dht_time())}
+            assert victim.peer.peer_id in after
+
+    arun(main())
+
+
+def test_rebootstrap_when_the_routing_table_empties(arun: Run) -> None:
+    async def main() -> None:
+        async with swarm(3) as nodes:
+            loner = nodes[2]
+            for contact in loner.routing.contacts():
+                loner.routing.remove(contact.peer_id)
+            assert len(loner.routing) == 0
+            await loner.maintain_once()
+            assert len(loner.routing) >= 1
+
+    arun(main())
