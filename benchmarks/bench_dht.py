@@ -72,8 +72,6 @@ OP_TIMEOUT = 10.0
 BATCH_DEADLINE = 90.0
 #: Seconds the parent waits for a batch's report beyond the batch deadline.
 REPORT_GRACE = OP_TIMEOUT + 20.0
-#: Seconds peers get to leave after being asked, before SIGTERM and SIGKILL.
-STOP_GRACE = 15.0
 #: Most lines read from a child while waiting for one report (logs are skipped).
 MAX_LINES_PER_WAIT = 100_000
 #: Seconds a stored value lives (longer than any run).
@@ -245,24 +243,16 @@ class HivemindSwarm:
         return str(joined["addrs"][0])
 
     def close(self) -> None:
-        """Ask every peer to leave (closing stdin); then SIGTERM, SIGKILL, by PID, each
-        peer and every process it started."""
+        """SIGTERM (then SIGKILL) every peer and every process it started, by PID, all at
+        once. Each of them leaves cleanly on SIGTERM (``p2pd`` removes its socket); asked
+        one by one through stdin instead, 16 peers took 14 s to leave."""
         for member in self.members:
             member.remember_tree()
-            with contextlib.suppress(OSError, ValueError):
-                assert member.popen.stdin is not None
-                member.popen.stdin.close()
-        deadline = time.monotonic() + STOP_GRACE
+        stop_pids([m.pid for m in self.members] + sorted({p for m in self.members for p in m.tree}))
         for member in self.members:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                member.popen.wait(max(0.0, deadline - time.monotonic()))
-        stop_pids([m.pid for m in self.members if m.popen.poll() is None])
-        for member in self.members:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                member.popen.wait(1.0)
-        stop_pids(sorted({pid for m in self.members for pid in m.tree}))
-        for member in self.members:
-            for pipe in (member.popen.stdout, member.popen.stderr):
+                member.popen.wait(1.0)  # reap it
+            for pipe in (member.popen.stdin, member.popen.stdout, member.popen.stderr):
                 if pipe is not None:
                     with contextlib.suppress(OSError):
                         pipe.close()

@@ -411,7 +411,10 @@ class Connection:
                 if stream is not None:
                     stream._fail(StreamReset("stream was reset by the remote"))
             elif isinstance(event, StreamRejected):
-                logger.info("refused a stream from %s: it has too many open", self.remote_peer_id)
+                logger.info(
+                    "refused a stream from %s: stream limit reached or closing",
+                    self.remote_peer_id,
+                )
             elif isinstance(event, GoAwayReceived):
                 self._closed = ConnectionClosed(f"remote went away (code {event.code})")
 
