@@ -5,6 +5,7 @@ No daemon, no extra binary, no torch. Start with :class:`Peer` (async) or
 """
 
 from peers.addresses import Multiaddr, parse_multiaddr, split_peer_id, with_peer_id
+from peers.config import PeerConfig, PeerStatistics
 from peers.connection import Stream
 from peers.errors import (
     AddressError,
@@ -22,7 +23,7 @@ from peers.errors import (
     StreamReset,
 )
 from peers.facade import BlockingPeer
-from peers.host import Peer, PeerConfig, PeerStatistics
+from peers.host import Peer
 from peers.identify import IdentifyInfo
 from peers.identity import KeyPair, KeyType, PeerID, PublicKey
 from peers.rpc import CallContext

@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 from multiaddr import Multiaddr
 
+from peers.config import PeerConfig
 from peers.errors import PeersError
-from peers.host import Peer, PeerConfig
+from peers.host import Peer
 from peers.identify import IdentifyInfo
 from peers.identity import PeerID
 from peers.rpc import CallContext

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections import defaultdict
 from collections.abc import (
@@ -23,14 +22,16 @@ from collections.abc import (
     Coroutine,
     Iterable,
 )
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from multiaddr import Multiaddr
 
-from peers import limits, rpc
+from peers import rpc
+from peers.address_book import AddressBook, expand_wildcard
 from peers.addresses import parse_multiaddr, split_peer_id, tcp_multiaddr, tcp_target, with_peer_id
+from peers.config import PeerConfig, PeerStatistics
 from peers.connection import Connection, Stream
 from peers.errors import (
     AddressError,
@@ -59,90 +60,11 @@ logger = logging.getLogger(__name__)
 StreamHandler = Callable[[Stream], Awaitable[None]]
 
 
-@dataclass(frozen=True, kw_only=True)
-class PeerConfig:
-    """How a :class:`Peer` listens and what it tolerates from others."""
-
-    identity: KeyPair | None = None
-    """The peer's key pair; a fresh one if ``None``."""
-    listen_addrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    """Multiaddrs to listen on (``/ip4|ip6/HOST/tcp/PORT``; port 0 picks a free one)."""
-    announce_addrs: tuple[str, ...] = ()
-    """Addresses to tell others instead of the bound ones (e.g. a public IP behind NAT)."""
-    dial_timeout: float = 10.0
-    """Seconds for TCP connect plus the whole upgrade, per address tried."""
-    handshake_timeout: float = limits.HANDSHAKE_TIMEOUT_SECONDS
-    """Seconds an inbound connection has to finish its upgrade."""
-    stream_negotiation_timeout: float = limits.STREAM_NEGOTIATION_TIMEOUT_SECONDS
-    """Seconds a stream has to agree on a protocol."""
-    max_connections: int = limits.MAX_CONNECTIONS
-    """All connections, both directions."""
-    max_connections_per_peer: int = limits.MAX_CONNECTIONS_PER_PEER
-    """Connections to one PeerID."""
-    max_connections_per_ip: int = limits.MAX_CONNECTIONS_PER_IP
-    """Inbound connections (handshaking or established) from one IP address."""
-    max_streams_per_connection: int = limits.MAX_STREAMS_PER_CONNECTION
-    """Concurrent yamux streams on one connection."""
-    agent_version: str = "swarmtrain/0.1.0"
-    """What identify reports as our agent."""
-
-    def __post_init__(self) -> None:
-        for name in ("dial_timeout", "handshake_timeout", "stream_negotiation_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        for name in (
-            "max_connections",
-            "max_connections_per_peer",
-            "max_connections_per_ip",
-            "max_streams_per_connection",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        for addr in (*self.listen_addrs, *self.announce_addrs):
-            parse_multiaddr(addr)
-
-
-@dataclass(frozen=True, slots=True)
-class PeerStatistics:
-    num_connections: int
-    num_streams: int
-    num_inbound_connections_refused: int
-    num_handshake_failures: int
-    num_streams_refused: int
-
-
 @dataclass
 class _Counters:
     inbound_refused: int = 0
     handshake_failures: int = 0
     streams_refused: int = 0
-
-
-@dataclass
-class _AddressBook:
-    addrs: dict[PeerID, list[Multiaddr]] = field(default_factory=lambda: defaultdict(list))
-
-    def add(self, peer_id: PeerID, addrs: Iterable[Multiaddr]) -> None:
-        known = self.addrs[peer_id]
-        for addr in addrs:
-            if addr not in known:
-                known.append(addr)
-        # A peer controls what it announces: keep only a bounded number of addresses.
-        del known[: max(0, len(known) - 16)]
-
-
-def _expand_wildcard(addr: Multiaddr) -> list[Multiaddr]:
-    """A wildcard bind (0.0.0.0, ::) as the concrete addresses others can dial: loopback
-    and this host's addresses (as libp2p resolves unspecified listen addresses)."""
-    target = tcp_target(addr)
-    if target.host not in ("0.0.0.0", "::"):
-        return [addr]
-    family = socket.AF_INET if target.host == "0.0.0.0" else socket.AF_INET6
-    hosts = {"127.0.0.1" if family == socket.AF_INET else "::1"}
-    with contextlib.suppress(OSError):
-        for info in socket.getaddrinfo(socket.gethostname(), None, family):
-            hosts.add(str(info[4][0]))
-    return [tcp_multiaddr(h, target.port) for h in sorted(hosts)]
 
 
 class Peer:
@@ -162,7 +84,7 @@ class Peer:
         self._full_listen_addrs: list[Multiaddr] | None = None
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._address_book = _AddressBook()
+        self._address_book = AddressBook()
         self._counters = _Counters()
         self._closing = False
         # Imported here: identify and ping register themselves through the public API.
@@ -225,7 +147,7 @@ class Peer:
         """The addresses we are reachable at, each ending in ``/p2p/OUR_ID``."""
         if self._full_listen_addrs is None:
             base = [parse_multiaddr(a) for a in self.config.announce_addrs] or [
-                concrete for a in self._listen_addrs for concrete in _expand_wildcard(a)
+                concrete for a in self._listen_addrs for concrete in expand_wildcard(a)
             ]
             self._full_listen_addrs = [with_peer_id(a, self.peer_id) for a in base]
         return list(self._full_listen_addrs)

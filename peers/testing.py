@@ -266,7 +266,8 @@ def _pump_stdin(loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[dict[str, 
 
 
 async def _child_main(target: Target, options: dict[str, Any]) -> None:
-    from peers.host import Peer, PeerConfig
+    from peers.config import PeerConfig
+    from peers.host import Peer
     from peers.identity import KeyPair
 
     stop = asyncio.Event()

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Sequence
 from types import TracebackType
 
+from peers.config import PeerConfig
 from peers.dht.node import DHT, DHTConfig, DHTStatistics, ValueWithExpiration, dht_time
 from peers.facade import BlockingPeer
-from peers.host import PeerConfig
 
 logger = logging.getLogger(__name__)
 #: Seconds ``close`` waits for the node to leave before closing the peer under it.

@@ -19,8 +19,14 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from peers.addresses import parse_multiaddr, split_peer_id
+from peers.dht.config import (
+    DHTConfig,
+    DHTStatistics,
+    ValueWithExpiration,
+    dht_time,
+)
 from peers.dht.ids import Contact, NodeID, distance, key_id, node_id_of
-from peers.dht.lookup import ALPHA, Lookup
+from peers.dht.lookup import Lookup
 from peers.dht.protocol import (
     FIND_NODE_PROTOCOL,
     FIND_VALUE_PROTOCOL,
@@ -43,7 +49,7 @@ from peers.dht.protocol import (
     sender_addrs,
 )
 from peers.dht.records import Record, RecordError, owner_of, validate
-from peers.dht.routing import K, RoutingTable
+from peers.dht.routing import RoutingTable
 from peers.dht.storage import RecordStore, StoreResult
 from peers.errors import PeersError
 from peers.host import Peer
@@ -52,14 +58,17 @@ from peers.rpc import CallContext
 from peers.serialization import pack, unpack
 from peers.wire import WireError
 
+__all__ = [
+    "DHT",
+    "DHTConfig",
+    "DHTError",
+    "DHTStatistics",
+    "ValueWithExpiration",
+    "dht_time",
+]
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: Replicas a value is stored at (the paper stores at k; a handful survive churn: with
-#: 30% of peers gone at once, all of 8 replicas are lost with probability 0.3^8 < 1e-4,
-#: and republishing restores the count).
-NUM_REPLICAS = 8
-
 
 #: Contacts whose addresses we remember having handed to the address book; past this
 #: the memory is dropped (it only saves repeated parsing).
@@ -68,70 +77,6 @@ MAX_ADDRESS_MEMORY = 4096
 
 class DHTError(PeersError):
     """The DHT cannot do what was asked (no initial peer answered, a record is invalid)."""
-
-
-def dht_time() -> float:
-    """Record expirations are absolute wall-clock times, shared by every peer."""
-    return time.time()
-
-
-@dataclass(frozen=True, kw_only=True)
-class DHTConfig:
-    """How a :class:`DHT` node joins the swarm and keeps itself and its records alive."""
-
-    initial_peers: tuple[str, ...] = ()
-    """Multiaddrs (with /p2p/ID) of peers to join through; any one that answers suffices."""
-    client_mode: bool | None = None
-    """Never enter others' routing tables (for peers that cannot accept connections).
-    ``None``: automatic, client mode exactly when the peer has no listen address."""
-    k: int = K
-    """Kademlia's k: bucket size and how many closest nodes a lookup converges on."""
-    alpha: int = ALPHA
-    """Kademlia's alpha: queries in flight during a lookup."""
-    num_replicas: int = NUM_REPLICAS
-    """Closest nodes a record is stored at."""
-    rpc_timeout: float = 3.0
-    """Seconds one DHT request may take before its peer counts as failed."""
-    bootstrap_timeout: float = 10.0
-    """Seconds to reach the initial peers."""
-    refresh_interval: float = 600.0
-    """Seconds after which a bucket no lookup touched is refreshed (paper: an hour)."""
-    republish_interval: float = 1200.0
-    """Seconds between re-stores of the records this node published."""
-    maintenance_interval: float = 15.0
-    """Seconds between maintenance passes (refresh, republish, re-bootstrap, purge)."""
-
-    def __post_init__(self) -> None:
-        if self.k < 1 or self.alpha < 1 or self.num_replicas < 1:
-            raise ValueError("k, alpha and num_replicas must be at least 1")
-        for name in (
-            "rpc_timeout",
-            "bootstrap_timeout",
-            "refresh_interval",
-            "republish_interval",
-            "maintenance_interval",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        for addr in self.initial_peers:
-            if split_peer_id(parse_multiaddr(addr))[1] is None:
-                raise ValueError(f"initial peer {addr} lacks its /p2p/ID part")
-
-
-@dataclass(frozen=True, slots=True)
-class ValueWithExpiration:
-    value: Any
-    expiration_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class DHTStatistics:
-    num_contacts: int
-    num_records: int
-    client_mode: bool
-    rpcs_served: dict[str, int]
-    rpcs_sent: dict[str, int]
-    rpcs_failed: dict[str, int]
 
 
 @dataclass

@@ -1,0 +1,61 @@
+"""The configuration of a :class:`peers.host.Peer`, and what it reports about itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peers import limits
+from peers.addresses import parse_multiaddr
+from peers.identity import KeyPair
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """How a :class:`Peer` listens and what it tolerates from others."""
+
+    identity: KeyPair | None = None
+    """The peer's key pair; a fresh one if ``None``."""
+    listen_addrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    """Multiaddrs to listen on (``/ip4|ip6/HOST/tcp/PORT``; port 0 picks a free one)."""
+    announce_addrs: tuple[str, ...] = ()
+    """Addresses to tell others instead of the bound ones (e.g. a public IP behind NAT)."""
+    dial_timeout: float = 10.0
+    """Seconds for TCP connect plus the whole upgrade, per address tried."""
+    handshake_timeout: float = limits.HANDSHAKE_TIMEOUT_SECONDS
+    """Seconds an inbound connection has to finish its upgrade."""
+    stream_negotiation_timeout: float = limits.STREAM_NEGOTIATION_TIMEOUT_SECONDS
+    """Seconds a stream has to agree on a protocol."""
+    max_connections: int = limits.MAX_CONNECTIONS
+    """All connections, both directions."""
+    max_connections_per_peer: int = limits.MAX_CONNECTIONS_PER_PEER
+    """Connections to one PeerID."""
+    max_connections_per_ip: int = limits.MAX_CONNECTIONS_PER_IP
+    """Inbound connections (handshaking or established) from one IP address."""
+    max_streams_per_connection: int = limits.MAX_STREAMS_PER_CONNECTION
+    """Concurrent yamux streams on one connection."""
+    agent_version: str = "swarmtrain/0.1.0"
+    """What identify reports as our agent."""
+
+    def __post_init__(self) -> None:
+        for name in ("dial_timeout", "handshake_timeout", "stream_negotiation_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        for name in (
+            "max_connections",
+            "max_connections_per_peer",
+            "max_connections_per_ip",
+            "max_streams_per_connection",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for addr in (*self.listen_addrs, *self.announce_addrs):
+            parse_multiaddr(addr)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStatistics:
+    num_connections: int
+    num_streams: int
+    num_inbound_connections_refused: int
+    num_handshake_failures: int
+    num_streams_refused: int
