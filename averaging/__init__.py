@@ -1,6 +1,61 @@
 """averaging: compression, butterfly all-reduce, gossip, matchmaking, state sync.
 
-Not built yet; it arrives with the averaging issue. Layering: imports ``peers`` only.
+Built so far: tensor compression (:mod:`averaging.compression`). Layering: imports
+``peers`` (and torch), never ``swarm``.
 """
 
-__all__: list[str] = []
+from averaging.compression import (
+    DECODERS,
+    MAX_DECODED_ELEMENTS,
+    MAX_ENCODED_MAGNITUDE,
+    MIN_COMPRESSED_ELEMENTS,
+    MIN_QUANTIZED_ELEMENTS,
+    ROLES,
+    BFloat16Codec,
+    Blockwise8BitCodec,
+    Codec,
+    CompressionError,
+    EncodedTensor,
+    EncodeError,
+    ErrorFeedback,
+    ErrorFeedbackConfig,
+    ErrorFeedbackStatistics,
+    Float16Codec,
+    NoneCodec,
+    PowerSGDCodec,
+    PowerSGDConfig,
+    PowerSGDStatistics,
+    Role,
+    TopKCodec,
+    Uniform8BitCodec,
+    choose_codec,
+    decode_tensor,
+)
+
+__all__ = [
+    "DECODERS",
+    "MAX_DECODED_ELEMENTS",
+    "MAX_ENCODED_MAGNITUDE",
+    "MIN_COMPRESSED_ELEMENTS",
+    "MIN_QUANTIZED_ELEMENTS",
+    "ROLES",
+    "BFloat16Codec",
+    "Blockwise8BitCodec",
+    "Codec",
+    "CompressionError",
+    "EncodeError",
+    "EncodedTensor",
+    "ErrorFeedback",
+    "ErrorFeedbackConfig",
+    "ErrorFeedbackStatistics",
+    "Float16Codec",
+    "NoneCodec",
+    "PowerSGDCodec",
+    "PowerSGDConfig",
+    "PowerSGDStatistics",
+    "Role",
+    "TopKCodec",
+    "Uniform8BitCodec",
+    "choose_codec",
+    "decode_tensor",
+]
