@@ -296,7 +296,7 @@ class Peer:
                         if not data:
                             return
                     reply = listener.receive_data(data)
-                    if reply:
+                    if reply or header:  # a header-only opening still gets our header
                         await stream.write(header + reply)
                         header = b""
         except (TimeoutError, RemoteProtocolError) as e:

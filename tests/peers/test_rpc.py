@@ -288,3 +288,25 @@ def test_dns_address_and_standard_event_loop() -> None:
             assert await b.ping(remote) > 0
 
     asyncio.run(main())
+
+
+def test_listener_answers_a_dialer_that_waits_for_its_header(arun: Run) -> None:
+    """Some dialers (py-libp2p) send only the multistream header and wait for ours
+    before proposing; the header must come back even when it arrived with the SYN."""
+    from peers.multistream import MULTISTREAM_PROTOCOL_ID, encode_message
+
+    async def main() -> None:
+        async with Peer() as server, Peer() as client:
+            install_echo(server)
+            remote = await client.connect(server.listen_addrs[0])
+            connection = client.connection_to(remote)
+            assert connection is not None
+            stream = connection.open_stream_raw()
+            await stream.write(encode_message(MULTISTREAM_PROTOCOL_ID))  # rides with the SYN
+            async with asyncio.timeout(5):
+                assert await stream.readexactly(20) == encode_message(MULTISTREAM_PROTOCOL_ID)
+                await stream.write(encode_message(ECHO_PROTOCOL_ID))
+                echoed = encode_message(ECHO_PROTOCOL_ID)
+                assert await stream.readexactly(len(echoed)) == echoed
+
+    arun(main())
