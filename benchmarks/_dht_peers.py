@@ -6,19 +6,21 @@ process, which forks its DHT process, which starts a Go ``p2pd``). Both print JS
 on stdout and read JSON commands on stdin, with the same meaning:
 
 - start-up: ``{"event": "joined", "join_s": ..., "addrs": [...]}`` once the node has joined
-  (``join_s``: seconds from creating the DHT object to joined, imports excluded);
+  (``join_s``: seconds from creating the DHT object to joined, imports excluded; ours
+  starts from a listening ``Peer``, hivemind's includes forking and starting ``p2pd``);
 - ``{"op": "ops", "kind": "store"|"get"|"get_latest", "items": [[key, value], ...],
   "concurrency": c, "warmup": w, "op_timeout": s, "deadline_s": s, "ttl": s}`` ->
   ``{"event": "ops",
   "latencies": [...], "outcomes": {...}, "started": t, "ended": t}``: the first ``w`` items
   are done untimed; the rest by ``c`` workers, each op timed on its own (``latencies`` holds
   the successful ones, in seconds); a get succeeds when it returns the item's value.
-  ``get`` is hivemind's default ``get(key)`` (any live value: it may stop at the first
-  replica that has one); ``get_latest`` is ``get(key, latest=True)`` (the freshest among
-  the closest replicas), which is what our ``DHT.get`` always does.
+  ``get`` is the first live value found (hivemind's default ``get(key)``, ours
+  ``get(key, latest=False)``); ``get_latest`` is ``get(key, latest=True)`` on both (the
+  freshest among the closest replicas).
   ``started``/``ended`` are ``time.monotonic()`` (one clock for every process on the host).
   No op starts after ``deadline_s``; those not started count as ``not_started``.
-- ``{"op": "stop"}`` or the end of stdin: leave the DHT and exit.
+- ``{"op": "stop"}`` (or, for hivemind, the end of stdin): leave the DHT. The parent
+  ends every process with SIGTERM in any case.
 
 Only the standard library is imported at module level: ours must not pay for imports
 it does not use, and the parent never imports hivemind (or torch).
@@ -125,7 +127,8 @@ async def ours_node(node: Any) -> None:
     began = time.monotonic()
     config = DHTConfig(initial_peers=tuple(node.options.get("initial_peers", ())))
     async with DHT(node.peer, config) as dht:
-        node.report({"event": "joined", "join_s": time.monotonic() - began})
+        addrs = [str(a) for a in node.peer.listen_addrs]
+        node.report({"event": "joined", "join_s": time.monotonic() - began, "addrs": addrs})
         for _ in range(MAX_COMMANDS):
             command = await node.receive()
             if command.get("op") != "ops":
@@ -136,13 +139,14 @@ async def ours_node(node: Any) -> None:
                 ok = await dht.store(key, value, dht_time() + batch.ttl)
                 return "ok" if ok else "refused"
 
-            async def get(key: str, value: Any) -> str:
-                found = await dht.get(key)
+            async def get(key: str, value: Any, batch: _Batch = batch) -> str:
+                # "get" is the first live value (as hivemind's default get), "get_latest"
+                # the freshest among the replicas (as hivemind's latest=True).
+                found = await dht.get(key, latest=batch.kind == "get_latest")
                 if not isinstance(found, ValueWithExpiration):
                     return "missing"
                 return "ok" if found.value == value else "wrong_value"
 
-            # Our get always looks for the freshest value: "get" and "get_latest" alike.
             node.report(await _ours_batch(batch, store if batch.kind == "store" else get))
 
 

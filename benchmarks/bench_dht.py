@@ -12,12 +12,14 @@ system, a fresh swarm:
    ready with its visible maddrs. Interpreter start and imports (torch, for hivemind)
    are inside the span: a user waits for them too. ``join`` is the per-peer median of
    creating the DHT object to joined, imports excluded.
-2. latency, timed inside the peer processes: a few peers each store a few hundred keys
-   one after another (the peers run at the same time), after a short untimed warm-up;
-   then as many other peers get those keys, one after another, each key one that
-   another peer stored; then the same peers get another writer's keys asking for the
-   freshest value (hivemind's ``get(key, latest=True)``; ours always does this, so
-   only hivemind's figure differs in meaning). p50/p95 pool the repetition's timed ops.
+2. latency, timed inside the peer processes: a few peers in turn (one at a time, so
+   each op meets an otherwise idle swarm) each store about a hundred keys one after
+   another, after a short untimed warm-up; then as many other peers, in turn, get
+   those keys one after another, each key one that another peer stored, taking the
+   first live value found (hivemind's default ``get(key)``, ours ``get(key,
+   latest=False)``); then the same peers get another writer's keys asking for the
+   freshest value among the replicas (``latest=True`` on both). p50/p95 pool the
+   repetition's timed ops.
 3. throughput: several peers at once, each with a few ops in flight, store fresh keys,
    then get the keys a neighbour stored. ops/s = successful ops / (last end - first start).
 4. memory per peer, after the above: RSS summed over the peer's process and all its
@@ -35,8 +37,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,6 +82,8 @@ MAX_LINES_PER_WAIT = 100_000
 #: Seconds a stored value lives (longer than any run).
 TTL = 600.0
 VALUE_PADDING = "x" * 32
+#: Where hivemind's ``p2pd`` listens for its Python side, from its command line.
+P2PD_SOCKET = re.compile(r"-listen=/unix(/\S*/hivemind-p2pd-[\w-]+\.sock)(?:\s|$)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +95,7 @@ class Plan:
     num_reps: int
     """Fresh swarms per system; figures are medians over them."""
     num_latency_peers: int
-    """Peers that store (and as many others that get) one op at a time."""
+    """Peers that store (and as many others that get) one op at a time, in turn."""
     num_latency_ops: int
     """Timed ops per latency peer per kind."""
     num_warmup_ops: int
@@ -111,8 +118,8 @@ QUICK = Plan(
     num_peers=16,
     num_reps=1,
     num_latency_peers=2,
-    num_latency_ops=60,
-    num_warmup_ops=10,
+    num_latency_ops=30,
+    num_warmup_ops=5,
     num_load_peers=4,
     load_concurrency=4,
     num_load_ops=25,
@@ -120,12 +127,12 @@ QUICK = Plan(
 FULL = Plan(
     num_peers=32,
     num_reps=3,
-    num_latency_peers=4,
-    num_latency_ops=200,
-    num_warmup_ops=20,
+    num_latency_peers=2,
+    num_latency_ops=90,
+    num_warmup_ops=10,
     num_load_peers=8,
     load_concurrency=4,
-    num_load_ops=50,
+    num_load_ops=25,
 )
 
 
@@ -160,6 +167,8 @@ class HivemindPeer:
         self.err = LineReader(self.popen.stderr)
         self.tree: set[int] = set()
         """Descendants seen so far: they outlive the parent if it dies first."""
+        self.sockets: set[str] = set()
+        """The unix sockets its ``p2pd`` listens on (left behind if it is killed)."""
 
     @property
     def pid(self) -> int:
@@ -192,15 +201,17 @@ class HivemindPeer:
         return "stderr: " + (" | ".join(self.err.tail[-5:]) or "(none)")
 
     def remember_tree(self) -> None:
-        self.tree.update(descendants(self.pid))
+        for pid in descendants(self.pid):
+            self.tree.add(pid)
+            found = P2PD_SOCKET.search(pid_command(pid))
+            if found and "p2pd" in pid_command(pid):
+                self.sockets.add(found.group(1))
 
 
 class Swarm(Protocol):
     members: list[Any]
 
     def start(self, num: int, initial_peers: list[str]) -> list[Any]: ...
-
-    def address(self, member: Any, joined: dict[str, Any]) -> str: ...
 
     def close(self) -> None: ...
 
@@ -223,9 +234,6 @@ class OursSwarm:
         self.members += started
         return started
 
-    def address(self, member: Any, joined: dict[str, Any]) -> str:
-        return str(member.maddr)
-
     def close(self) -> None:
         self.local.close()
 
@@ -238,9 +246,6 @@ class HivemindSwarm:
         started = [HivemindPeer({"initial_peers": initial_peers}) for _ in range(num)]
         self.members += started
         return started
-
-    def address(self, member: Any, joined: dict[str, Any]) -> str:
-        return str(joined["addrs"][0])
 
     def close(self) -> None:
         """SIGTERM (then SIGKILL) every peer and every process it started, by PID, all at
@@ -256,6 +261,10 @@ class HivemindSwarm:
                 if pipe is not None:
                     with contextlib.suppress(OSError):
                         pipe.close()
+            for socket_path in member.sockets:  # ours: its p2pd is dead by now
+                path = Path(socket_path)
+                if path.is_socket():
+                    path.unlink(missing_ok=True)
         self.members = []
 
 
@@ -267,7 +276,7 @@ class RepResult:
     bring_up_s: float
     join_s: list[float]
     latencies_s: dict[str, list[float]] = field(default_factory=dict)
-    """``store`` / ``get`` -> every timed op of the latency phase."""
+    """``store`` / ``get`` / ``get_latest`` -> every timed op of the latency phase."""
     ops_per_s: dict[str, float] = field(default_factory=dict)
     """``store`` / ``get`` / ``mixed`` -> aggregate rate in the throughput phase."""
     memory_mb: dict[str, list[float]] = field(default_factory=dict)
@@ -285,12 +294,12 @@ def bring_up(swarm: Swarm, num_peers: int) -> tuple[float, list[float]]:
     began = time.perf_counter()
     deadline = time.monotonic() + BRING_UP_TIMEOUT
 
-    def joined(member: Any) -> dict[str, Any]:
+    def joined(member: Member) -> dict[str, Any]:
         return member.wait_report("joined", max(0.1, deadline - time.monotonic()))
 
     (first,) = swarm.start(1, [])
     reports = [joined(first)]
-    rest = swarm.start(num_peers - 1, [swarm.address(first, reports[0])])
+    rest = swarm.start(num_peers - 1, [reports[0]["addrs"][0]])
     reports += [joined(member) for member in rest]
     return time.perf_counter() - began, [float(r["join_s"]) for r in reports]
 
@@ -331,16 +340,16 @@ def measure_ops(plan: Plan, members: list[Member], result: RepResult, tag: str) 
     ):
         # Reader r gets the keys writer r+shift stored (always another peer; a key read
         # a second time by the same reader could come from hivemind's local cache).
-        commands = [
-            {
+        # One peer at a time: each op meets an otherwise idle swarm.
+        reports = []
+        for r, member in enumerate(group):
+            command = {
                 "kind": kind,
                 "items": stored[(r + shift) % num],
                 "concurrency": 1,
                 "warmup": plan.num_warmup_ops,
             }
-            for r in range(num)
-        ]
-        reports = run_batches(group, commands, result, "latency")
+            reports += run_batches([member], [command], result, "latency")
         result.latencies_s[kind] = [s for r in reports for s in r["latencies"]]
 
     loaders = members[1 : 1 + plan.num_load_peers]
@@ -411,22 +420,15 @@ def run_rep(system: str, plan: Plan, rep: int) -> RepResult:
 
 
 def probe_hivemind() -> tuple[str | None, str]:
-    """hivemind's version, or ``None`` and why it cannot be used (checked in a child, so
-    this process never imports torch)."""
+    """hivemind's installed version, or ``None`` and why it cannot be used. Looked up
+    without importing it (that takes seconds: it imports torch); if it is installed but
+    broken, its first peer fails with hivemind's own error and the run goes on without it."""
+    if importlib.util.find_spec("hivemind") is None:
+        return None, "hivemind is not installed; install the 'bench' extra"
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", "import hivemind; print(hivemind.__version__)"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        return None, "importing hivemind took over 120 s"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["unknown error"])[-1]
-        return None, f"hivemind is not importable ({last}); install the 'bench' extra"
-    return done.stdout.strip(), ""
+        return importlib.metadata.version("hivemind"), ""
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown", ""
 
 
 def summarize(results: list[RepResult]) -> dict[str, float]:
@@ -507,9 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"hivemind not measured: {why}")
         print(f"hivemind: not measured: {why}", file=sys.stderr)
     mode = "quick" if args.quick else "full"
+    load_before = os.getloadavg()[0]
     print(
         f"DHT benchmark ({mode}): {plan.num_peers} peer processes on 127.0.0.1, "
-        f"{plan.num_reps} rep(s), {os.cpu_count()} CPUs; hivemind {version or 'absent'}",
+        f"{plan.num_reps} rep(s), {os.cpu_count()} CPUs (load average {load_before:.1f});"
+        f" hivemind {version or 'absent'}",
         flush=True,
     )
     began = time.monotonic()
@@ -522,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 r = run_rep(system, plan, rep)
-            except BenchError as e:
+            except Exception as e:  # ours fails loudly; hivemind is dropped, with a note
                 if system == "ours":
                     raise
                 notes.append(f"hivemind failed in repetition {rep + 1}; dropped: {e}")
@@ -562,13 +566,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [["measurement", "ours", "hivemind", "ratio"]]
     ratio_of = {figure: ratio for ratio, (figure, _) in RATIOS.items()}
     for label, name, fmt in ROWS:
-        ratio = ratios.get(ratio_of.get(name, ""))
+        shown = ratios.get(ratio_of.get(name, ""))
         rows.append(
             [
                 label,
                 cell(ours, name, fmt),
                 cell(theirs, name, fmt),
-                f"{ratio:.2f}x" if ratio else "",
+                f"{shown:.2f}x" if shown else "",
             ]
         )
     print_table(
@@ -582,8 +586,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"target {ratio}: ours <= {1 / target:.1f}x hivemind's: {verdict}")
     for note in notes:
         print(f"note: {note}")
-    print(f"total {total_s:.1f} s")
-    emit_result("dht", figures, ratios, mode=mode, hivemind=version, notes=notes, plan=asdict(plan))
+    load_after = os.getloadavg()[0]
+    print(f"total {total_s:.1f} s; 1-minute load average {load_before:.1f} -> {load_after:.1f}")
+    emit_result(
+        "dht",
+        figures,
+        ratios,
+        mode=mode,
+        hivemind=version,
+        notes=notes,
+        plan=asdict(plan),
+        cpus=os.cpu_count(),
+        load_average=[round(load_before, 1), round(load_after, 1)],
+    )
     return 0
 
 

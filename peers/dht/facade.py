@@ -77,9 +77,10 @@ class BlockingDHT:
         return self._peer.run(self._dht.store(key, value, expires, subkey=subkey), timeout)
 
     def get(
-        self, key: str | bytes, *, timeout: float | None = None
+        self, key: str | bytes, *, latest: bool = True, timeout: float | None = None
     ) -> ValueWithExpiration | dict[bytes, ValueWithExpiration] | None:
-        return self._peer.run(self._dht.get(key), timeout)
+        """See :meth:`DHT.get`."""
+        return self._peer.run(self._dht.get(key, latest=latest), timeout)
 
     def statistics(self) -> DHTStatistics:
         return self._dht.statistics()

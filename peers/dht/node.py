@@ -389,11 +389,13 @@ class DHT:
         target: NodeID,
         query: Callable[[Contact], Awaitable[list[Contact]]],
         num_closest: int | None = None,
+        enough: Callable[[], bool] | None = None,
     ) -> Lookup:
         """Drive a :class:`Lookup`: at most alpha queries in flight, each bounded by
         ``rpc_timeout``, until the ``num_closest`` (default k) closest have answered
-        (§2.3). Stores and gets converge on the ``num_replicas`` closest only: that is
-        where records live, and it halves the requests of a lookup."""
+        (§2.3), or until ``enough()`` says so. Stores and gets converge on the
+        ``num_replicas`` closest only: that is where records live, and it halves the
+        requests of a lookup."""
         k = num_closest or self.config.k
         lookup = Lookup(
             target,
@@ -404,7 +406,7 @@ class DHT:
         )
         running: dict[asyncio.Task[list[Contact]], Contact] = {}
         try:
-            while not lookup.done:
+            while not lookup.done and not (enough is not None and enough()):
                 for contact in lookup.next_queries():
                     running[asyncio.ensure_future(query(contact))] = contact
                 if not running:
@@ -478,9 +480,11 @@ class DHT:
         return accepted > 0
 
     async def get(
-        self, key: str | bytes
+        self, key: str | bytes, *, latest: bool = True
     ) -> ValueWithExpiration | dict[bytes, ValueWithExpiration] | None:
-        """The freshest value stored under ``key`` among its closest nodes (and ours).
+        """The value stored under ``key``: with ``latest`` (the default) the freshest
+        among its closest nodes and ours; without, the first live value found (Kademlia's
+        FIND_VALUE, which stops at the first node holding one: faster, possibly older).
 
         A plain value comes back as :class:`ValueWithExpiration`; a key holding subkeys
         as ``{subkey: ValueWithExpiration}``; ``None`` if nothing live is stored.
@@ -507,13 +511,16 @@ class DHT:
                     holders.setdefault(holder, set()).add(record.subkey)
 
         consider(self._records_for(raw_key, now), None)
+        if best and not latest:
+            return self._as_result(best)
 
         async def query(contact: Contact) -> list[Contact]:
             records, closer = await self.call_find_value(contact, raw_key)
             consider(records, contact.peer_id)
             return closer
 
-        lookup = await self._run_lookup(key_id(raw_key), query, self.config.num_replicas)
+        enough = None if latest else (lambda: bool(best))
+        lookup = await self._run_lookup(key_id(raw_key), query, self.config.num_replicas, enough)
         if not best and self.config.k > self.config.num_replicas:
             # Nothing at the replicas' place: look wider before answering "absent" (a
             # store made while the swarm was forming may sit a little off its place).
@@ -521,6 +528,12 @@ class DHT:
         if not best:
             return None
         await self._cache_along_path(lookup, best, holders)
+        return self._as_result(best)
+
+    @staticmethod
+    def _as_result(
+        best: dict[bytes | None, Record],
+    ) -> ValueWithExpiration | dict[bytes, ValueWithExpiration]:
         entries = {
             s: ValueWithExpiration(unpack(r.value), r.expiration_time) for s, r in best.items()
         }

@@ -10,7 +10,8 @@ import pytest
 
 from peers import Peer, PeerConfig
 from peers.dht.node import DHT, DHTConfig, DHTError, ValueWithExpiration, dht_time
-from peers.dht.records import RecordError, owner_marker
+from peers.dht.records import Record, RecordError, owner_marker
+from peers.serialization import pack
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 FAST = {"rpc_timeout": 2.0, "maintenance_interval": 3600.0}
@@ -207,5 +208,28 @@ def test_rebootstrap_when_the_routing_table_empties(arun: Run) -> None:
             assert len(loner.routing) == 0
             await loner.maintain_once()
             assert len(loner.routing) >= 1
+
+    arun(main())
+
+
+def test_a_first_found_get_stops_early_and_a_latest_get_finds_the_freshest(arun: Run) -> None:
+    async def main() -> None:
+        async with swarm(10) as nodes:
+            assert await nodes[1].store("ver", "old", dht_time() + 30)
+            reader = nodes[6]
+            sent = reader.statistics().rpcs_sent.get("find-value", 0)
+            quick = await reader.get("ver", latest=False)
+            assert isinstance(quick, ValueWithExpiration) and quick.value == "old"
+            quick_rpcs = reader.statistics().rpcs_sent.get("find-value", 0) - sent
+            # plant a fresher value at one replica only: a first-found get may miss it,
+            # a latest get must not
+            holder = next(n for n in nodes if n.store_.get(b"ver", dht_time()) and n is not reader)
+            fresher = Record(b"ver", None, pack("new"), dht_time() + 60)
+            holder.store_.store(fresher, source=holder.peer.peer_id, now=dht_time())
+            sent = reader.statistics().rpcs_sent.get("find-value", 0)
+            latest = await reader.get("ver")
+            latest_rpcs = reader.statistics().rpcs_sent.get("find-value", 0) - sent
+            assert isinstance(latest, ValueWithExpiration) and latest.value == "new"
+            assert quick_rpcs < latest_rpcs
 
     arun(main())
