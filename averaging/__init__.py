@@ -1,9 +1,35 @@
 """averaging: compression, butterfly all-reduce, gossip, matchmaking, state sync.
 
-Built so far: tensor compression (:mod:`averaging.compression`). Layering: imports
-``peers`` (and torch), never ``swarm``.
+Built so far: tensor compression (:mod:`averaging.compression`), partitioning
+(:mod:`averaging.partition`), and one butterfly all-reduce round as a pure state machine
+(:mod:`averaging.butterfly`; its records in :mod:`averaging.butterfly_records`, a part's
+reduction in :mod:`averaging.reduction`). Layering: imports ``peers`` (and torch), never
+``swarm``.
 """
 
+from averaging.butterfly import DEFERRED_PARTS, MAX_SAMPLE_WEIGHT, ButterflyRound
+from averaging.butterfly_records import (
+    MAX_ROUND_ID_BYTES,
+    AveragedPart,
+    ChunkDeferred,
+    Outgoing,
+    OutgoingAveraged,
+    PartAbandoned,
+    PartReady,
+    PartReassigned,
+    PartReport,
+    PeerExcluded,
+    RejectedChunk,
+    RejectReason,
+    RoundError,
+    RoundEvent,
+    RoundReport,
+    RoundResult,
+    RoundSpec,
+    RoundStatistics,
+    Withdrawn,
+    plan_reassignment,
+)
 from averaging.compression import (
     DECODERS,
     MAX_DECODED_ELEMENTS,
@@ -31,16 +57,24 @@ from averaging.compression import (
     choose_codec,
     decode_tensor,
 )
+from averaging.partition import PartitionError, chunk_ranges, flatten, split_parts, unflatten
+from averaging.reduction import PartReceipt, PartReduction
 
 __all__ = [
     "DECODERS",
+    "DEFERRED_PARTS",
     "MAX_DECODED_ELEMENTS",
     "MAX_ENCODED_MAGNITUDE",
+    "MAX_ROUND_ID_BYTES",
+    "MAX_SAMPLE_WEIGHT",
     "MIN_COMPRESSED_ELEMENTS",
     "MIN_QUANTIZED_ELEMENTS",
     "ROLES",
+    "AveragedPart",
     "BFloat16Codec",
     "Blockwise8BitCodec",
+    "ButterflyRound",
+    "ChunkDeferred",
     "Codec",
     "CompressionError",
     "EncodeError",
@@ -50,12 +84,36 @@ __all__ = [
     "ErrorFeedbackStatistics",
     "Float16Codec",
     "NoneCodec",
+    "Outgoing",
+    "OutgoingAveraged",
+    "PartAbandoned",
+    "PartReady",
+    "PartReassigned",
+    "PartReceipt",
+    "PartReduction",
+    "PartReport",
+    "PartitionError",
+    "PeerExcluded",
     "PowerSGDCodec",
     "PowerSGDConfig",
     "PowerSGDStatistics",
+    "RejectReason",
+    "RejectedChunk",
     "Role",
+    "RoundError",
+    "RoundEvent",
+    "RoundReport",
+    "RoundResult",
+    "RoundSpec",
+    "RoundStatistics",
     "TopKCodec",
     "Uniform8BitCodec",
+    "Withdrawn",
     "choose_codec",
+    "chunk_ranges",
     "decode_tensor",
+    "flatten",
+    "plan_reassignment",
+    "split_parts",
+    "unflatten",
 ]

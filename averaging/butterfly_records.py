@@ -1,0 +1,340 @@
+"""The records of a butterfly all-reduce round: its spec, who reduces a dead reducer's
+part, the events a :class:`~averaging.butterfly.ButterflyRound` returns, and its result.
+
+Kept apart from the state machine (``averaging.butterfly``) so that the wire layer can
+import the vocabulary without the machine, and so each module stays small (STYLE.md 13).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+import torch
+
+from averaging.compression import MAX_DECODED_ELEMENTS
+from averaging.partition import split_parts
+from peers.errors import LocalProtocolError
+from peers.identity import PeerID
+
+#: Longest round id we accept. Round ids come from matchmaking (a hash or a random
+#: 16-32 byte token); 64 bytes leaves room while bounding what every chunk carries.
+MAX_ROUND_ID_BYTES = 64
+
+
+class RoundError(LocalProtocolError):
+    """A round was built with inconsistent inputs or used out of order (our caller's
+    fault): asking for a result before every part is resolved, reassigning a part whose
+    reducer is alive, excluding ourselves. A remote's bad message is never raised: it is
+    returned as a :class:`RejectedChunk` event."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundSpec:
+    """What every member of one round agrees on before it starts (from matchmaking)."""
+
+    round_id: bytes
+    """Unique per round; chunks carrying another id are rejected as stale."""
+    members: tuple[PeerID, ...]
+    """The group, in an order every member shares; member ``i`` reduces part ``i``."""
+    weights: tuple[float, ...]
+    """Bandwidth weights, one per member: part sizes are proportional to them. 0 for a
+    client-mode member, which sends its vector but reduces nothing."""
+    total_elements: int
+    """Length of the flat vector being averaged."""
+    chunk_elements: int
+    """Elements per chunk when streaming a part (the last chunk of a part may be shorter)."""
+    me: PeerID
+    """The peer whose point of view a round takes; one of ``members``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.round_id, bytes) or not 0 < len(self.round_id):
+            raise RoundError("round_id must be non-empty bytes")
+        if len(self.round_id) > MAX_ROUND_ID_BYTES:
+            raise RoundError(f"round_id is longer than {MAX_ROUND_ID_BYTES} bytes")
+        if not self.members or not all(isinstance(m, PeerID) for m in self.members):
+            raise RoundError("members must be a non-empty tuple of PeerIDs")
+        if len(set(self.members)) != len(self.members):
+            raise RoundError("members must be distinct")
+        if len(self.weights) != len(self.members):
+            raise RoundError(f"{len(self.weights)} weights for {len(self.members)} members")
+        if self.me not in self.members:
+            raise RoundError("me must be one of the members")
+        if not 0 < self.chunk_elements <= MAX_DECODED_ELEMENTS:
+            raise RoundError(f"chunk_elements must be in [1, {MAX_DECODED_ELEMENTS}]")
+        split_parts(self.total_elements, self.weights)  # raises PartitionError if invalid
+
+    def parts(self) -> list[tuple[int, int]]:
+        """Part ``i``'s ``[start, end)``, as every member computes it."""
+        return split_parts(self.total_elements, self.weights)
+
+
+def _reassignment_rank(round_id: bytes, part_index: int, member: PeerID) -> bytes:
+    """A per-round, per-part pseudo-random order of members that every peer computes
+    alike; a random order spreads several dead reducers' parts over the survivors."""
+    digest = hashlib.sha256()
+    digest.update(len(round_id).to_bytes(1, "big") + round_id)
+    digest.update(part_index.to_bytes(8, "big"))
+    digest.update(member.to_bytes())
+    return digest.digest()
+
+
+def plan_reassignment(spec: RoundSpec, failed: Set[PeerID]) -> dict[int, PeerID]:
+    """Who reduces each non-empty part whose original reducer is in ``failed``.
+
+    Part ``i`` goes to the surviving member with a positive weight (client-mode members
+    cannot accept the senders' connections) whose ``sha256(round_id, i, member)`` is
+    smallest. A pure function of ``(spec, failed)``: survivors that know the same
+    failures make the same plan, whatever order they learned them in; and a new reducer
+    that dies too is replaced by the next in the same order. A part with no candidate is
+    left out of the plan (it stays at each peer's own value).
+    """
+    candidates = [
+        m for m, w in zip(spec.members, spec.weights, strict=True) if w > 0 and m not in failed
+    ]
+    plan: dict[int, PeerID] = {}
+    for i, (start, end) in enumerate(spec.parts()):
+        if end > start and spec.members[i] in failed and candidates:
+            plan[i] = min(candidates, key=lambda m: _reassignment_rank(spec.round_id, i, m))
+    return plan
+
+
+class RejectReason(enum.StrEnum):
+    """Why a chunk was rejected; :attr:`excludes_peer` says whether it is proof of a
+    faulty peer (which is then excluded) or a benign race (late, duplicated)."""
+
+    STALE_ROUND = "stale round"
+    NOT_A_MEMBER = "not a member"
+    FROM_MYSELF = "claims to come from this peer"
+    PEER_EXCLUDED = "peer already excluded"
+    PART_OUT_OF_RANGE = "part index out of range"
+    NOT_MY_PART = "part not assigned to this peer"
+    NOT_PART_REDUCER = "not the reducer of this part"
+    PART_ABANDONED = "part abandoned"
+    CHUNK_OUT_OF_RANGE = "chunk index out of range"
+    DUPLICATE = "duplicate chunk"
+    BAD_VALUES = "not a float32 tensor of the chunk's length"
+    NON_FINITE = "non-finite values"
+    BAD_WEIGHT = "weight not positive and finite"
+    INCONSISTENT_WEIGHT = "weight differs from the sender's earlier chunks"
+    BAD_CONTRIBUTORS = "contributors are not members or omit the reducer"
+    INCONSISTENT_CONTRIBUTORS = "contributors differ between chunks of one part"
+    EXCLUDES_ME = "contributors exclude this peer"  # not the sender's fault: I withdraw
+
+    @property
+    def excludes_peer(self) -> bool:
+        return self in _EXCLUDING
+
+
+_EXCLUDING = frozenset(
+    {
+        RejectReason.PART_OUT_OF_RANGE,
+        RejectReason.NOT_PART_REDUCER,
+        RejectReason.CHUNK_OUT_OF_RANGE,
+        RejectReason.BAD_VALUES,
+        RejectReason.NON_FINITE,
+        RejectReason.BAD_WEIGHT,
+        RejectReason.INCONSISTENT_WEIGHT,
+        RejectReason.BAD_CONTRIBUTORS,
+        RejectReason.INCONSISTENT_CONTRIBUTORS,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """Send my values of ``[start, end)`` (chunk ``chunk_index`` of part ``part_index``)
+    with my ``weight`` to ``to``, which reduces that part. ``values`` is a view of the
+    local vector: encode it before the vector changes."""
+
+    to: PeerID
+    part_index: int
+    chunk_index: int
+    start: int
+    end: int
+    values: torch.Tensor
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingAveraged:
+    """Send the final averaged ``[start, end)`` of a part I reduced, and the set of
+    members it averages over, to ``to``."""
+
+    to: PeerID
+    part_index: int
+    chunk_index: int
+    start: int
+    end: int
+    values: torch.Tensor
+    contributors: frozenset[PeerID]
+
+
+@dataclass(frozen=True, slots=True)
+class PartReady:
+    """A part I reduce is final: publish it (:meth:`ButterflyRound.published_chunks`)."""
+
+    part_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class RejectedChunk:
+    """A chunk from ``peer`` was dropped; a :class:`PeerExcluded` follows when
+    ``reason.excludes_peer``."""
+
+    peer: PeerID
+    part_index: int
+    chunk_index: int
+    reason: RejectReason
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDeferred:
+    """A chunk of a part not (yet) mine, held in case its reducer's failure reaches us
+    later and the part is reassigned to us (the sender learned of it first)."""
+
+    sender: PeerID
+    part_index: int
+    chunk_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerExcluded:
+    """``peer`` is out of the round from now on: stop reading from it, and tell every
+    other live member (they take it with ``on_exclusion_notice``). Every member tells of
+    each exclusion once, whether it saw the failure or learned of it, so the knowledge
+    floods even when its first witness dies, and survivors converge on one failure set,
+    hence one reassignment plan."""
+
+    peer: PeerID
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PartReassigned:
+    """A failed reducer's part now goes to ``new_reducer``; send ``outgoing`` (empty
+    when the new reducer is me)."""
+
+    part_index: int
+    old_reducer: PeerID
+    new_reducer: PeerID
+    outgoing: tuple[Outgoing, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PartAbandoned:
+    """A part stays at my own value (no surviving member can reduce it, or the caller
+    gave up on it)."""
+
+    part_index: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Withdrawn:
+    """``excluded_by`` left me out of a part or announced my exclusion: the others count
+    me as failed, so I keep my own vector and stop taking part (stop sending; every
+    later message is ignored)."""
+
+    excluded_by: PeerID
+
+
+RoundEvent = (
+    PartReady
+    | RejectedChunk
+    | ChunkDeferred
+    | PeerExcluded
+    | PartReassigned
+    | PartAbandoned
+    | Withdrawn
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AveragedPart:
+    """A final part I reduced: the weighted mean over ``contributors`` (me included)."""
+
+    part_index: int
+    start: int
+    end: int
+    values: torch.Tensor
+    contributors: frozenset[PeerID]
+
+
+@dataclass(frozen=True, slots=True)
+class PartReport:
+    """How one part ended on this peer."""
+
+    part_index: int
+    start: int
+    end: int
+    reducer: PeerID | None
+    """Who reduced the values this peer holds; None when they are its own (abandoned)."""
+    contributors: frozenset[PeerID]
+    """Whose vectors the part averages (empty when abandoned or empty)."""
+    averaged: bool
+    """False when the part was left at this peer's own value."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundReport:
+    """What happened in a round, from one peer's point of view."""
+
+    round_id: bytes
+    me: PeerID
+    members: tuple[PeerID, ...]
+    failed: Mapping[PeerID, str]
+    """Members excluded in this peer's view, with the reason."""
+    excluded_by: frozenset[PeerID]
+    """Members that left this peer out. Non-empty means it withdrew: the others count it
+    as failed, and its result is its own vector (every part ``averaged=False``)."""
+    parts: tuple[PartReport, ...]
+    fraction_averaged: float
+    """Fraction of coordinates averaged (1.0 when no part was left at the own value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """The flat vector after the round, and how each part of it came to be."""
+
+    averaged: torch.Tensor
+    report: RoundReport
+
+    def fingerprint(self) -> bytes:
+        """sha256 of the averaged parts (values, reducer, contributors): survivors of a
+        round hold identical tensors exactly when their fingerprints match, so peers can
+        compare 32 bytes instead of tensors. Parts left at a peer's own value are left
+        out (they differ between peers by design)."""
+        digest = hashlib.sha256(self.report.round_id)
+        values = self.averaged.detach().cpu().contiguous().numpy()
+        for part in self.report.parts:
+            if not part.averaged or part.end == part.start or part.reducer is None:
+                continue
+            digest.update(part.part_index.to_bytes(8, "big") + part.reducer.to_bytes())
+            for member in sorted(part.contributors):
+                digest.update(member.to_bytes())
+            digest.update(values[part.start : part.end].tobytes())
+        return digest.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class RoundStatistics:
+    """Counters of one round (STYLE.md 15)."""
+
+    num_chunks_accepted: int
+    num_chunks_deferred: int
+    num_chunks_rejected: int
+    num_averaged_chunks_accepted: int
+    num_parts_reassigned: int
+    num_parts_abandoned: int
+    num_peers_excluded: int
+
+
+def is_positive_finite(value: object, limit: float) -> bool:
+    """True for an int or float in ``(0, limit]`` (never for a bool or NaN)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and 0 < value <= limit

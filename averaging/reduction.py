@@ -1,0 +1,90 @@
+"""The two halves of a part's life in a butterfly round, as plain data structures (no
+events, no policy: ``averaging.butterfly`` decides who is in and when a part is final).
+
+- :class:`PartReduction`: the reducer's side. Chunks are added as they arrive into
+  running float64 weighted sums (reduction overlaps transfer, DESIGN.md, averaging), and
+  every sender's chunks are kept until the part is final, so that dropping a sender who
+  fails mid-round is exact: its chunks' sums are rebuilt from the others rather than
+  subtracted (subtracting would leave rounding residue of the dropped values).
+- :class:`PartReceipt`: a receiver's side: the averaged chunks of a part someone else
+  reduces, and the contributor set they came with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from peers.identity import PeerID
+
+
+class PartReduction:
+    """The weighted mean of one part over the senders whose chunks arrived.
+
+    Sums are float64: a float32 value times a weight of at most 2**64, summed over any
+    group, cannot overflow, and the mean rounds once, to float32, at :meth:`finalize`.
+    """
+
+    def __init__(self, ranges: Sequence[tuple[int, int]], device: torch.device) -> None:
+        self.ranges = list(ranges)
+        """The part's chunks, as absolute ``(start, end)`` ranges of the flat vector."""
+        self._sums = [torch.zeros(e - s, dtype=torch.float64, device=device) for s, e in ranges]
+        self._totals = [0.0] * len(self.ranges)
+        self._received: dict[PeerID, dict[int, torch.Tensor]] = {}
+
+    def has(self, sender: PeerID, chunk: int) -> bool:
+        return chunk in self._received.get(sender, {})
+
+    def complete(self, sender: PeerID) -> bool:
+        """True when every chunk of ``sender``'s contribution has been added."""
+        return len(self._received.get(sender, {})) == len(self.ranges)
+
+    def add(self, sender: PeerID, chunk: int, values: torch.Tensor, weight: float) -> None:
+        """Add ``weight * values`` to chunk ``chunk`` (``values`` is kept by reference)."""
+        self._received.setdefault(sender, {})[chunk] = values
+        self._sums[chunk].add_(values, alpha=weight)  # promoted to float64 in place
+        self._totals[chunk] += weight
+
+    def drop(
+        self, sender: PeerID, order: Sequence[PeerID], weights: Mapping[PeerID, float]
+    ) -> None:
+        """Forget ``sender``: rebuild the sums of its chunks from the other senders', in
+        ``order`` (``weights`` gives each sender's weight)."""
+        for chunk in self._received.pop(sender, {}):
+            self._sums[chunk].zero_()
+            self._totals[chunk] = 0.0
+            for member in order:
+                values = self._received.get(member, {}).get(chunk)
+                if values is not None:
+                    self._sums[chunk].add_(values, alpha=weights[member])
+                    self._totals[chunk] += weights[member]
+
+    def finalize(self) -> torch.Tensor:
+        """The float32 weighted mean of the whole part; frees the per-sender chunks.
+        Every chunk must have a positive total weight (the reducer's own is always in)."""
+        values = torch.cat(
+            [(s / t).to(torch.float32) for s, t in zip(self._sums, self._totals, strict=True)]
+        )
+        self._received.clear()
+        self._sums = []
+        return values
+
+
+class PartReceipt:
+    """The averaged chunks of one part, as they arrive from its reducer."""
+
+    def __init__(self, reducer: PeerID, num_chunks: int) -> None:
+        self.reducer = reducer
+        self.num_chunks = num_chunks
+        self.chunks: dict[int, torch.Tensor] = {}
+        self.contributors: frozenset[PeerID] | None = None
+        """The set every chunk of the part must carry (fixed by the first one)."""
+
+    @property
+    def complete(self) -> bool:
+        return len(self.chunks) == self.num_chunks
+
+    def values(self) -> torch.Tensor:
+        """The whole part (only when :attr:`complete`)."""
+        return torch.cat([self.chunks[c] for c in range(self.num_chunks)])
