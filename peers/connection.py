@@ -18,7 +18,6 @@ from multiaddr import Multiaddr
 
 from peers.errors import (
     ConnectionClosed,
-    LimitExceeded,
     LocalProtocolError,
     ProtocolNotSupported,
     RemoteProtocolError,
@@ -506,7 +505,3 @@ class Connection:
         if (stream._write_closed and stream._eof) or stream._error is not None:
             if self._streams.get(stream.stream_id) is stream:
                 del self._streams[stream.stream_id]
-
-    def check_stream_limit(self, limit: int) -> None:
-        if len(self._streams) > limit:
-            raise LimitExceeded(f"more than {limit} streams open on one connection")

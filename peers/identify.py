@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 from multiaddr import Multiaddr
 
 from peers import limits
+from peers.addresses import parse_multiaddr
 from peers.connection import Stream
-from peers.errors import RemoteProtocolError
+from peers.errors import AddressError, RemoteProtocolError
 from peers.identity import PeerID, PublicKey
 from peers.protobuf import all_bytes, decode_fields, encode_fields, first_bytes
 from peers.serialization import FrameDecoder, encode_frame
@@ -65,15 +66,15 @@ def decode_identify(data: bytes, remote: PeerID) -> IdentifyInfo:
     addrs: list[Multiaddr] = []
     for raw in all_bytes(fields, 2)[:MAX_IDENTIFY_ADDRS]:
         try:
-            addrs.append(Multiaddr(raw))
-        except Exception:  # the multiaddr package raises several types; skip what we can't read
+            addrs.append(parse_multiaddr(raw))
+        except AddressError:  # one unreadable address costs only itself
             continue
     observed_raw = first_bytes(fields, 4)
     observed: Multiaddr | None = None
     if observed_raw:
         try:
-            observed = Multiaddr(observed_raw)
-        except Exception:
+            observed = parse_multiaddr(observed_raw)
+        except AddressError:
             observed = None
     return IdentifyInfo(
         peer_id=remote,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from peers.dht.ids import Contact
 from peers.dht.records import Record
+from peers.errors import IdentityError
 from peers.identity import PeerID
 from peers.wire import WireError
 
@@ -119,7 +120,7 @@ def contacts_from_wire(wire: list[WireContact]) -> list[Contact]:
     for item in wire:
         try:
             peer_id = PeerID(item.peer_id)
-        except Exception as e:  # IdentityError and malformed multihash bytes alike
+        except IdentityError as e:
             raise WireError(f"malformed PeerID in a contact: {e}") from e
         addrs = tuple(a for a in item.addrs[:MAX_CONTACT_ADDRS] if len(a) <= MAX_ADDR_CHARS)
         out.append(Contact(peer_id, addrs))
