@@ -7,6 +7,15 @@ reduction in :mod:`averaging.reduction`). Layering: imports ``peers`` (and torch
 ``swarm``.
 """
 
+from averaging.allreduce import RoundRunner
+from averaging.allreduce_config import (
+    AllReduceConfig,
+    AllReduceError,
+    AllReduceResult,
+    TransferStatistics,
+)
+from averaging.allreduce_service import AllReduceService
+from averaging.averager import Averager, AveragerConfig, AveragerError, AveragingStep
 from averaging.butterfly import DEFERRED_PARTS, MAX_SAMPLE_WEIGHT, ButterflyRound
 from averaging.butterfly_records import (
     MAX_ROUND_ID_BYTES,
@@ -57,32 +66,75 @@ from averaging.compression import (
     choose_codec,
     decode_tensor,
 )
+from averaging.gossip import MoshpitConfig, MoshpitGrid, RandomGroups, gossip_round
+from averaging.matchmaking import Matchmaker, MatchmakingStatistics
+from averaging.matchmaking_records import (
+    MAX_GROUP_SIZE,
+    MAX_METADATA_BYTES,
+    Group,
+    MatchmakingConfig,
+    MatchmakingError,
+)
 from averaging.partition import PartitionError, chunk_ranges, flatten, split_parts, unflatten
 from averaging.reduction import PartReceipt, PartReduction
+from averaging.robust import CenteredClipConfig, CenteredClipReduction, centered_clip
+from averaging.state_donor import StateServer, StateServerConfig, StateServerStatistics, state_key
+from averaging.state_manifest import (
+    DonorError,
+    Manifest,
+    StateRequestError,
+    StateSyncError,
+    StateSyncTimeout,
+)
+from averaging.state_records import DonorReport, LoadedState, StateSyncConfig, SyncReport
+from averaging.state_sync import load_state_from_peers
 
 __all__ = [
     "DECODERS",
     "DEFERRED_PARTS",
     "MAX_DECODED_ELEMENTS",
     "MAX_ENCODED_MAGNITUDE",
+    "MAX_GROUP_SIZE",
+    "MAX_METADATA_BYTES",
     "MAX_ROUND_ID_BYTES",
     "MAX_SAMPLE_WEIGHT",
     "MIN_COMPRESSED_ELEMENTS",
     "MIN_QUANTIZED_ELEMENTS",
     "ROLES",
+    "AllReduceConfig",
+    "AllReduceError",
+    "AllReduceResult",
+    "AllReduceService",
     "AveragedPart",
+    "Averager",
+    "AveragerConfig",
+    "AveragerError",
+    "AveragingStep",
     "BFloat16Codec",
     "Blockwise8BitCodec",
     "ButterflyRound",
+    "CenteredClipConfig",
+    "CenteredClipReduction",
     "ChunkDeferred",
     "Codec",
     "CompressionError",
+    "DonorError",
+    "DonorReport",
     "EncodeError",
     "EncodedTensor",
     "ErrorFeedback",
     "ErrorFeedbackConfig",
     "ErrorFeedbackStatistics",
     "Float16Codec",
+    "Group",
+    "LoadedState",
+    "Manifest",
+    "Matchmaker",
+    "MatchmakingConfig",
+    "MatchmakingError",
+    "MatchmakingStatistics",
+    "MoshpitConfig",
+    "MoshpitGrid",
     "NoneCodec",
     "Outgoing",
     "OutgoingAveraged",
@@ -97,6 +149,7 @@ __all__ = [
     "PowerSGDCodec",
     "PowerSGDConfig",
     "PowerSGDStatistics",
+    "RandomGroups",
     "RejectReason",
     "RejectedChunk",
     "Role",
@@ -104,16 +157,30 @@ __all__ = [
     "RoundEvent",
     "RoundReport",
     "RoundResult",
+    "RoundRunner",
     "RoundSpec",
     "RoundStatistics",
+    "StateRequestError",
+    "StateServer",
+    "StateServerConfig",
+    "StateServerStatistics",
+    "StateSyncConfig",
+    "StateSyncError",
+    "StateSyncTimeout",
+    "SyncReport",
     "TopKCodec",
+    "TransferStatistics",
     "Uniform8BitCodec",
     "Withdrawn",
+    "centered_clip",
     "choose_codec",
     "chunk_ranges",
     "decode_tensor",
     "flatten",
+    "gossip_round",
+    "load_state_from_peers",
     "plan_reassignment",
     "split_parts",
+    "state_key",
     "unflatten",
 ]

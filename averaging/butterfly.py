@@ -63,6 +63,7 @@ from averaging.butterfly_records import (
 )
 from averaging.partition import chunk_ranges
 from averaging.reduction import PartReceipt, PartReduction
+from averaging.robust import CenteredClipReduction
 from peers.identity import PeerID
 
 #: Largest weight (sample count) a sender may claim. Sums are float64, where
@@ -108,7 +109,7 @@ class ButterflyRound:
         self._failed: dict[PeerID, str] = {}
         self._excluded_by: set[PeerID] = set()
         self._assignee: list[PeerID] = list(spec.members)
-        self._reductions: dict[int, PartReduction] = {}
+        self._reductions: dict[int, PartReduction | CenteredClipReduction] = {}
         self._finals: dict[int, AveragedPart] = {}
         self._published: dict[int, torch.Tensor] = {}
         self._receipts: dict[int, PartReceipt] = {}
@@ -378,6 +379,13 @@ class ButterflyRound:
             return frozenset()
         return frozenset(r.reducer for r in self._receipts.values() if not r.complete)
 
+    def undelivered_parts(self) -> frozenset[int]:
+        """Parts other members reduce whose averaged values have not fully arrived: what
+        :meth:`abandon_part` gives up at the round's final deadline."""
+        if self._excluded_by:
+            return frozenset()
+        return frozenset(i for i, r in self._receipts.items() if not r.complete)
+
     @property
     def failed(self) -> Mapping[PeerID, str]:
         """Members excluded so far, with the reason (read-only)."""
@@ -509,7 +517,16 @@ class ButterflyRound:
         return [PartAbandoned(part, reason)]
 
     def _start_reduction(self, part: int) -> list[RoundEvent]:
-        reduction = PartReduction(self._chunks[part], self._local.device)
+        config = self.spec.aggregation
+        reduction: PartReduction | CenteredClipReduction
+        if config is None:
+            reduction = PartReduction(self._chunks[part], self._local.device)
+        else:
+            start, end = self._parts[part]
+            tau = config.part_tau(end - start, self.spec.total_elements)
+            reduction = CenteredClipReduction(
+                self._chunks[part], self._local.device, config=config, tau=tau
+            )
         self._reductions[part] = reduction
         for c, (s, e) in enumerate(reduction.ranges):
             reduction.add(self._me, c, self._local[s:e], self._weight)

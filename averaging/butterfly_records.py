@@ -17,6 +17,7 @@ import torch
 
 from averaging.compression import MAX_DECODED_ELEMENTS
 from averaging.partition import split_parts
+from averaging.robust import CenteredClipConfig
 from peers.errors import LocalProtocolError
 from peers.identity import PeerID
 
@@ -49,6 +50,9 @@ class RoundSpec:
     """Elements per chunk when streaming a part (the last chunk of a part may be shorter)."""
     me: PeerID
     """The peer whose point of view a round takes; one of ``members``."""
+    aggregation: CenteredClipConfig | None = None
+    """How reducers combine a part: None for the weighted mean; a
+    :class:`~averaging.robust.CenteredClipConfig` for CenteredClip over whole parts."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.round_id, bytes) or not 0 < len(self.round_id):
@@ -66,6 +70,8 @@ class RoundSpec:
         if not 0 < self.chunk_elements <= MAX_DECODED_ELEMENTS:
             raise RoundError(f"chunk_elements must be in [1, {MAX_DECODED_ELEMENTS}]")
         split_parts(self.total_elements, self.weights)  # raises PartitionError if invalid
+        if self.aggregation is not None and not isinstance(self.aggregation, CenteredClipConfig):
+            raise RoundError("aggregation must be None or a CenteredClipConfig")
 
     def parts(self) -> list[tuple[int, int]]:
         """Part ``i``'s ``[start, end)``, as every member computes it."""

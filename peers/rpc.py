@@ -66,6 +66,8 @@ class FramedStream:
         self._decoder = FrameDecoder(max_frame_bytes)
         self._frames: list[bytes] = []
         self._eof = False
+        self.bytes_read = 0
+        """Bytes read from the stream so far (frames and their length prefixes)."""
 
     async def read_frame(self) -> list[Any] | None:
         """The next decoded frame, or ``None`` at a clean end of stream.
@@ -82,6 +84,7 @@ class FramedStream:
             if not data:
                 self._eof = True
                 continue
+            self.bytes_read += len(data)
             self._frames.extend(self._decoder.feed(data))
         frame = unpack(self._frames.pop(0))
         if not isinstance(frame, list) or not frame or not isinstance(frame[0], int):

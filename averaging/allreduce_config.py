@@ -1,0 +1,90 @@
+"""Configuration and outcome records of a networked butterfly round."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from averaging.butterfly_records import RoundResult
+from averaging.compression import Codec, NoneCodec
+from peers.errors import LocalProtocolError
+
+
+class AllReduceError(LocalProtocolError):
+    """A round could not be run as asked (our caller's fault): a config whose timeouts
+    do not fit together, a round id already running here, a tensor that does not match
+    the round. A remote's failure never raises: it excludes that remote."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduceConfig:
+    """Timeouts and wire format of a round. Every member should use the same values; the
+    chunk size must match (it is part of the averaging key in :class:`Averager`)."""
+
+    sender_timeout: float = 10.0
+    """Seconds a reducer waits without hearing from a sender whose chunks it still lacks
+    before excluding it (restarted when a failed peer's part moves to this reducer)."""
+    reducer_timeout: float = 20.0
+    """Seconds a member waits without hearing from a reducer whose averaged part it still
+    lacks before excluding it. Longer than ``sender_timeout``: a reducer is legitimately
+    silent while it waits for the slowest sender (STYLE.md 6)."""
+    round_timeout: float = 60.0
+    """Hard bound on a round, from its start to its return: whatever is still missing
+    then is left at this peer's own value (the report says how much)."""
+    join_timeout: float = 5.0
+    """Seconds a link from another member waits for its round to start here (members
+    leave matchmaking a little apart)."""
+    chunk_elements: int = 1 << 15
+    """float32 elements per chunk (128 KiB): small enough that reduction overlaps the
+    transfer of the next chunk and that torch runs each chunk's operations on one thread
+    (its parallel grain is 32768 elements; thread pools of several peer processes on
+    one machine otherwise oversubscribe it), large enough that per-frame costs stay
+    small."""
+    codec: Codec = field(default_factory=NoneCodec)
+    """How chunks and averaged parts are encoded on the wire. Must be stateless (no error
+    feedback: a round sends each value once). Lossy codecs are fine: every member holds
+    what the others decoded, so results stay identical."""
+
+    def __post_init__(self) -> None:
+        for name in ("sender_timeout", "reducer_timeout", "round_timeout", "join_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise AllReduceError(f"{name} must be a positive number of seconds")
+        if self.reducer_timeout <= self.sender_timeout:
+            raise AllReduceError("reducer_timeout must be longer than sender_timeout")
+        if self.round_timeout <= self.reducer_timeout:
+            raise AllReduceError("round_timeout must be longer than reducer_timeout")
+        if not isinstance(self.chunk_elements, int) or self.chunk_elements <= 0:
+            raise AllReduceError("chunk_elements must be a positive int")
+        if not isinstance(self.codec, Codec):
+            raise AllReduceError("codec must be an averaging.compression.Codec")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStatistics:
+    """What one round moved, as seen by one peer."""
+
+    bytes_sent: int
+    """Payload bytes of every frame this peer wrote (chunks, averaged parts, notices)."""
+    bytes_received: int
+    """Payload bytes of every frame this peer read."""
+    seconds: float
+    """From the round's start to its return."""
+    agreed: bool
+    """Every live member confirmed the same result fingerprint and failure set. False
+    when the round ended at ``round_timeout``, this peer withdrew, or every other member
+    failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduceResult:
+    """The round's result and report (:class:`RoundResult`) plus transfer figures."""
+
+    result: RoundResult
+    transfer: TransferStatistics
+
+    @property
+    def received_bytes_per_second(self) -> float:
+        """This peer's download rate during the round: the bandwidth it announces for
+        the next round's partition."""
+        return self.transfer.bytes_received / max(self.transfer.seconds, 1e-9)

@@ -1,0 +1,121 @@
+"""Wire messages of a networked butterfly round (``/swarmtrain/averaging/allreduce/1.0.0``).
+
+A round runs over one stream per pair of members (:func:`link_opener` says which side
+opens it). The opener's first frame is a :class:`Hello` naming the round; after that
+both sides send any of the other messages, each frame a msgpack array ``[tag, body]``:
+
+- :class:`ChunkMessage` a sender's encoded chunk of a part the receiver reduces;
+- :class:`AveragedMessage` a reducer's encoded, averaged chunk, with its contributors;
+- :class:`NoticeMessage` members the sender excluded (the flood of butterfly rule 4);
+- :class:`DoneMessage` the sender holds every part: its result's fingerprint and its
+  failure set, for the end-of-round agreement.
+
+Decoded once here, at the edge (STYLE.md 8); the state machine validates the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from averaging.compression import EncodedTensor
+from peers.errors import IdentityError, RemoteProtocolError
+from peers.identity import PeerID
+from peers.wire import WireError, from_wire, to_wire
+
+ALLREDUCE_PROTOCOL = "/swarmtrain/averaging/allreduce/1.0.0"
+
+#: Members one message may name: a group is at most this large (matchmaking's bound).
+MAX_NAMED_MEMBERS = 1024
+
+
+@dataclass(frozen=True)
+class Hello:
+    round_id: bytes
+
+
+@dataclass(frozen=True)
+class ChunkMessage:
+    part_index: int
+    chunk_index: int
+    weight: float
+    tensor: EncodedTensor
+
+
+@dataclass(frozen=True)
+class AveragedMessage:
+    part_index: int
+    chunk_index: int
+    contributors: list[bytes]
+    tensor: EncodedTensor
+
+
+@dataclass(frozen=True)
+class NoticeMessage:
+    excluded: list[bytes]
+
+
+@dataclass(frozen=True)
+class DoneMessage:
+    fingerprint: bytes
+    failed: list[bytes]
+
+
+Message = ChunkMessage | AveragedMessage | NoticeMessage | DoneMessage
+
+_TAGS: dict[type[Any], int] = {
+    ChunkMessage: 1,
+    AveragedMessage: 2,
+    NoticeMessage: 3,
+    DoneMessage: 4,
+}
+_TYPES: dict[int, type[Any]] = {tag: cls for cls, tag in _TAGS.items()}
+
+
+def encode_message(message: Message) -> list[Any]:
+    """The frame for ``message``."""
+    return [_TAGS[type(message)], to_wire(message)]
+
+
+def decode_message(frame: object) -> Message:
+    """The message in a frame; raises :class:`WireError` for anything else."""
+    if not isinstance(frame, list) or len(frame) != 2 or frame[0] not in _TYPES:
+        raise WireError("an allreduce frame must be [tag, body] with a known tag")
+    message: Message = from_wire(_TYPES[frame[0]], frame[1])
+    return message
+
+
+def decode_hello(frame: object) -> Hello:
+    """The first frame of a link; raises :class:`WireError` if it is not a Hello."""
+    if not isinstance(frame, list) or len(frame) != 2 or frame[0] != 0:
+        raise WireError("a link must start with a Hello frame")
+    return from_wire(Hello, frame[1])
+
+
+def encode_hello(round_id: bytes) -> list[Any]:
+    return [0, to_wire(Hello(round_id))]
+
+
+def peer_ids(raw: list[bytes]) -> frozenset[PeerID]:
+    """Member ids from the wire; raises :class:`RemoteProtocolError` for too many or
+    malformed ones."""
+    if len(raw) > MAX_NAMED_MEMBERS:
+        raise RemoteProtocolError(f"a message names more than {MAX_NAMED_MEMBERS} members")
+    try:
+        return frozenset(PeerID(b) for b in raw)
+    except IdentityError as e:
+        raise RemoteProtocolError(f"malformed member id: {e}") from e
+
+
+def link_opener(a: PeerID, a_reachable: bool, b: PeerID, b_reachable: bool) -> PeerID | None:
+    """Which of two members opens the stream between them: a member that cannot accept
+    connections (client mode) dials one that can; between two that can, the smaller id
+    dials, so exactly one stream links them. ``None`` when neither can be dialed: two
+    client-mode members exchange nothing (neither reduces a part)."""
+    if a_reachable and b_reachable:
+        return min(a, b)
+    if a_reachable:
+        return b
+    if b_reachable:
+        return a
+    return None

@@ -1,0 +1,239 @@
+"""The Averager: named tensors averaged with peers on request (DESIGN.md, averaging).
+
+One object per run and peer. It owns the services a peer needs to average: matchmaking
+(groups through the DHT), butterfly rounds (:class:`AllReduceService`) and a state
+server (newcomers download its tensors). A step is: find a group under
+``{prefix}/{schema}/{round_key}``, average the flattened tensors with it, write the
+result back in place. ``schema`` hashes the tensors' names, shapes and dtypes and the
+wire settings, so only peers that can average together ever meet.
+
+The bandwidth a peer announces (its share of the reduction in the next round) is what
+it measured in its last rounds: bytes received per second, smoothed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from averaging.allreduce_config import AllReduceConfig, AllReduceResult
+from averaging.allreduce_service import AllReduceService
+from averaging.butterfly_records import RoundSpec
+from averaging.matchmaking import Matchmaker
+from averaging.matchmaking_records import Group, MatchmakingConfig
+from averaging.partition import flatten
+from averaging.robust import CenteredClipConfig
+from averaging.state_donor import StateServer
+from averaging.state_records import LoadedState, StateSyncConfig
+from averaging.state_sync import load_state_from_peers
+from peers.dht.node import DHT
+from peers.errors import LocalProtocolError
+
+#: Bandwidth (bytes/s) a peer announces before it has measured its own: a common
+#: broadband figure, so a newcomer takes an ordinary share of the first round.
+INITIAL_BANDWIDTH = 1e8
+#: Weight of the newest measurement in the smoothed bandwidth.
+BANDWIDTH_SMOOTHING = 0.5
+
+
+class AveragerError(LocalProtocolError):
+    """The Averager was used wrongly (our caller's fault): tensors it cannot average,
+    state that does not fit them, a step outside ``async with``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AveragerConfig:
+    """How an :class:`Averager` finds groups and averages with them."""
+
+    prefix: str
+    """Name of the run: peers average only with peers using the same prefix."""
+    matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
+    """Group sizes and matchmaking timeouts."""
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    """Round timeouts, chunk size and codec (part of the schema: peers must agree)."""
+    aggregation: CenteredClipConfig | None = None
+    """CenteredClip instead of the weighted mean (part of the schema)."""
+    state_sync: StateSyncConfig = field(default_factory=StateSyncConfig)
+    """How :meth:`Averager.load_state_from_peers` downloads."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix or "/" in self.prefix:
+            raise AveragerError("prefix must be a non-empty string without '/'")
+
+
+@dataclass(frozen=True, slots=True)
+class AveragingStep:
+    """What one :meth:`Averager.step` did."""
+
+    group: Group
+    outcome: AllReduceResult
+    matchmaking_seconds: float
+    allreduce_seconds: float
+
+    @property
+    def num_peers(self) -> int:
+        return len(self.group)
+
+
+class Averager:
+    """Averages ``tensors`` (name -> CPU tensor, kept by reference and updated in place)
+    with peers. Use ``async with Averager(dht, tensors, config)``."""
+
+    def __init__(
+        self, dht: DHT, tensors: Mapping[str, torch.Tensor], config: AveragerConfig
+    ) -> None:
+        if not tensors:
+            raise AveragerError("give at least one tensor")
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise AveragerError(f"{name!r} must be a floating-point torch.Tensor")
+            if tensor.device.type != "cpu":
+                raise AveragerError(f"{name!r} must be on the CPU")
+        self.dht = dht
+        self.peer = dht.peer
+        self.tensors = dict(tensors)
+        self.config = config
+        self.bandwidth = INITIAL_BANDWIDTH
+        self.schema = _schema(self.tensors, config)
+        self._stack: AsyncExitStack | None = None
+        self._matchmaker: Matchmaker | None = None
+        self._service: AllReduceService | None = None
+        self._state: StateServer | None = None
+
+    async def __aenter__(self) -> Averager:
+        async with AsyncExitStack() as stack:
+            self._matchmaker = await stack.enter_async_context(
+                Matchmaker(self.dht, self.config.matchmaking)
+            )
+            self._service = await stack.enter_async_context(
+                AllReduceService(self.peer, self.config.allreduce)
+            )
+            self._state = await stack.enter_async_context(
+                StateServer(self.peer, dht=self.dht, prefix=self._state_prefix)
+            )
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    @property
+    def _state_prefix(self) -> str:
+        return f"{self.config.prefix}.{self.schema[:16]}"
+
+    def key(self, round_key: str | int) -> str:
+        """The matchmaking key of round ``round_key`` for this run and schema."""
+        return f"{self.config.prefix}/{self.schema[:16]}/{round_key}"
+
+    async def step(
+        self, round_key: str | int, *, weight: float = 1.0, timeout: float | None = None
+    ) -> AveragingStep:
+        """Average the tensors with the peers stepping under the same ``round_key`` now
+        (e.g. the global step number), weighting ours by ``weight`` (e.g. its sample
+        count); the result is written into the tensors in place.
+
+        Do not modify the tensors until it returns. Raises
+        :class:`~averaging.matchmaking_records.MatchmakingError` if no group forms
+        within the matchmaking timeout (``timeout`` overrides it); the tensors are then
+        unchanged. A round that loses members still returns (see the report).
+        """
+        if self._matchmaker is None or self._service is None:
+            raise AveragerError("use the Averager inside `async with`")
+        started = time.monotonic()
+        group = await self._matchmaker.look_for_group(
+            self.key(round_key), bandwidth=self.bandwidth, timeout=timeout
+        )
+        matched = time.monotonic()
+        flat = flatten([t.detach() for t in self.tensors.values()]).to(torch.float32)
+        spec = RoundSpec(
+            round_id=group.round_id,
+            members=group.members,
+            weights=group.weights,
+            total_elements=flat.numel(),
+            chunk_elements=self.config.allreduce.chunk_elements,
+            me=self.peer.peer_id,
+            aggregation=self.config.aggregation,
+        )
+        outcome = await self._service.run_round(spec, flat, weight)
+        self._write_back(outcome.result.averaged)
+        self._measured(outcome)
+        return AveragingStep(group, outcome, matched - started, time.monotonic() - matched)
+
+    def _write_back(self, averaged: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for tensor in self.tensors.values():
+                n = tensor.numel()
+                tensor.copy_(averaged[offset : offset + n].view_as(tensor))
+                offset += n
+
+    def _measured(self, outcome: AllReduceResult) -> None:
+        rate = outcome.received_bytes_per_second
+        if outcome.transfer.bytes_received > 0 and math.isfinite(rate) and rate > 0:
+            self.bandwidth = (
+                BANDWIDTH_SMOOTHING * rate + (1 - BANDWIDTH_SMOOTHING) * self.bandwidth
+            )
+
+    # --- state for newcomers ----------------------------------------------------------
+
+    async def share_state(
+        self,
+        version: int,
+        metadata: Mapping[str, Any] | None = None,
+        extra: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Serve a copy of the tensors (plus ``extra``, e.g. optimizer state) as
+        ``version`` to newcomers, and announce it in the DHT."""
+        if self._state is None:
+            raise AveragerError("use the Averager inside `async with`")
+        tensors = {**{f"averaged/{k}": v for k, v in self.tensors.items()}}
+        tensors.update({f"extra/{k}": v for k, v in (extra or {}).items()})
+        await self._state.set_state(version, tensors, dict(metadata or {}))
+
+    async def load_state_from_peers(self, *, timeout: float | None = None) -> LoadedState:
+        """Download the newest state peers share (in parallel from several donors,
+        verified) and copy the averaged tensors into ours; the result also holds the
+        ``extra`` tensors and metadata. Raises
+        :class:`~averaging.state_manifest.StateSyncError` if none can be had, and
+        :class:`AveragerError` if it does not fit our tensors (ours are then unchanged).
+        """
+        loaded = await load_state_from_peers(
+            self.peer,
+            dht=self.dht,
+            prefix=self._state_prefix,
+            timeout=timeout,
+            config=self.config.state_sync,
+        )
+        for name, tensor in self.tensors.items():
+            got = loaded.tensors.get(f"averaged/{name}")
+            if got is None or got.shape != tensor.shape or got.dtype != tensor.dtype:
+                raise AveragerError(f"downloaded state does not match tensor {name!r}")
+        with torch.no_grad():
+            for name, tensor in self.tensors.items():
+                tensor.copy_(loaded.tensors[f"averaged/{name}"])
+        return loaded
+
+
+def _schema(tensors: Mapping[str, torch.Tensor], config: AveragerConfig) -> str:
+    digest = hashlib.sha256(b"swarmtrain-averager-v1\0")
+    for name, tensor in tensors.items():
+        digest.update(f"{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
+    allreduce = config.allreduce
+    digest.update(f"{allreduce.chunk_elements}\0{allreduce.codec.name}\0".encode())
+    digest.update(repr(config.aggregation).encode())
+    return digest.hexdigest()

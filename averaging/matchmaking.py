@@ -1,0 +1,438 @@
+"""Matchmaking through the DHT: peers that want to average under the same key form
+groups, with no coordinator.
+
+:class:`Matchmaker` is the asyncio edge around the pure
+:class:`~averaging.matchmaking_search.GroupSearch` (the protocol is described there and
+in docs/averaging-matchmaking.md): it stores the declaration, reads the key, makes and
+serves the join calls, and enforces the deadline. Use it as ``async with
+Matchmaker(dht, config) as matchmaker`` and call :meth:`Matchmaker.look_for_group`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from averaging.matchmaking_records import (
+    DHT_KEY_PREFIX,
+    JOIN_PROTOCOL,
+    MAX_BANDWIDTH,
+    MAX_GROUP_KEY_BYTES,
+    MAX_JOIN_REQUEST_BYTES,
+    MAX_JOIN_RESPONSE_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_PENDING_JOINS,
+    Candidate,
+    Declaration,
+    Group,
+    JoinRequest,
+    JoinResponse,
+    JoinStatus,
+    MatchmakingConfig,
+    MatchmakingError,
+    MemberInfo,
+    candidate_from_wire,
+    check_addrs,
+    check_member_fields,
+    group_from_wire,
+    group_to_wire,
+    member_to_wire,
+    peer_id_from_wire,
+)
+from averaging.matchmaking_search import (
+    Failed,
+    Formed,
+    GroupSearch,
+    Join,
+    JoinAnswer,
+    Placed,
+    Poll,
+    Redirect,
+    Refused,
+    Rejected,
+)
+from peers.addresses import parse_multiaddr, split_peer_id
+from peers.dht.node import DHT, ValueWithExpiration, dht_time
+from peers.dht.protocol import MAX_CONTACT_ADDRS
+from peers.dht.records import RecordError, owner_marker, owner_of
+from peers.errors import PeersError
+from peers.identity import PeerID
+from peers.rpc import CallContext
+from peers.wire import WireError, from_wire, to_wire
+
+logger = logging.getLogger(__name__)
+
+#: Keys whose finished groups we remember, so that a late joiner learns who is already
+#: placed (and stops trying them) instead of only "not searching". A peer runs one or a
+#: few searches at a time; 256 covers minutes of gossip rounds.
+MAX_RECENT_KEYS = 256
+#: Longest refusal or rejection text kept from a remote.
+MAX_REASON_CHARS = 1024
+#: Shortest time a DHT read is given, even close to a deadline (a read cut shorter
+#: than this cannot finish, and the deadline is enforced around it anyway).
+MIN_OPERATION_SECONDS = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class MatchmakingStatistics:
+    num_searches: int
+    num_groups_formed: int
+    num_failures: int
+    num_joins_served: int
+    num_joins_held: int
+    """Joins held right now, over every search in progress."""
+
+
+@dataclass
+class _Active:
+    search: GroupSearch
+    waiters: dict[PeerID, asyncio.Future[JoinAnswer]] = field(default_factory=dict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Counters:
+    searches: int = 0
+    formed: int = 0
+    failures: int = 0
+    joins_served: int = 0
+
+
+def dht_key(key: str) -> bytes:
+    return (DHT_KEY_PREFIX + key).encode()
+
+
+def check_key(key: str) -> None:
+    """Raises ValueError for a key that cannot be searched under (our caller's fault)."""
+    if not isinstance(key, str) or not key:
+        raise ValueError("a matchmaking key is a non-empty str")
+    if len(key.encode()) > MAX_GROUP_KEY_BYTES:
+        raise ValueError(f"a matchmaking key has at most {MAX_GROUP_KEY_BYTES} bytes")
+    if "[owner:" in key:
+        raise ValueError("a matchmaking key cannot name an owner")
+
+
+def parse_declarations(
+    key: str, found: ValueWithExpiration | dict[bytes, ValueWithExpiration] | None
+) -> list[Candidate]:
+    """Declarations under ``key`` as candidates. Only subkeys that are exactly an owner
+    marker count (the DHT checked the owner's signature, so nobody can declare for
+    someone else); values that do not parse are skipped (their owner's fault)."""
+    if not isinstance(found, dict):
+        return []
+    raw_key = dht_key(key)
+    out = []
+    for subkey, entry in found.items():
+        try:
+            owner = owner_of(raw_key, subkey)
+            if owner is None or subkey != owner_marker(owner):
+                continue
+            declaration = from_wire(Declaration, entry.value)
+            addrs = check_addrs(declaration.addrs)
+        except (RecordError, WireError) as e:
+            logger.debug("skipping a declaration under %r: %s", key, e)
+            continue
+        out.append(Candidate(owner, addrs, declaration.client_mode))
+    return out
+
+
+def answer_to_wire(answer: JoinAnswer) -> JoinResponse:
+    if isinstance(answer, Placed):
+        return group_to_wire(answer.group)
+    if isinstance(answer, Redirect):
+        to = answer.to
+        return JoinResponse(
+            JoinStatus.REDIRECT.value,
+            members=[member_to_wire(MemberInfo(to.peer_id, to.addrs, to.client_mode, 0.0, b""))],
+        )
+    if isinstance(answer, Refused):
+        return JoinResponse(
+            JoinStatus.REFUSED.value,
+            reason=answer.reason,
+            finished=[p.to_bytes() for p in answer.finished],
+        )
+    return JoinResponse(JoinStatus.REJECTED.value, reason=answer.reason)
+
+
+def answer_from_wire(key: str, response: JoinResponse) -> JoinAnswer:
+    """Decode a leader's answer; raises :class:`WireError` if it is malformed."""
+    try:
+        status = JoinStatus(response.status)
+    except ValueError as e:
+        raise WireError(f"unknown join status {response.status[:64]!r}") from e
+    reason = response.reason[:MAX_REASON_CHARS]
+    if status is JoinStatus.PLACED:
+        return Placed(group_from_wire(key, response))
+    if status is JoinStatus.REDIRECT:
+        if len(response.members) != 1:
+            raise WireError("a redirect names exactly one peer")
+        return Redirect(candidate_from_wire(response.members[0]))
+    if status is JoinStatus.REFUSED:
+        if len(response.finished) > MAX_PENDING_JOINS + 1:
+            raise WireError("a refusal lists more peers than a leader can place")
+        return Refused(reason, tuple(peer_id_from_wire(p) for p in response.finished))
+    return Rejected(reason)
+
+
+class Matchmaker:
+    """Forms averaging groups through ``dht``. Use ``async with Matchmaker(dht)``.
+
+    Entering registers the join handler on the DHT's peer; leaving removes it and
+    refuses the joins still held. Searches run in their callers' tasks.
+    """
+
+    def __init__(self, dht: DHT, config: MatchmakingConfig | None = None) -> None:
+        self.dht = dht
+        self.peer = dht.peer
+        self.config = config or MatchmakingConfig()
+        self._searches: dict[str, _Active] = {}
+        self._recent: OrderedDict[str, tuple[PeerID, ...]] = OrderedDict()
+        self._counters = _Counters()
+        self._open = False
+
+    async def __aenter__(self) -> Matchmaker:
+        self.peer.add_unary_handler(
+            JOIN_PROTOCOL, self.rpc_join, JoinRequest, max_frame_bytes=MAX_JOIN_REQUEST_BYTES
+        )
+        self._open = True
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._open = False
+        self.peer.remove_stream_handler(JOIN_PROTOCOL)
+        for active in self._searches.values():
+            self._release(active, "the matchmaker is closing")
+
+    def _my_addrs(self) -> tuple[str, ...]:
+        if self.dht.client_mode:
+            return ()
+        addrs = [str(split_peer_id(a)[0]) for a in self.peer.listen_addrs]
+        return tuple(addrs[:MAX_CONTACT_ADDRS])
+
+    # --- searching ----------------------------------------------------------------
+
+    async def look_for_group(
+        self,
+        key: str,
+        *,
+        bandwidth: float = 1.0,
+        metadata: bytes = b"",
+        timeout: float | None = None,
+    ) -> Group:
+        """Find a group among the peers searching under ``key`` now.
+
+        ``bandwidth`` is this peer's relative weight (its share of a butterfly round's
+        reduction); ``metadata`` travels to every member as ``Group.metadata[i]``.
+        Returns within ``timeout`` seconds (default ``config.search_timeout``), or raises
+        :class:`MatchmakingError` saying why no group was formed (too few peers, left
+        over, a leader that vanished). Raises ValueError for a bad argument or a search
+        under ``key`` already running here. Cancelling the call stops the search and
+        answers the joins it held with a refusal.
+        """
+        if not self._open:
+            raise ValueError("use the Matchmaker inside `async with`")
+        check_key(key)
+        if not isinstance(metadata, bytes) or len(metadata) > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata must be bytes, at most {MAX_METADATA_BYTES}")
+        if not isinstance(bandwidth, int | float) or not 0 <= bandwidth <= MAX_BANDWIDTH:
+            raise ValueError(f"bandwidth must be a number in [0, {MAX_BANDWIDTH}]")
+        timeout = self.config.search_timeout if timeout is None else timeout
+        if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError("timeout must be a positive number of seconds")
+        if key in self._searches:
+            raise ValueError(f"already looking for a group under key {key!r}")
+        loop = asyncio.get_running_loop()
+        client_mode = self.dht.client_mode
+        me = MemberInfo(
+            self.peer.peer_id, self._my_addrs(), client_mode, float(bandwidth), metadata
+        )
+        search = GroupSearch(key=key, me=me, config=self.config, now=loop.time(), timeout=timeout)
+        active = _Active(search)
+        self._searches[key] = active
+        self._counters.searches += 1
+        try:
+            try:
+                async with asyncio.timeout_at(search.deadline):
+                    await self._declare(search)
+                    group = await self._drive(active)
+            except TimeoutError:  # the deadline struck inside a DHT operation or a call
+                action = search.next_action(max(loop.time(), search.deadline))
+                if not isinstance(action, Formed):
+                    assert isinstance(action, Failed)
+                    raise MatchmakingError(f"no group under key {key!r}: {action.reason}") from None
+                group = action.group
+        except MatchmakingError:
+            self._counters.failures += 1
+            raise
+        finally:
+            del self._searches[key]
+            self._release(active, "stopped searching")
+            if search.placed:
+                self._recent[key] = search.placed
+                while len(self._recent) > MAX_RECENT_KEYS:
+                    self._recent.popitem(last=False)
+        self._counters.formed += 1
+        for i, member in enumerate(group.members):
+            if member != self.peer.peer_id:
+                self._remember_addrs(member, group.addrs[i])
+        return group
+
+    async def _declare(self, search: GroupSearch) -> None:
+        """Store our declaration until the search's deadline. A failed store is not
+        fatal: we can still see and join others, who then learn of us by our join."""
+        loop = asyncio.get_running_loop()
+        me = search.me
+        value = to_wire(Declaration(list(me.addrs), me.client_mode))
+        expiration = dht_time() + (search.deadline - loop.time())
+        try:
+            async with asyncio.timeout(self.config.request_timeout):
+                stored = await self.dht.store(
+                    dht_key(search.key), value, expiration, subkey=owner_marker(me.peer_id)
+                )
+            if not stored:
+                logger.info("no DHT replica accepted our declaration under %r", search.key)
+        except (PeersError, TimeoutError) as e:
+            logger.info("declaring under %r failed: %r", search.key, e)
+
+    async def _drive(self, active: _Active) -> Group:
+        search = active.search
+        loop = asyncio.get_running_loop()
+        while True:
+            active.wake.clear()  # before deciding: a join arriving after it wakes us
+            action = search.next_action(loop.time())
+            self._deliver(active)
+            if isinstance(action, Formed):
+                return action.group
+            if isinstance(action, Failed):
+                raise MatchmakingError(f"no group under key {search.key!r}: {action.reason}")
+            if isinstance(action, Poll):
+                await self._poll(search, action.until)
+            elif isinstance(action, Join):
+                await self._join(search, action.leader)
+            else:
+                delay = action.until - loop.time()
+                if delay > 0:
+                    try:
+                        async with asyncio.timeout(delay):
+                            await active.wake.wait()
+                    except TimeoutError:
+                        pass
+            self._deliver(active)
+
+    async def _poll(self, search: GroupSearch, until: float) -> None:
+        loop = asyncio.get_running_loop()
+        budget = max(MIN_OPERATION_SECONDS, min(self.config.request_timeout, until - loop.time()))
+        try:
+            async with asyncio.timeout(budget):
+                found = await self.dht.get(dht_key(search.key), latest=True)
+        except (PeersError, TimeoutError) as e:
+            search.on_poll_failed(loop.time(), repr(e))
+            return
+        search.on_declarations(parse_declarations(search.key, found), loop.time())
+
+    async def _join(self, search: GroupSearch, leader: Candidate) -> None:
+        loop = asyncio.get_running_loop()
+        self._remember_addrs(leader.peer_id, leader.addrs)
+        me = search.me
+        request = JoinRequest(search.key, list(me.addrs), me.client_mode, me.bandwidth, me.metadata)
+        try:
+            response = await self.peer.call_unary(
+                leader.peer_id,
+                JOIN_PROTOCOL,
+                request,
+                JoinResponse,
+                timeout=max(MIN_OPERATION_SECONDS, search.deadline - loop.time()),
+                max_frame_bytes=MAX_JOIN_RESPONSE_BYTES,
+            )
+            answer = answer_from_wire(search.key, response)
+        except (PeersError, TimeoutError) as e:
+            search.on_join_result(leader.peer_id, None, loop.time(), str(e) or type(e).__name__)
+            return
+        search.on_join_result(leader.peer_id, answer, loop.time())
+
+    def _deliver(self, active: _Active) -> None:
+        for peer_id, answer in active.search.take_answers():
+            waiter = active.waiters.pop(peer_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(answer)
+
+    def _release(self, active: _Active, reason: str) -> None:
+        """Answer every join still held by a search that is ending."""
+        self._deliver(active)
+        for waiter in active.waiters.values():
+            if not waiter.done():
+                waiter.set_result(Refused(f"{reason} under key {active.search.key!r}"))
+        active.waiters.clear()
+
+    def _remember_addrs(self, peer_id: PeerID, addrs: tuple[str, ...]) -> None:
+        """Tell the peer's address book where ``peer_id`` is; one bad address costs
+        only itself."""
+        good = []
+        for addr in addrs:
+            try:
+                good.append(split_peer_id(parse_multiaddr(addr))[0])
+            except PeersError:
+                continue
+        if good:
+            self.peer.add_addresses(peer_id, good)
+
+    # --- serving ------------------------------------------------------------------
+
+    async def rpc_join(self, request: JoinRequest, context: CallContext) -> JoinResponse:
+        """A peer asks to join our group under ``request.key``: answered at once (a
+        redirect or a refusal), or held until we form the groups. Raises
+        :class:`WireError` (the caller's fault) for a malformed request."""
+        self._counters.joins_served += 1
+        if len(request.key.encode()) > MAX_GROUP_KEY_BYTES:
+            raise WireError(f"a matchmaking key has at most {MAX_GROUP_KEY_BYTES} bytes")
+        addrs = check_member_fields(
+            request.addrs, request.client_mode, request.bandwidth, request.metadata
+        )
+        peer_id = context.remote_peer_id
+        member = MemberInfo(
+            peer_id, addrs, request.client_mode, request.bandwidth, request.metadata
+        )
+        active = self._searches.get(request.key)
+        if active is None:
+            placed = self._recent.get(request.key)
+            if placed is not None:
+                reason = f"already formed groups under key {request.key!r}"
+                return answer_to_wire(Refused(reason, placed))
+            return answer_to_wire(Refused(f"not looking for a group under key {request.key!r}"))
+        loop = asyncio.get_running_loop()
+        answer = active.search.on_join(member, loop.time(), context.timeout)
+        if answer is None:
+            previous = active.waiters.pop(peer_id, None)
+            if previous is not None and not previous.done():
+                previous.set_result(Refused("superseded by a newer join from the same peer"))
+            waiter: asyncio.Future[JoinAnswer] = loop.create_future()
+            active.waiters[peer_id] = waiter
+            active.wake.set()
+            try:
+                answer = await waiter
+            finally:
+                if not waiter.done():  # the caller hung up, or the deadline struck
+                    waiter.cancel()
+                    if active.waiters.get(peer_id) is waiter:
+                        del active.waiters[peer_id]
+                        active.search.on_join_abandoned(peer_id, loop.time())
+                        active.wake.set()
+        return answer_to_wire(answer)
+
+    def statistics(self) -> MatchmakingStatistics:
+        return MatchmakingStatistics(
+            num_searches=self._counters.searches,
+            num_groups_formed=self._counters.formed,
+            num_failures=self._counters.failures,
+            num_joins_served=self._counters.joins_served,
+            num_joins_held=sum(a.search.num_held for a in self._searches.values()),
+        )

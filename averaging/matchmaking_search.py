@@ -1,0 +1,504 @@
+"""One search for a group under one key, as a pure state machine (STYLE.md 1).
+
+Events in (what a DHT read showed, a join that arrived or was abandoned, the answer to
+our own join), actions out (read the DHT, join this leader, sleep until, formed, failed)
+and answers to the joins we hold. No sockets, no clock: every call takes ``now``.
+
+The protocol (docs/averaging-matchmaking.md):
+
+1. Declare under the key (the driver stores it), then *gather*: read the key every
+   poll interval until ``target_group_size`` peers are visible or the gather window ends.
+2. The *leader* is the visible peer of smallest :func:`rank` among those that accept
+   connections. Everyone else joins it with one call, which the leader holds until it
+   forms the groups; a callee that knows a better-ranked leader answers with a redirect,
+   so views that differ still converge on one leader (redirects always point to a
+   strictly better rank: no cycles).
+3. A leader keeps reading the key. If a better-ranked peer appears it hands over: its
+   held joins are redirected there and it joins too. A leader that cannot be reached
+   (or refuses) is dropped and the next best is tried; that may be ourselves.
+4. After the gather window, once every visible peer has joined (or at the deadline: the
+   earliest a held joiner can wait for), the leader splits the joiners into balanced
+   groups (:func:`plan_groups`) and answers every join.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from averaging.matchmaking_records import (
+    MAX_PENDING_JOINS,
+    ROUND_ID_BYTES,
+    Candidate,
+    Group,
+    MatchmakingConfig,
+    MemberInfo,
+    rank,
+)
+from peers.identity import PeerID
+
+#: A leader answers a join this long before the joiner's own deadline, so the answer
+#: arrives in time over a slow link ...
+REPLY_MARGIN_SECONDS = 1.0
+#: ... but never more than this share of the joiner's remaining time (short searches).
+REPLY_MARGIN_FRACTION = 0.1
+#: Peers a search remembers (declarations, joiners, redirect targets). One key holds at
+#: most 1024 declarations; the rest is slack for joiners and redirects.
+MAX_VIEW = 4 * MAX_PENDING_JOINS
+
+
+class Role(enum.Enum):
+    GATHERING = "gathering"
+    LEADING = "leading"
+    FOLLOWING = "following"
+    DONE = "done"
+
+
+# --- answers to a join (the leader's side) -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    group: Group
+
+
+@dataclass(frozen=True, slots=True)
+class Redirect:
+    to: Candidate
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Not collecting joins under this key: the joiner should try another leader."""
+
+    reason: str
+    finished: tuple[PeerID, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The groups were formed without the joiner: it should give up."""
+
+    reason: str
+
+
+JoinAnswer = Placed | Redirect | Refused | Rejected
+
+
+# --- what the driver should do next ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Poll:
+    """Read the DHT key, then call :meth:`GroupSearch.on_declarations`; the read should
+    end by ``until``."""
+
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Call ``leader``'s join, then :meth:`GroupSearch.on_join_result`."""
+
+    leader: Candidate
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Nothing to do before ``until``, unless a join arrives."""
+
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
+class Formed:
+    group: Group
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    reason: str
+
+
+Action = Poll | Join | Sleep | Formed | Failed
+
+
+# --- pure decisions --------------------------------------------------------------------
+
+
+def choose_leader(key: str, candidates: Iterable[Candidate]) -> Candidate | None:
+    """The candidate of smallest rank among those that can lead, or None."""
+    return min(
+        (c for c in candidates if c.can_lead), key=lambda c: rank(key, c.peer_id), default=None
+    )
+
+
+def balanced_sizes(num_members: int, num_groups: int) -> list[int]:
+    """``num_members`` split into ``num_groups`` sizes differing by at most one."""
+    base, extra = divmod(num_members, num_groups)
+    return [base + 1 if i < extra else base for i in range(num_groups)]
+
+
+def plan_groups(
+    members: Sequence[MemberInfo], target_group_size: int, min_group_size: int
+) -> tuple[list[list[MemberInfo]], list[MemberInfo]]:
+    """Split ``members`` (in priority order: the leader first, then joins by arrival)
+    into balanced groups of at most ``target_group_size`` and at least
+    ``min_group_size``, each holding a member that accepts connections (a group of
+    client-mode peers could not average). Returns the groups and the members left over
+    (the last arrivals), placing as many members as these rules allow.
+
+    With g groups, ``g <= n // min`` makes every balanced size at least ``min``, and
+    ``ceil(n / target)`` is the fewest groups whose sizes stay within ``target``.
+    """
+    n = len(members)
+    hosts = [m for m in members if not m.client_mode]
+    num_groups = min(math.ceil(n / target_group_size), n // min_group_size, len(hosts))
+    if num_groups == 0:
+        return [], list(members)
+    num_placed = min(n, num_groups * target_group_size)
+    seeds = hosts[:num_groups]
+    seeded = {m.peer_id for m in seeds}
+    rest = [m for m in members if m.peer_id not in seeded]
+    groups: list[list[MemberInfo]] = []
+    taken = 0
+    for seed, size in zip(seeds, balanced_sizes(num_placed, num_groups), strict=True):
+        groups.append([seed, *rest[taken : taken + size - 1]])
+        taken += size - 1
+    return groups, rest[taken:]
+
+
+def group_order(round_id: bytes, members: Iterable[MemberInfo]) -> list[MemberInfo]:
+    """The order members take in a group (and so the butterfly parts they reduce): a
+    per-round shuffle, so that no peer always reduces the first part."""
+    return sorted(members, key=lambda m: hashlib.sha256(round_id + m.peer_id.to_bytes()).digest())
+
+
+def reply_margin(timeout: float) -> float:
+    return min(REPLY_MARGIN_SECONDS, REPLY_MARGIN_FRACTION * timeout)
+
+
+@dataclass(slots=True)
+class _Held:
+    member: MemberInfo
+    reply_by: float
+
+
+class GroupSearch:
+    """One peer's search under one key (see the module docstring for the protocol).
+
+    ``now`` is any monotonic clock in seconds, the same for every call; ``timeout`` is
+    how long the search may take from ``now``.
+    """
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        me: MemberInfo,
+        config: MatchmakingConfig,
+        now: float,
+        timeout: float,
+        new_round_id: Callable[[], bytes] = lambda: os.urandom(ROUND_ID_BYTES),
+    ) -> None:
+        self.key = key
+        self.me = me
+        self.config = config
+        self.timeout = timeout
+        self.deadline = now + timeout
+        self.gather_deadline = now + min(config.gather_timeout, timeout / 2)
+        self._own_reply_by = self.deadline - reply_margin(timeout)
+        self._new_round_id = new_round_id
+        self.role = Role.GATHERING
+        self._view: dict[PeerID, Candidate] = {}
+        self._ranks: dict[PeerID, bytes] = {}
+        self._unavailable: set[PeerID] = set()
+        self._held: dict[PeerID, _Held] = {}
+        self._answers: list[tuple[PeerID, JoinAnswer]] = []
+        self._leader: Candidate | None = None
+        self._retry_at = 0.0
+        self._next_poll = now
+        self._outcome: Formed | Failed | None = None
+        self._last_problem = ""
+        self.placed: tuple[PeerID, ...] = ()
+        """Every peer placed in a group by this search (as leader: all groups)."""
+
+    # --- what the driver asks -------------------------------------------------------
+
+    @property
+    def leader(self) -> Candidate | None:
+        return self._leader
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def take_answers(self) -> list[tuple[PeerID, JoinAnswer]]:
+        """Answers for held joins that the latest events decided (each given once)."""
+        answers, self._answers = self._answers, []
+        return answers
+
+    def next_action(self, now: float) -> Action:
+        if self._outcome is not None:
+            return self._outcome
+        if self.role is Role.LEADING and self._should_form(now):
+            return self._form()
+        if now >= self.deadline:
+            return self._fail(self._deadline_reason())
+        if self.role is Role.GATHERING and (
+            now >= self.gather_deadline or self._num_visible() >= self.config.target_group_size
+        ):
+            self._choose(now)
+        if self.role is Role.LEADING and self._should_form(now):
+            return self._form()
+        if self.role is Role.FOLLOWING:
+            assert self._leader is not None
+            if now < self._retry_at:
+                return Sleep(min(self._retry_at, self.deadline))
+            return Join(self._leader)
+        until = self.deadline
+        if self.role is Role.LEADING:
+            until = min(until, self._reply_by())
+        if now >= self._next_poll:
+            return Poll(until)
+        wake = min(until, self._next_poll)
+        if self.gather_deadline > now:  # gathering ends, or a leader may form, then
+            wake = min(wake, self.gather_deadline)
+        return Sleep(wake)
+
+    # --- events -------------------------------------------------------------------
+
+    def on_declarations(self, candidates: Iterable[Candidate], now: float) -> None:
+        """What a read of the DHT key showed (declarations that failed to parse are the
+        driver's to drop). A leader that now sees a better-ranked one hands over."""
+        for candidate in candidates:
+            self._see(candidate)
+        self._next_poll = now + self.config.poll_interval_seconds
+        if self.role is Role.LEADING:
+            best = self._best()
+            if best is not None and best.peer_id != self.me.peer_id:
+                self._follow(best, now)
+
+    def on_poll_failed(self, now: float, problem: str) -> None:
+        self._last_problem = f"reading the DHT failed: {problem}"
+        self._next_poll = now + self.config.poll_interval_seconds
+
+    def on_join(
+        self, member: MemberInfo, now: float, caller_timeout: float | None
+    ) -> JoinAnswer | None:
+        """A peer asks to join us. Returns the answer now, or None: the join is held
+        until :meth:`take_answers` yields its answer (or it is abandoned)."""
+        if self.role is Role.DONE:
+            return Refused(f"already stopped searching under key {self.key!r}", self.placed)
+        if member.peer_id == self.me.peer_id:
+            return Refused("a peer cannot join itself")
+        self._see(member.candidate())
+        self._unavailable.discard(member.peer_id)
+        if self.role is Role.FOLLOWING:
+            assert self._leader is not None
+            return Redirect(self._leader)
+        # The joiner chose to follow, so it is no leader candidate (were it one, it
+        # would be sent to itself).
+        best = self._best(excluding=member.peer_id)
+        if best is None:
+            return Refused("this peer cannot lead: it accepts no connections")
+        if best.peer_id != self.me.peer_id:
+            return Redirect(best)
+        if member.peer_id not in self._held and len(self._held) >= MAX_PENDING_JOINS:
+            return Refused(f"already holding {MAX_PENDING_JOINS} joins under key {self.key!r}")
+        if caller_timeout is None:
+            reply_by = self._own_reply_by
+        else:
+            reply_by = now + caller_timeout - reply_margin(caller_timeout)
+            # A joiner cannot make us decide before the gather window ends (one with a
+            # tiny timeout would otherwise cut every round short); it leaves instead.
+            reply_by = min(max(reply_by, self.gather_deadline), self._own_reply_by)
+        self._held[member.peer_id] = _Held(member, reply_by)
+        return None
+
+    def on_join_abandoned(self, peer_id: PeerID, now: float) -> None:
+        """A held joiner hung up (gave up, died, or joined again elsewhere)."""
+        if self._held.pop(peer_id, None) is not None:
+            self._unavailable.add(peer_id)
+
+    def on_join_result(
+        self, leader: PeerID, answer: JoinAnswer | None, now: float, problem: str = ""
+    ) -> None:
+        """Our join to ``leader`` ended: with ``answer``, or None if the call failed
+        (unreachable, timed out, a malformed reply; ``problem`` says which)."""
+        if self.role is not Role.FOLLOWING or self._leader is None:
+            return
+        if leader != self._leader.peer_id:
+            return
+        if answer is None:
+            self._drop(leader, f"leader {leader} failed: {problem}", now)
+        elif isinstance(answer, Placed):
+            self._accept(answer.group)
+        elif isinstance(answer, Rejected):
+            self._fail(f"leader {leader} formed the groups without us: {answer.reason}")
+        elif isinstance(answer, Refused):
+            for peer_id in answer.finished[:MAX_VIEW]:
+                if peer_id != self.me.peer_id:
+                    self._unavailable.add(peer_id)
+            self._drop(leader, f"leader {leader} refused: {answer.reason}", now)
+        else:
+            self._redirected(leader, answer.to, now)
+
+    # --- internals ----------------------------------------------------------------
+
+    def _rank(self, peer_id: PeerID) -> bytes:
+        found = self._ranks.get(peer_id)
+        if found is None:
+            found = self._ranks[peer_id] = rank(self.key, peer_id)
+        return found
+
+    def _see(self, candidate: Candidate) -> None:
+        if candidate.peer_id == self.me.peer_id:
+            return
+        if candidate.peer_id in self._view or len(self._view) < MAX_VIEW:
+            self._view[candidate.peer_id] = candidate
+
+    def _best(self, excluding: PeerID | None = None) -> Candidate | None:
+        # A peer whose join we hold chose to follow us: never a leader candidate here.
+        live = [
+            c
+            for c in self._view.values()
+            if c.peer_id not in self._unavailable
+            and c.peer_id not in self._held
+            and c.peer_id != excluding
+        ]
+        if self.me.candidate().can_lead:
+            live.append(self.me.candidate())
+        return min(
+            (c for c in live if c.can_lead), key=lambda c: self._rank(c.peer_id), default=None
+        )
+
+    def _num_visible(self) -> int:
+        return 1 + sum(1 for p in self._view if p not in self._unavailable)
+
+    def _choose(self, now: float) -> None:
+        best = self._best()
+        if best is None:
+            self.role = Role.GATHERING  # a client-mode peer that sees no leader: keep reading
+            self._leader = None
+        elif best.peer_id == self.me.peer_id:
+            self.role = Role.LEADING
+            self._leader = None
+        else:
+            self._follow(best, now)
+
+    def _follow(self, leader: Candidate, now: float) -> None:
+        self.role = Role.FOLLOWING
+        self._leader = leader
+        self._retry_at = now
+        for peer_id in self._held:
+            self._answers.append((peer_id, Redirect(leader)))
+        self._held.clear()
+
+    def _drop(self, leader: PeerID, problem: str, now: float) -> None:
+        self._unavailable.add(leader)
+        self._last_problem = problem
+        if now >= self.deadline:  # too late to lead or follow anyone else
+            self._fail(self._deadline_reason())
+        else:
+            self._choose(now)
+
+    def _redirected(self, leader: PeerID, to: Candidate, now: float) -> None:
+        if (
+            to.peer_id == self.me.peer_id
+            or not to.can_lead
+            or self._rank(to.peer_id) >= self._rank(leader)
+        ):
+            # Redirects point to a strictly better rank, which rules out cycles.
+            self._drop(leader, f"leader {leader} sent an invalid redirect to {to.peer_id}", now)
+        elif to.peer_id in self._unavailable:
+            # The leader follows a peer we know is gone; it will notice soon: ask again.
+            self._retry_at = now + self.config.poll_interval_seconds
+        else:
+            self._see(to)
+            self._choose(now)
+
+    def _reply_by(self) -> float:
+        return min([self._own_reply_by, *(h.reply_by for h in self._held.values())])
+
+    def _should_form(self, now: float) -> bool:
+        if now >= self._reply_by():
+            return True
+        if now < self.gather_deadline or 1 + len(self._held) < self.config.min_group_size:
+            return False
+        return all(p in self._held or p in self._unavailable for p in self._view)
+
+    def _form(self) -> Formed | Failed:
+        members = [self.me, *(h.member for h in self._held.values())]
+        self._held.clear()
+        groups, left_over = plan_groups(
+            members, self.config.target_group_size, self.config.min_group_size
+        )
+        if not groups:
+            reason = (
+                f"only {len(members)} peer(s) joined by the deadline "
+                f"(min_group_size {self.config.min_group_size})"
+            )
+            for member in members[1:]:
+                self._answers.append((member.peer_id, Rejected(reason)))
+            return self._fail(reason)
+        mine: Group | None = None
+        for chosen in groups:
+            round_id = self._new_round_id()
+            group = Group.of(self.key, round_id, group_order(round_id, chosen))
+            for member in chosen:
+                if member.peer_id == self.me.peer_id:
+                    mine = group
+                else:
+                    self._answers.append((member.peer_id, Placed(group)))
+        reason = (
+            f"{len(members)} peers joined: {len(left_over)} left over after forming "
+            f"{len(groups)} group(s) of {self.config.min_group_size} to "
+            f"{self.config.target_group_size}"
+        )
+        for member in left_over:
+            self._answers.append((member.peer_id, Rejected(reason)))
+        self.placed = tuple(m.peer_id for chosen in groups for m in chosen)
+        assert mine is not None  # the leader seeds the first group
+        self.role = Role.DONE
+        self._outcome = Formed(mine)
+        return self._outcome
+
+    def _accept(self, group: Group) -> None:
+        if group.key != self.key or group.members.count(self.me.peer_id) != 1:
+            self._fail("the leader sent a group that does not hold us exactly once")
+        elif len(group) < self.config.min_group_size:
+            self._fail(
+                f"the leader formed a group of {len(group)}, below our min_group_size "
+                f"{self.config.min_group_size}"
+            )
+        else:
+            self.placed = group.members
+            self.role = Role.DONE
+            self._outcome = Formed(group)
+
+    def _fail(self, reason: str) -> Failed:
+        for peer_id in self._held:
+            self._answers.append(
+                (peer_id, Refused(f"stopped searching under key {self.key!r}: {reason}"))
+            )
+        self._held.clear()
+        self.role = Role.DONE
+        self._outcome = Failed(reason)
+        return self._outcome
+
+    def _deadline_reason(self) -> str:
+        if self.role is Role.FOLLOWING and self._leader is not None:
+            state = f"leader {self._leader.peer_id} had not answered"
+        elif self._best() is None:
+            state = "no peer that accepts connections was searching"
+        else:
+            state = f"{self._num_visible()} peer(s) visible"
+        reason = f"timed out after {self.timeout:.1f} s; {state}"
+        if self._last_problem:
+            reason += f" (last problem: {self._last_problem})"
+        return reason

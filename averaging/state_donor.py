@@ -1,0 +1,279 @@
+"""The donor side of state sync: serve frozen snapshots of a state and announce them.
+
+``StateServer`` serves, on a :class:`peers.Peer`, the manifest (unary) and the chunks
+(streaming) of the last ``num_versions_kept`` versions given to :meth:`set_state`. A
+version's snapshot is copied and hashed once, when it is set, and never changes after:
+every download of a version gets the same bytes, whatever training does meanwhile.
+With a DHT it announces ``{version, addrs}`` under ``f"{prefix}/state"``, in a subkey
+only this peer can sign, and re-announces before the record expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from averaging.state_manifest import (
+    CHUNKS_PROTOCOL,
+    DEFAULT_CHUNK_BYTES,
+    MANIFEST_PROTOCOL,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    ChunkRequest,
+    ChunkResponse,
+    Manifest,
+    ManifestRequest,
+    Snapshot,
+    StateRequestError,
+    build_snapshot,
+)
+from peers.dht import DHT, dht_time, owner_marker
+from peers.errors import PeersError
+from peers.host import Peer
+from peers.identity import PeerID
+from peers.rpc import CallContext
+
+logger = logging.getLogger(__name__)
+
+#: Versions a server may be asked to keep: each is a full copy of the state in memory.
+MAX_VERSIONS_KEPT = 8
+
+
+def state_key(prefix: str) -> str:
+    """The DHT key under which donors of ``prefix`` announce themselves."""
+    return f"{prefix}/state"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateServerConfig:
+    """How a :class:`StateServer` cuts, keeps and announces its state."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Bytes per chunk (the last may be shorter). Every donor of one swarm should use the
+    same value: a newcomer splits one version's chunks only among donors that agree."""
+    num_versions_kept: int = 2
+    """Versions served at once. Two lets a download of the previous version finish while
+    the next is announced; each costs a copy of the state in memory."""
+    max_concurrent_streams: int = 32
+    """Chunk streams served at once, from all peers; more are refused as busy."""
+    max_streams_per_peer: int = 4
+    """Chunk streams served at once to one peer (a newcomer needs one)."""
+    announce_ttl_seconds: float = 120.0
+    """Lifetime of a DHT announcement: a donor that vanishes stops being found after it."""
+    announce_interval_seconds: float = 40.0
+    """Seconds between re-announcements; must be shorter than ``announce_ttl_seconds``."""
+
+    def __post_init__(self) -> None:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
+        if not 1 <= self.num_versions_kept <= MAX_VERSIONS_KEPT:
+            raise ValueError(f"num_versions_kept must be in [1, {MAX_VERSIONS_KEPT}]")
+        if self.max_concurrent_streams < 1 or self.max_streams_per_peer < 1:
+            raise ValueError("stream limits must be at least 1")
+        if not 0 < self.announce_interval_seconds < self.announce_ttl_seconds:
+            raise ValueError("announce_interval_seconds must be in (0, announce_ttl_seconds)")
+
+
+@dataclass(frozen=True, slots=True)
+class StateServerStatistics:
+    versions: tuple[int, ...]
+    num_manifests_served: int
+    num_chunks_served: int
+    num_bytes_served: int
+    num_requests_refused: int
+    num_active_streams: int
+
+
+class StateServer:
+    """Serve a state to newcomers. Use ``async with StateServer(peer, ...) as server``.
+
+    ``dht`` and ``prefix`` (together) make it announce itself so newcomers can find it.
+    """
+
+    def __init__(
+        self,
+        peer: Peer,
+        *,
+        dht: DHT | None = None,
+        prefix: str | None = None,
+        config: StateServerConfig | None = None,
+    ) -> None:
+        if (dht is None) != (prefix is None):
+            raise ValueError("give both dht and prefix to announce, or neither")
+        self.peer = peer
+        self.dht = dht
+        self.prefix = prefix
+        self.config = config or StateServerConfig()
+        self._snapshots: dict[int, Snapshot] = {}  # oldest first
+        self._streams: Counter[PeerID] = Counter()
+        self._counters: Counter[str] = Counter()
+        self._announce_now = asyncio.Event()
+        self._group: asyncio.TaskGroup | None = None
+        self._announcer: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> StateServer:
+        self.peer.add_unary_handler(MANIFEST_PROTOCOL, self.rpc_manifest, ManifestRequest)
+        self.peer.add_stream_handler(CHUNKS_PROTOCOL, self.rpc_chunks, ChunkRequest)
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        if self.dht is not None:
+            self._announcer = self._group.create_task(self._announce_forever())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.peer.remove_stream_handler(MANIFEST_PROTOCOL)
+        self.peer.remove_stream_handler(CHUNKS_PROTOCOL)
+        if self._announcer is not None:
+            self._announcer.cancel()
+        assert self._group is not None
+        await self._group.__aexit__(None, None, None)  # the caller's error stays its own
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The versions served now, oldest first."""
+        return tuple(self._snapshots)
+
+    async def set_state(
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        copy: bool = True,
+    ) -> Manifest:
+        """Serve ``tensors`` and ``metadata`` as ``version`` from now on, and announce it.
+
+        The tensors are copied (in a worker thread, so the loop keeps serving) unless
+        ``copy`` is False and they are contiguous CPU tensors: then the caller must not
+        modify them while this version is served. The oldest version is dropped past
+        ``num_versions_kept``. Returns the version's manifest. Raises ValueError if
+        ``version`` is not newer than every version served, and ValueError or TypeError
+        for a state that cannot be served (see :func:`build_snapshot`).
+        """
+        self._check_newer(version)
+        snapshot = await asyncio.to_thread(
+            build_snapshot,
+            version,
+            tensors,
+            metadata,
+            chunk_bytes=self.config.chunk_bytes,
+            copy=copy,
+        )
+        self._check_newer(version)  # another set_state may have finished meanwhile
+        self._snapshots[version] = snapshot
+        while len(self._snapshots) > self.config.num_versions_kept:
+            del self._snapshots[next(iter(self._snapshots))]
+        self._announce_now.set()
+        return snapshot.manifest
+
+    def _check_newer(self, version: int) -> None:
+        if self._snapshots and version <= max(self._snapshots):
+            raise ValueError(
+                f"version {version} is not newer than {max(self._snapshots)}: a served "
+                "version never changes"
+            )
+
+    def _snapshot(self, version: int | None) -> Snapshot:
+        if not self._snapshots:
+            raise StateRequestError("no state is served here yet")
+        if version is None:
+            return self._snapshots[max(self._snapshots)]
+        snapshot = self._snapshots.get(version)
+        if snapshot is None:
+            raise StateRequestError(
+                f"version {version} is not served here (serving {list(self._snapshots)})"
+            )
+        return snapshot
+
+    # --- handlers -------------------------------------------------------------------
+
+    async def rpc_manifest(self, request: ManifestRequest, context: CallContext) -> Manifest:
+        try:
+            snapshot = self._snapshot(request.version)
+        except StateRequestError:
+            self._counters["refused"] += 1
+            raise
+        self._counters["manifests"] += 1
+        return snapshot.manifest
+
+    async def rpc_chunks(
+        self, requests: AsyncIterator[ChunkRequest], context: CallContext
+    ) -> AsyncIterator[ChunkResponse]:
+        """Answer chunk requests one at a time, in order. A stream over the limits, a
+        version not served or an index out of range ends the stream with an error."""
+        peer_id = context.remote_peer_id
+        if (
+            self._streams.total() >= self.config.max_concurrent_streams
+            or self._streams[peer_id] >= self.config.max_streams_per_peer
+        ):
+            self._counters["refused"] += 1
+            raise StateRequestError("too many state downloads at once: try another donor")
+        self._streams[peer_id] += 1
+        try:
+            async for request in requests:
+                try:
+                    snapshot = self._snapshot(request.version)
+                    parts = snapshot.chunk_parts(request.index)
+                except (StateRequestError, IndexError) as e:
+                    self._counters["refused"] += 1
+                    raise StateRequestError(str(e)) from e
+                self._counters["chunks"] += 1
+                self._counters["bytes"] += sum(len(p) for p in parts)
+                yield ChunkResponse(request.index, parts)
+        finally:
+            self._streams[peer_id] -= 1
+            if not self._streams[peer_id]:
+                del self._streams[peer_id]
+
+    # --- announcing -------------------------------------------------------------------
+
+    async def _announce_forever(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.announce_interval_seconds):
+                    await self._announce_now.wait()
+            self._announce_now.clear()
+            if self._snapshots:
+                try:
+                    await self.announce()
+                except (PeersError, TimeoutError) as e:
+                    logger.info("state announcement failed: %r", e)
+
+    async def announce(self) -> bool:
+        """Announce the newest version now; True if a DHT replica accepted it. Raises
+        ValueError without a DHT or a state."""
+        if self.dht is None or self.prefix is None or not self._snapshots:
+            raise ValueError("announcing needs a DHT, a prefix and a state")
+        value = {
+            "version": max(self._snapshots),
+            "addrs": [str(a) for a in self.peer.listen_addrs],
+        }
+        return await self.dht.store(
+            state_key(self.prefix),
+            value,
+            dht_time() + self.config.announce_ttl_seconds,
+            subkey=owner_marker(self.peer.peer_id),
+        )
+
+    def statistics(self) -> StateServerStatistics:
+        return StateServerStatistics(
+            versions=self.versions,
+            num_manifests_served=self._counters["manifests"],
+            num_chunks_served=self._counters["chunks"],
+            num_bytes_served=self._counters["bytes"],
+            num_requests_refused=self._counters["refused"],
+            num_active_streams=self._streams.total(),
+        )

@@ -1,0 +1,404 @@
+"""A newcomer downloads a state from several donors in parallel: :func:`load_state_from_peers`.
+
+1. Find donors: the ones given, or those announced in the DHT under ``f"{prefix}/state"``.
+2. Ask each (concurrently) for its manifest; validate it; keep the newest version and,
+   within it, the largest group of donors whose manifests are identical.
+3. Allocate the state's tensors once and fetch chunks from every donor of the group at
+   once, one stream per donor with a few requests in flight, each donor pulling the next
+   pending chunk (:class:`averaging.state_schedule.ChunkSchedule`). Each chunk's sha256
+   is checked before it is written in place. A donor that dies, stalls for
+   ``chunk_timeout`` or sends a bad chunk is dropped and its chunks go to the others.
+4. If every donor of the group is lost, find donors again and resume with the chunks
+   already verified (when the new group serves the same state).
+5. Hash the assembled state and compare it with the manifest's whole-state checksum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+import torch
+from multiaddr import Multiaddr
+
+from averaging.state_donor import state_key
+from averaging.state_manifest import (
+    CHUNKS_PROTOCOL,
+    DTYPES,
+    MANIFEST_PROTOCOL,
+    ChunkRequest,
+    ChunkResponse,
+    DonorError,
+    Layout,
+    Manifest,
+    ManifestRequest,
+    StateSyncError,
+    StateSyncTimeout,
+    byte_view,
+    chunk_digest,
+    decode_metadata,
+    layout_from_manifest,
+    state_checksum,
+)
+from averaging.state_records import DonorReport, LoadedState, StateSyncConfig, SyncReport
+from averaging.state_schedule import ChunkSchedule
+from peers.dht import DHT, owner_of
+from peers.errors import PeersError
+from peers.host import Peer
+from peers.identity import PeerID
+from peers.serialization import pack
+from peers.wire import to_wire
+
+logger = logging.getLogger(__name__)
+
+#: Addresses taken from one DHT announcement (a peer has a handful).
+MAX_ANNOUNCED_ADDRS = 8
+#: Donors whose manifests one discovery round asks for at once.
+MAX_MANIFEST_QUERIES = 32
+
+Donor: TypeAlias = "PeerID | Multiaddr | str"
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass
+class _Offer:
+    """A donor's validated manifest."""
+
+    peer_id: PeerID
+    manifest: Manifest
+    layout: Layout
+    key: bytes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = hashlib.sha256(pack(to_wire(self.manifest))).digest()
+
+
+async def load_state_from_peers(
+    peer: Peer,
+    *,
+    donors: Sequence[Donor] | None = None,
+    dht: DHT | None = None,
+    prefix: str | None = None,
+    version: int | None = None,
+    timeout: float | None = None,
+    config: StateSyncConfig | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> LoadedState:
+    """Download a state from ``donors`` (PeerIDs or multiaddrs) or from the donors
+    announced in ``dht`` under ``prefix``; ``version`` asks for that version, else the
+    newest offered. ``on_progress(bytes_verified, bytes_total)`` runs after each chunk.
+
+    Raises :class:`StateSyncError` if no group of donors can provide a verified state
+    (none found, all dropped: the message says why each was), and
+    :class:`StateSyncTimeout` (also a ``TimeoutError``) when ``timeout`` seconds pass.
+    Without ``timeout`` it still cannot hang: every step waits at most
+    ``manifest_timeout`` or ``chunk_timeout``, and each failed round drops donors for
+    good. Cancelling it cancels every request (the donors' handlers stop).
+    """
+    if donors is None and (dht is None or prefix is None):
+        raise ValueError("give donors, or a dht and a prefix to find them")
+    sync = _Sync(peer, config or StateSyncConfig(), version, on_progress)
+    deadline = asyncio.timeout(timeout)
+    try:
+        async with deadline:
+            return await sync.run(donors, dht, prefix)
+    except TimeoutError as e:
+        if not deadline.expired():
+            raise
+        raise StateSyncTimeout(
+            f"state download did not finish in {timeout} s ({sync.describe()})"
+        ) from e
+
+
+class _Sync:
+    """One call of :func:`load_state_from_peers`: its donors, its download, its report."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        config: StateSyncConfig,
+        version: int | None,
+        on_progress: ProgressCallback | None,
+    ) -> None:
+        self.peer = peer
+        self.config = config
+        self.version = version
+        self.on_progress = on_progress
+        self.started = time.monotonic()
+        self.failures: dict[PeerID, str] = {}  # donors out for good, and why
+        self.unreachable: dict[str, str] = {}  # donors we could not even identify
+        self.asked: list[PeerID] = []
+        self.download: _Download | None = None
+
+    async def run(
+        self, donors: Sequence[Donor] | None, dht: DHT | None, prefix: str | None
+    ) -> LoadedState:
+        while True:
+            if donors is not None:
+                targets = list(donors)
+            else:
+                assert dht is not None and prefix is not None
+                targets = list(await _discover(self.peer, dht, prefix))
+            offers = await self._offers(targets)
+            group = _choose_group(offers)
+            if not group:
+                raise StateSyncError(f"no donor can provide the state ({self.describe()})")
+            if self.download is None or self.download.offer.key != group[0].key:
+                self.download = _Download(self, group[0])
+            await self.download.run([o.peer_id for o in group[: self.config.max_donors]])
+            if self.download.schedule.complete:
+                if await self.download.verify():
+                    return self.download.result(self.report())
+                for offer in group:  # they agree on a state their chunks do not make
+                    self.failures[offer.peer_id] = "its chunks do not match its state checksum"
+                self.download = None
+
+    async def _offers(self, targets: list[Donor]) -> list[_Offer]:
+        semaphore = asyncio.Semaphore(MAX_MANIFEST_QUERIES)
+
+        async def ask(target: Donor) -> _Offer | None:
+            async with semaphore:
+                return await self._offer(target)
+
+        found = await asyncio.gather(*(ask(t) for t in targets))
+        return [o for o in found if o is not None]
+
+    async def _offer(self, target: Donor) -> _Offer | None:
+        peer_id = target if isinstance(target, PeerID) else None
+        try:
+            async with asyncio.timeout(self.config.manifest_timeout):
+                if peer_id is None:
+                    peer_id = await self.peer.connect(target)
+                if peer_id in self.failures or peer_id == self.peer.peer_id:
+                    return None
+                manifest = await self.peer.call_unary(
+                    peer_id,
+                    MANIFEST_PROTOCOL,
+                    ManifestRequest(self.version),
+                    Manifest,
+                    timeout=self.config.manifest_timeout,
+                )
+                if self.version is not None and manifest.version != self.version:
+                    raise DonorError(f"asked for version {self.version}, got {manifest.version}")
+                layout = layout_from_manifest(manifest, max_state_bytes=self.config.max_state_bytes)
+        except (PeersError, TimeoutError) as e:
+            reason = f"manifest: {_describe(e)}"
+            if peer_id is None:
+                self.unreachable[str(target)[:200]] = reason
+                return None
+            self._remember(peer_id)
+            self.failures.setdefault(peer_id, reason)
+            return None
+        self._remember(peer_id)
+        return _Offer(peer_id, manifest, layout)
+
+    def _remember(self, peer_id: PeerID) -> None:
+        if peer_id not in self.asked:
+            self.asked.append(peer_id)
+
+    def report(self) -> SyncReport:
+        schedule = self.download.schedule if self.download else None
+        donors = []
+        for peer_id in self.asked:
+            progress = schedule.donors.get(peer_id) if schedule else None
+            donors.append(
+                DonorReport(
+                    peer_id,
+                    progress.num_chunks if progress else 0,
+                    progress.num_bytes if progress else 0,
+                    self.failures.get(peer_id),
+                )
+            )
+        return SyncReport(
+            donors=tuple(donors),
+            num_chunks=schedule.num_chunks if schedule else 0,
+            num_bytes=self.download.layout.total_bytes if self.download else 0,
+            num_chunks_retried=schedule.num_retried if schedule else 0,
+            seconds=time.monotonic() - self.started,
+        )
+
+    def describe(self) -> str:
+        """Progress and every donor's failure, for error messages."""
+        parts = []
+        if self.download is not None:
+            schedule = self.download.schedule
+            parts.append(f"{schedule.num_done} of {schedule.num_chunks} chunks verified")
+        failures = [(p.to_base58(), r) for p, r in self.failures.items()]
+        failures += list(self.unreachable.items())
+        if failures:
+            parts.append("dropped donors: " + "; ".join(f"{d}: {r}" for d, r in failures))
+        elif self.download is None:
+            parts.append("no donor found")
+        return "; ".join(parts)
+
+
+def _choose_group(offers: list[_Offer]) -> list[_Offer]:
+    """The newest version's largest group of identical manifests (first asked wins ties)."""
+    if not offers:
+        return []
+    newest = max(o.manifest.version for o in offers)
+    groups: dict[bytes, list[_Offer]] = {}
+    for offer in offers:
+        if offer.manifest.version == newest:
+            groups.setdefault(offer.key, []).append(offer)
+    return max(groups.values(), key=len)
+
+
+class _Download:
+    """One state being assembled in place from a group of donors that agree on it."""
+
+    def __init__(self, sync: _Sync, offer: _Offer) -> None:
+        self.sync = sync
+        self.offer = offer
+        self.layout = offer.layout
+        self.manifest = offer.manifest
+        self.tensors = {
+            s.name: torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in self.layout.specs
+        }
+        self.views = [byte_view(t) for t in self.tensors.values()]
+        self.schedule: ChunkSchedule[PeerID] = ChunkSchedule(self.layout.num_chunks)
+        self.bytes_done = 0
+        self.changed = asyncio.Condition()
+
+    async def run(self, donors: list[PeerID]) -> None:
+        """Fetch until every chunk is verified or every donor is out."""
+        for donor in donors:
+            self.schedule.add_donor(donor)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for donor in donors:
+                    group.create_task(self._fetch_from(donor))
+        except ExceptionGroup as e:  # a bug, or on_progress raised: not a donor's failure
+            if len(e.exceptions) == 1:
+                raise e.exceptions[0] from None
+            raise
+
+    async def _fetch_from(self, donor: PeerID) -> None:
+        schedule = self.schedule
+        outbox: asyncio.Queue[ChunkRequest | None] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[ChunkRequest]:
+            while (request := await outbox.get()) is not None:
+                yield request
+
+        responses = self.sync.peer.call_stream(donor, CHUNKS_PROTOCOL, requests(), ChunkResponse)
+        try:
+            while not schedule.complete:
+                while (
+                    len(schedule.donors[donor].in_flight) < self.sync.config.num_parallel_requests
+                    and (index := schedule.next_chunk(donor)) is not None
+                ):
+                    outbox.put_nowait(ChunkRequest(self.manifest.version, index))
+                expected = schedule.expected(donor)
+                if expected is None:
+                    async with self.changed:  # wait for a failed donor's chunks, or the end
+                        await self.changed.wait_for(
+                            lambda: schedule.complete or schedule.has_pending
+                        )
+                    continue
+                try:
+                    async with asyncio.timeout(self.sync.config.chunk_timeout):
+                        response = await anext(responses)
+                    num_bytes = self._accept(expected, response)
+                except StopAsyncIteration:
+                    await self._drop(donor, "closed the stream with chunks owed")
+                    return
+                except TimeoutError:
+                    await self._drop(donor, f"sent no chunk for {self.sync.config.chunk_timeout} s")
+                    return
+                except PeersError as e:
+                    await self._drop(donor, _describe(e))
+                    return
+                schedule.received(donor, expected, num_bytes)
+                self.bytes_done += num_bytes
+                if self.sync.on_progress is not None:
+                    self.sync.on_progress(self.bytes_done, self.layout.total_bytes)
+                if schedule.complete:
+                    async with self.changed:
+                        self.changed.notify_all()
+        finally:
+            outbox.put_nowait(None)
+            if isinstance(responses, AsyncGenerator):  # resets the stream if still open
+                await responses.aclose()
+
+    def _accept(self, index: int, response: ChunkResponse) -> int:
+        """Check a chunk and write it in place; :class:`DonorError` if it is wrong."""
+        if response.index != index:
+            raise DonorError(f"sent chunk {response.index} when chunk {index} was due")
+        segments = self.layout.segments(index)
+        if len(response.parts) != len(segments):
+            raise DonorError(
+                f"sent chunk {index} in {len(response.parts)} parts, not {len(segments)}"
+            )
+        digest = hashlib.sha256()
+        for part, (_, start, end) in zip(response.parts, segments, strict=True):
+            if part.dtype.name != "uint8" or part.ndim != 1 or len(part) != end - start:
+                raise DonorError(f"sent chunk {index} with a part of the wrong size or type")
+            digest.update(part.data)
+        if digest.digest() != chunk_digest(self.manifest, index):
+            raise DonorError(f"sent chunk {index} with a bad checksum")
+        for part, (tensor, start, end) in zip(response.parts, segments, strict=True):
+            self.views[tensor][start:end] = part
+        return self.layout.chunk_size(index)
+
+    async def _drop(self, donor: PeerID, reason: str) -> None:
+        logger.info("dropping state donor %s: %s", donor, reason)
+        self.sync.failures.setdefault(donor, reason)
+        if self.schedule.fail(donor, reason):
+            async with self.changed:
+                self.changed.notify_all()
+
+    async def verify(self) -> bool:
+        """Whether the assembled state matches the manifest's whole-state checksum (hashed
+        in a worker thread: a large state takes a while)."""
+        actual = await asyncio.to_thread(
+            state_checksum, self.layout, self.manifest.metadata, self.views
+        )
+        return actual == self.manifest.state_checksum
+
+    def result(self, report: SyncReport) -> LoadedState:
+        return LoadedState(
+            version=self.manifest.version,
+            metadata=decode_metadata(self.manifest.metadata),
+            tensors=self.tensors,
+            state_checksum=self.manifest.state_checksum,
+            report=report,
+        )
+
+
+async def _discover(peer: Peer, dht: DHT, prefix: str) -> list[PeerID]:
+    """Donors announced under ``prefix``, newest announced version first. Announcements
+    that do not parse are skipped (the DHT checked each one's signature, not its sense)."""
+    key = state_key(prefix)
+    found = await dht.get(key)  # its errors are the caller's: without a DHT, no donors
+    if not isinstance(found, dict):
+        return []
+    announced: list[tuple[int, PeerID]] = []
+    for subkey, entry in found.items():
+        try:
+            owner = owner_of(key.encode(), subkey)
+            value = entry.value
+            version = value["version"]
+            addrs = [a for a in value["addrs"][:MAX_ANNOUNCED_ADDRS] if isinstance(a, str)]
+            if owner is None or not isinstance(version, int):
+                continue
+        except (PeersError, KeyError, TypeError, AttributeError):
+            continue
+        for addr in addrs:
+            with contextlib.suppress(PeersError, ValueError):
+                peer.add_addresses(owner, [addr])
+        announced.append((version, owner))
+    announced.sort(key=lambda item: -item[0])
+    return [owner for _, owner in announced]
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return "timed out"
+    return f"{type(error).__name__}: {error}"[:300]

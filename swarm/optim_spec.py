@@ -1,0 +1,93 @@
+"""A small, serialisable description of a torch optimizer.
+
+The baseline trainer, the built-in tasks' recipes and the demo all name an optimizer
+the same way, so the swarm and the single-process baseline it is compared with are
+built from one :class:`OptimizerSpec`. A spec round-trips through a plain dict
+(:meth:`OptimizerSpec.to_dict`), which is what a checkpoint's metadata stores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from swarm.errors import TaskError
+
+OptimizerKind = Literal["sgd", "adam", "adamw"]
+KINDS: tuple[OptimizerKind, ...] = ("sgd", "adam", "adamw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """Which torch optimizer to build, with which hyperparameters."""
+
+    kind: OptimizerKind
+    """``"sgd"`` (:class:`torch.optim.SGD`), ``"adam"`` or ``"adamw"``."""
+    lr: float
+    """Learning rate."""
+    momentum: float = 0.0
+    """SGD only: momentum factor (0 for plain SGD)."""
+    nesterov: bool = False
+    """SGD only: Nesterov momentum (needs ``momentum > 0``)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam/AdamW only: the paper's beta1, beta2 (Kingma & Ba 2015, Algorithm 1)."""
+    eps: float = 1e-8
+    """Adam/AdamW only: the paper's epsilon."""
+    weight_decay: float = 0.0
+    """L2 penalty (SGD, Adam) or decoupled weight decay (AdamW)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise TaskError(f"optimizer kind must be one of {KINDS}, got {self.kind!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise TaskError(f"lr must be finite and positive, got {self.lr!r}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise TaskError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if self.nesterov and (self.kind != "sgd" or self.momentum == 0):
+            raise TaskError("nesterov needs kind='sgd' and momentum > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise TaskError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not self.eps > 0:
+            raise TaskError(f"eps must be positive, got {self.eps!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise TaskError(f"weight_decay must be finite and >= 0, got {self.weight_decay!r}")
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """A new optimizer over ``params`` (no state yet)."""
+        if self.kind == "sgd":
+            return torch.optim.SGD(
+                params,
+                lr=self.lr,
+                momentum=self.momentum,
+                nesterov=self.nesterov,
+                weight_decay=self.weight_decay,
+            )
+        cls = torch.optim.Adam if self.kind == "adam" else torch.optim.AdamW
+        return cls(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (msgpack- and JSON-friendly); inverse of :meth:`from_dict`."""
+        out = asdict(self)
+        out["betas"] = list(self.betas)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OptimizerSpec:
+        """Rebuild a spec; raises :class:`TaskError` for unknown or invalid fields."""
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise TaskError(f"unknown optimizer fields {sorted(unknown)}")
+        fields = dict(data)
+        if "betas" in fields:
+            fields["betas"] = tuple(fields["betas"])
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise TaskError(f"invalid optimizer spec {dict(data)!r}: {e}") from e

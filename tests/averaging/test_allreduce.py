@@ -1,0 +1,196 @@
+"""The networked butterfly round, in one event loop: real peers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from averaging import AllReduceConfig, AllReduceService, RoundSpec
+from averaging.allreduce_wire import ALLREDUCE_PROTOCOL, encode_hello
+from averaging.compression import Float16Codec, Uniform8BitCodec
+from peers import Peer, PeersError
+from peers.rpc import FramedStream
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+FAST = AllReduceConfig(
+    sender_timeout=2.0, reducer_timeout=4.0, round_timeout=8.0, chunk_elements=1000
+)
+
+
+def _specs(
+    peers: Sequence[Peer], total: int, weights: Sequence[float] | None = None, chunk: int = 1000
+) -> list[RoundSpec]:
+    members = tuple(p.peer_id for p in peers)
+    round_id = os.urandom(16)
+    bandwidths = tuple(weights or [1.0] * len(peers))
+    return [
+        RoundSpec(
+            round_id=round_id,
+            members=members,
+            weights=bandwidths,
+            total_elements=total,
+            chunk_elements=chunk,
+            me=p.peer_id,
+        )
+        for p in peers
+    ]
+
+
+async def _meet(peers: Sequence[Peer]) -> None:
+    for p in peers:
+        for q in peers:
+            if p is not q:
+                p.add_addresses(q.peer_id, q.listen_addrs)
+
+
+async def _average(
+    n: int,
+    tensors: list[torch.Tensor],
+    weights: list[float],
+    config: AllReduceConfig = FAST,
+    bandwidths: Sequence[float] | None = None,
+) -> list[Any]:
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [await stack.enter_async_context(Peer()) for _ in range(n)]
+        services = [await stack.enter_async_context(AllReduceService(p, config)) for p in peers]
+        await _meet(peers)
+        specs = _specs(peers, tensors[0].numel(), bandwidths, config.chunk_elements)
+        return list(
+            await asyncio.gather(
+                *(
+                    s.run_round(spec, t, w)
+                    for s, spec, t, w in zip(services, specs, tensors, weights, strict=True)
+                )
+            )
+        )
+
+
+def test_four_peers_hold_the_exact_weighted_mean(arun: Run) -> None:
+    seed = 1234
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(10_007, generator=gen) for _ in range(4)]
+    weights = [1.0, 2.0, 3.0, 4.0]
+    results = arun(_average(4, tensors, weights))
+    expected = sum(w * t.double() for w, t in zip(weights, tensors, strict=True)) / sum(weights)
+    first = results[0].result.averaged
+    for r in results:
+        assert r.transfer.agreed
+        assert r.result.report.failed == {}
+        assert r.result.report.fraction_averaged == 1.0
+        assert torch.equal(r.result.averaged, first)  # bitwise identical on every member
+        assert r.transfer.bytes_sent > 0 and r.transfer.bytes_received > 0
+    assert torch.allclose(first.double(), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("codec", [Float16Codec(), Uniform8BitCodec()], ids=lambda c: c.name)
+def test_lossy_codec_keeps_members_identical_within_its_bound(arun: Run, codec: Any) -> None:
+    gen = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(50_000, generator=gen) for _ in range(3)]
+    config = AllReduceConfig(
+        sender_timeout=2.0,
+        reducer_timeout=4.0,
+        round_timeout=8.0,
+        chunk_elements=4096,
+        codec=codec,
+    )
+    results = arun(_average(3, tensors, [1.0, 1.0, 1.0], config))
+    mean = torch.stack(tensors).mean(0)
+    first = results[0].result.averaged
+    # Two encodings: each sender's chunk, then the reducer's averaged part.
+    bound = max(2.0 * codec.error_bound(t) for t in tensors) * 2 + 1e-6
+    for r in results:
+        assert r.transfer.agreed
+        assert torch.equal(r.result.averaged, first)
+    assert float((first - mean).abs().max()) <= bound
+
+
+def test_uneven_bandwidth_gives_uneven_parts_and_a_zero_weight_member_reduces_nothing(
+    arun: Run,
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(9000, generator=gen) for _ in range(3)]
+    results = arun(_average(3, tensors, [1.0, 1.0, 1.0], bandwidths=[2.0, 1.0, 0.0]))
+    parts = results[0].result.report.parts
+    sizes = [p.end - p.start for p in parts]
+    assert sizes == [6000, 3000, 0]
+    mean = torch.stack(tensors).mean(0)
+    for r in results:
+        assert r.transfer.agreed
+        assert torch.allclose(r.result.averaged, mean, atol=1e-6)
+
+
+def test_a_member_that_never_starts_is_excluded_and_the_rest_agree(arun: Run) -> None:
+    async def main() -> list[Any]:
+        async with contextlib.AsyncExitStack() as stack:
+            peers = [await stack.enter_async_context(Peer()) for _ in range(4)]
+            services = [
+                await stack.enter_async_context(AllReduceService(p, FAST)) for p in peers[:3]
+            ]
+            await _meet(peers)
+            tensors = [torch.full((5000,), float(i)) for i in range(4)]
+            specs = _specs(peers, 5000)
+            return list(
+                await asyncio.gather(
+                    *(
+                        s.run_round(spec, t, 1.0)
+                        for s, spec, t in zip(services, specs[:3], tensors[:3], strict=True)
+                    )
+                )
+            )
+
+    results = arun(main())
+    first = results[0].result.averaged
+    for r in results:
+        assert len(r.result.report.failed) == 1
+        assert r.result.report.fraction_averaged == 1.0
+        assert torch.equal(r.result.averaged, first)
+        assert r.transfer.agreed
+    assert torch.allclose(first, torch.full((5000,), 1.0))  # mean of 0, 1, 2
+
+
+def test_a_link_for_an_unknown_round_is_refused_and_the_service_keeps_serving(
+    arun: Run,
+) -> None:
+    async def main() -> list[Any]:
+        config = AllReduceConfig(
+            sender_timeout=2.0,
+            reducer_timeout=4.0,
+            round_timeout=8.0,
+            join_timeout=0.5,
+            chunk_elements=1000,
+        )
+        async with (
+            Peer() as a,
+            Peer() as b,
+            Peer() as intruder,
+            AllReduceService(a, config) as sa,
+            AllReduceService(b, config) as sb,
+        ):
+            stream = await intruder.new_stream(
+                a.listen_addrs[0].encapsulate(f"/p2p/{a.peer_id}"), ALLREDUCE_PROTOCOL
+            )
+            framed = FramedStream(stream)
+            await framed.write_frame(encode_hello(b"no such round"))
+            with pytest.raises(PeersError):  # the refusal: a reset
+                await framed.read_frame()
+            await _meet([a, b])
+            specs = _specs([a, b], 3000)
+            tensors = [torch.zeros(3000), torch.ones(3000)]
+            return list(
+                await asyncio.gather(
+                    sa.run_round(specs[0], tensors[0], 1.0),
+                    sb.run_round(specs[1], tensors[1], 1.0),
+                )
+            )
+
+    for r in arun(main()):
+        assert r.transfer.agreed
+        assert torch.allclose(r.result.averaged, torch.full((3000,), 0.5))

@@ -1,0 +1,128 @@
+"""The Averager end to end in one process: matchmaking, a round, write-back, state sync."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+from averaging import (
+    AllReduceConfig,
+    Averager,
+    AveragerConfig,
+    AveragerError,
+    MatchmakingConfig,
+    MatchmakingError,
+)
+from peers import Peer, PeerConfig
+from peers.dht import DHT, DHTConfig
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+CONFIG = AveragerConfig(
+    prefix="test-run",
+    matchmaking=MatchmakingConfig(
+        target_group_size=8,
+        min_group_size=2,
+        search_timeout=10.0,
+        gather_timeout=1.0,
+        request_timeout=3.0,
+        poll_interval_seconds=0.2,
+    ),
+    allreduce=AllReduceConfig(sender_timeout=3.0, reducer_timeout=6.0, round_timeout=12.0),
+)
+
+
+def _tensors(rank: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    return {
+        "weight": torch.randn(64, 33, generator=gen),
+        "bias": torch.randn(33, generator=gen).to(torch.float16),
+        "scale": torch.randn((), generator=gen, dtype=torch.float64),
+    }
+
+
+@contextlib.asynccontextmanager
+async def averagers(
+    num_peers: int, config: AveragerConfig = CONFIG
+) -> AsyncIterator[list[Averager]]:
+    async with contextlib.AsyncExitStack() as stack:
+        out: list[Averager] = []
+        initial: tuple[str, ...] = ()
+        for rank in range(num_peers):
+            peer = await stack.enter_async_context(Peer(PeerConfig()))
+            dht = await stack.enter_async_context(
+                DHT(peer, DHTConfig(initial_peers=initial, maintenance_interval=3600.0))
+            )
+            initial = initial or (str(peer.listen_addrs[0]),)
+            out.append(await stack.enter_async_context(Averager(dht, _tensors(rank), config)))
+        for a in out:
+            await a.dht.find_nearest(a.dht.node_id)
+        yield out
+
+
+def test_four_averagers_hold_the_weighted_mean_in_place(arun: Run) -> None:
+    async def main() -> None:
+        async with averagers(4) as avgs:
+            originals = [{k: v.clone() for k, v in a.tensors.items()} for a in avgs]
+            weights = [1.0, 2.0, 3.0, 4.0]
+            steps = await asyncio.gather(
+                *(a.step(0, weight=w) for a, w in zip(avgs, weights, strict=True))
+            )
+            for s in steps:
+                assert s.num_peers == 4
+                assert s.outcome.transfer.agreed
+            for name in originals[0]:
+                expected = sum(
+                    w * o[name].double() for w, o in zip(weights, originals, strict=True)
+                ) / sum(weights)
+                for a in avgs:
+                    got = a.tensors[name]
+                    assert got.dtype == originals[0][name].dtype  # written back in place
+                    tolerance = 1e-3 if got.dtype == torch.float16 else 1e-6
+                    assert torch.allclose(got.double(), expected, atol=tolerance)
+                    assert torch.equal(got, avgs[0].tensors[name])
+            assert all(a.bandwidth != 1e8 for a in avgs)  # measured in the round
+
+    arun(main())
+
+
+def test_a_lone_averager_gets_a_clear_error_and_keeps_its_tensors(arun: Run) -> None:
+    async def main() -> None:
+        async with averagers(1) as (a,):
+            before = {k: v.clone() for k, v in a.tensors.items()}
+            with pytest.raises(MatchmakingError):
+                await a.step("lonely", timeout=3.0)
+            for k, v in a.tensors.items():
+                assert torch.equal(v, before[k])
+
+    arun(main())
+
+
+def test_a_newcomer_loads_the_shared_state(arun: Run) -> None:
+    async def main() -> None:
+        async with averagers(3) as avgs:
+            extra = {"momentum": torch.arange(10.0)}
+            for k in avgs[0].tensors:  # donors share the same state after a round
+                avgs[1].tensors[k].copy_(avgs[0].tensors[k])
+            for a in avgs[:2]:
+                await a.share_state(7, {"step": 7}, extra=extra)
+            newcomer = avgs[2]
+            loaded = await newcomer.load_state_from_peers(timeout=10.0)
+            assert loaded.version == 7 and loaded.metadata == {"step": 7}
+            assert torch.equal(loaded.tensors["extra/momentum"], extra["momentum"])
+            for k, v in newcomer.tensors.items():
+                assert torch.equal(v, avgs[0].tensors[k])
+
+    arun(main())
+
+
+def test_bad_tensors_and_prefixes_are_refused() -> None:
+    with pytest.raises(AveragerError):
+        AveragerConfig(prefix="a/b")
+    with pytest.raises(AveragerError):
+        Averager.__init__(object.__new__(Averager), None, {"x": torch.arange(3)}, CONFIG)  # type: ignore[arg-type]
