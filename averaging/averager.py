@@ -141,7 +141,12 @@ class Averager:
         return f"{self.config.prefix}/{self.schema[:16]}/{round_key}"
 
     async def step(
-        self, round_key: str | int, *, weight: float = 1.0, timeout: float | None = None
+        self,
+        round_key: str | int,
+        *,
+        weight: float = 1.0,
+        timeout: float | None = None,
+        target_group_size: int | None = None,
     ) -> AveragingStep:
         """Average the tensors with the peers stepping under the same ``round_key`` now
         (e.g. the global step number), weighting ours by ``weight`` (e.g. its sample
@@ -151,12 +156,16 @@ class Averager:
         :class:`~averaging.matchmaking_records.MatchmakingError` if no group forms
         within the matchmaking timeout (``timeout`` overrides it); the tensors are then
         unchanged. A round that loses members still returns (see the report).
+        ``target_group_size`` overrides the matchmaking config's for this step.
         """
         if self._matchmaker is None or self._service is None:
             raise AveragerError("use the Averager inside `async with`")
         started = time.monotonic()
         group = await self._matchmaker.look_for_group(
-            self.key(round_key), bandwidth=self.bandwidth, timeout=timeout
+            self.key(round_key),
+            bandwidth=self.bandwidth,
+            timeout=timeout,
+            target_group_size=target_group_size,
         )
         matched = time.monotonic()
         flat = flatten([t.detach() for t in self.tensors.values()]).to(torch.float32)
@@ -196,21 +205,29 @@ class Averager:
         version: int,
         metadata: Mapping[str, Any] | None = None,
         extra: Mapping[str, torch.Tensor] | None = None,
+        *,
+        include_averaged: bool = True,
     ) -> None:
-        """Serve a copy of the tensors (plus ``extra``, e.g. optimizer state) as
-        ``version`` to newcomers, and announce it in the DHT."""
+        """Serve a copy of the tensors (unless ``include_averaged`` is False) plus
+        ``extra`` (e.g. parameters and optimizer state) as ``version`` to newcomers, and
+        announce it in the DHT. Versions must increase."""
         if self._state is None:
             raise AveragerError("use the Averager inside `async with`")
-        tensors = {**{f"averaged/{k}": v for k, v in self.tensors.items()}}
+        tensors: dict[str, torch.Tensor] = {}
+        if include_averaged:
+            tensors.update({f"averaged/{k}": v for k, v in self.tensors.items()})
         tensors.update({f"extra/{k}": v for k, v in (extra or {}).items()})
         await self._state.set_state(version, tensors, dict(metadata or {}))
 
-    async def load_state_from_peers(self, *, timeout: float | None = None) -> LoadedState:
+    async def load_state_from_peers(
+        self, *, timeout: float | None = None, apply: bool = True
+    ) -> LoadedState:
         """Download the newest state peers share (in parallel from several donors,
         verified) and copy the averaged tensors into ours; the result also holds the
         ``extra`` tensors and metadata. Raises
         :class:`~averaging.state_manifest.StateSyncError` if none can be had, and
         :class:`AveragerError` if it does not fit our tensors (ours are then unchanged).
+        With ``apply`` False our tensors are left alone (the caller uses ``extra``).
         """
         loaded = await load_state_from_peers(
             self.peer,
@@ -219,6 +236,8 @@ class Averager:
             timeout=timeout,
             config=self.config.state_sync,
         )
+        if not apply:
+            return loaded
         for name, tensor in self.tensors.items():
             got = loaded.tensors.get(f"averaged/{name}")
             if got is None or got.shape != tensor.shape or got.dtype != tensor.dtype:

@@ -11,6 +11,7 @@ Matchmaker(dht, config) as matchmaker`` and call :meth:`Matchmaker.look_for_grou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from averaging.matchmaking_records import (
     JOIN_PROTOCOL,
     MAX_BANDWIDTH,
     MAX_GROUP_KEY_BYTES,
+    MAX_GROUP_SIZE,
     MAX_JOIN_REQUEST_BYTES,
     MAX_JOIN_RESPONSE_BYTES,
     MAX_METADATA_BYTES,
@@ -227,12 +229,15 @@ class Matchmaker:
         bandwidth: float = 1.0,
         metadata: bytes = b"",
         timeout: float | None = None,
+        target_group_size: int | None = None,
     ) -> Group:
         """Find a group among the peers searching under ``key`` now.
 
         ``bandwidth`` is this peer's relative weight (its share of a butterfly round's
         reduction); ``metadata`` travels to every member as ``Group.metadata[i]``.
-        Returns within ``timeout`` seconds (default ``config.search_timeout``), or raises
+        ``target_group_size`` overrides the config's for this search (e.g. the number of
+        peers a training swarm expects). Returns within ``timeout`` seconds (default
+        ``config.search_timeout``), or raises
         :class:`MatchmakingError` saying why no group was formed (too few peers, left
         over, a leader that vanished). Raises ValueError for a bad argument or a search
         under ``key`` already running here. Cancelling the call stops the search and
@@ -255,7 +260,13 @@ class Matchmaker:
         me = MemberInfo(
             self.peer.peer_id, self._my_addrs(), client_mode, float(bandwidth), metadata
         )
-        search = GroupSearch(key=key, me=me, config=self.config, now=loop.time(), timeout=timeout)
+        config = self.config
+        if target_group_size is not None:  # validated by the config
+            size = min(target_group_size, MAX_GROUP_SIZE)
+            config = dataclasses.replace(
+                config, target_group_size=size, min_group_size=min(config.min_group_size, size)
+            )
+        search = GroupSearch(key=key, me=me, config=config, now=loop.time(), timeout=timeout)
         active = _Active(search)
         self._searches[key] = active
         self._counters.searches += 1
@@ -343,7 +354,14 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         self._remember_addrs(leader.peer_id, leader.addrs)
         me = search.me
-        request = JoinRequest(search.key, list(me.addrs), me.client_mode, me.bandwidth, me.metadata)
+        request = JoinRequest(
+            search.key,
+            list(me.addrs),
+            me.client_mode,
+            me.bandwidth,
+            me.metadata,
+            search.config.target_group_size,
+        )
         try:
             response = await self.peer.call_unary(
                 leader.peer_id,
@@ -409,7 +427,8 @@ class Matchmaker:
                 return answer_to_wire(Refused(reason, placed))
             return answer_to_wire(Refused(f"not looking for a group under key {request.key!r}"))
         loop = asyncio.get_running_loop()
-        answer = active.search.on_join(member, loop.time(), context.timeout)
+        expected = request.expected_size if 0 < request.expected_size <= MAX_GROUP_SIZE else 0
+        answer = active.search.on_join(member, loop.time(), context.timeout, expected)
         if answer is None:
             previous = active.waiters.pop(peer_id, None)
             if previous is not None and not previous.done():

@@ -82,6 +82,11 @@ class MatchmakingConfig:
     """Seconds one DHT store or read may take (a join waits for its leader instead)."""
     poll_interval_seconds: float = 0.5
     """Seconds between reads of the DHT key while gathering or leading."""
+    form_when_full: bool = False
+    """Form a group as soon as ``target_group_size`` peers joined instead of waiting out
+    the gather window: lower latency when the caller knows how many peers will come (a
+    training swarm sizes its groups from its progress records). With more peers than
+    the target, groups may then come out unbalanced (10 with target 4: 4, 4 and 2)."""
 
     def __post_init__(self) -> None:
         for name in ("target_group_size", "min_group_size"):
@@ -230,6 +235,9 @@ class JoinRequest:
     client_mode: bool
     bandwidth: float
     metadata: bytes
+    expected_size: int = 0
+    """The group size the joiner expects (its ``target_group_size``); with
+    ``form_when_full`` a leader waits for the largest expectation among its joiners."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ The protocol (docs/averaging-matchmaking.md):
 3. A leader keeps reading the key. If a better-ranked peer appears it hands over: its
    held joins are redirected there and it joins too. A leader that cannot be reached
    (or refuses) is dropped and the next best is tried; that may be ourselves.
-4. After the gather window, once every visible peer has joined (or at the deadline: the
+4. After the gather window, once every visible peer has joined (with ``form_when_full``,
+   as soon as ``target_group_size`` peers joined), or at the deadline (the
    earliest a held joiner can wait for), the leader splits the joiners into balanced
    groups (:func:`plan_groups`) and answers every join.
 """
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from averaging.matchmaking_records import (
+    MAX_GROUP_SIZE,
     MAX_PENDING_JOINS,
     ROUND_ID_BYTES,
     Candidate,
@@ -186,6 +188,7 @@ def reply_margin(timeout: float) -> float:
 class _Held:
     member: MemberInfo
     reply_by: float
+    expected_size: int = 0
 
 
 class GroupSearch:
@@ -288,7 +291,11 @@ class GroupSearch:
         self._next_poll = now + self.config.poll_interval_seconds
 
     def on_join(
-        self, member: MemberInfo, now: float, caller_timeout: float | None
+        self,
+        member: MemberInfo,
+        now: float,
+        caller_timeout: float | None,
+        expected_size: int = 0,
     ) -> JoinAnswer | None:
         """A peer asks to join us. Returns the answer now, or None: the join is held
         until :meth:`take_answers` yields its answer (or it is abandoned)."""
@@ -317,7 +324,7 @@ class GroupSearch:
             # A joiner cannot make us decide before the gather window ends (one with a
             # tiny timeout would otherwise cut every round short); it leaves instead.
             reply_by = min(max(reply_by, self.gather_deadline), self._own_reply_by)
-        self._held[member.peer_id] = _Held(member, reply_by)
+        self._held[member.peer_id] = _Held(member, reply_by, expected_size)
         return None
 
     def on_join_abandoned(self, peer_id: PeerID, now: float) -> None:
@@ -425,9 +432,18 @@ class GroupSearch:
     def _reply_by(self) -> float:
         return min([self._own_reply_by, *(h.reply_by for h in self._held.values())])
 
+    def _expected_sizes(self) -> list[int]:
+        return [min(h.expected_size, MAX_GROUP_SIZE) for h in self._held.values()]
+
     def _should_form(self, now: float) -> bool:
         if now >= self._reply_by():
             return True
+        if self.config.form_when_full:
+            # Joiners may expect more peers than we saw (our view lags): wait for the
+            # largest expectation, so that no smaller group forms under their feet.
+            expected = max([self.config.target_group_size, *self._expected_sizes()])
+            if 1 + len(self._held) >= expected:
+                return True
         if now < self.gather_deadline or 1 + len(self._held) < self.config.min_group_size:
             return False
         return all(p in self._held or p in self._unavailable for p in self._view)

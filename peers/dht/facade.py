@@ -57,6 +57,11 @@ class BlockingDHT:
                 raise
 
     @property
+    def node(self) -> DHT:
+        """The async DHT (use it only from coroutines passed to ``peer.run``)."""
+        return self._dht
+
+    @property
     def peer(self) -> BlockingPeer:
         return self._peer
 

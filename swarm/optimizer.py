@@ -1,0 +1,446 @@
+"""Collaborative training: a wrapper around any torch optimizer that steps with the swarm.
+
+Gradient mode (hivemind.Optimizer's model): every peer accumulates gradients of the
+samples it processes; when the swarm's published progress reaches
+``target_batch_size`` samples, peers average their accumulated gradients (weighted by
+samples) and all apply the same optimizer step. An epoch is one such global step, so
+it counts global samples, and schedulers keyed on it stay right as peers come and go.
+
+DiLoCo mode: the wrapped optimizer steps locally every batch; every ``inner_steps``
+local steps peers average their parameter change (compressed) and apply an outer
+Nesterov step to it.
+
+Joining late or falling behind: a peer whose epoch is older than the swarm's downloads
+parameters and optimizer state from its peers (several donors at once, verified) and
+continues from there. Every peer serves its state after each step.
+
+The training loop stays synchronous; the network runs on the DHT's background loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from averaging import (
+    Averager,
+    AveragerConfig,
+    AveragingStep,
+    Codec,
+    Float16Codec,
+    MatchmakingError,
+    NoneCodec,
+    StateSyncError,
+    Uniform8BitCodec,
+)
+from peers.dht import DHT, BlockingDHT, dht_time
+from peers.dht.records import RecordError, owner_marker, owner_of
+from peers.identity import PeerID
+from swarm.optimizer_config import (
+    CollaborativeConfig,
+    OptimizerError,
+    OptimizerStatistics,
+)
+from swarm.progress import PeerProgress, SwarmProgress, summarize
+from swarm.training_state import pack_state, unpack_state
+
+logger = logging.getLogger(__name__)
+
+_CODECS: dict[str, Callable[[], Codec]] = {
+    "none": NoneCodec,
+    "float16": Float16Codec,
+    "uint8": Uniform8BitCodec,
+}
+
+
+class CollaborativeOptimizer:
+    """Steps ``optimizer`` together with the swarm of ``config.run_id`` found through
+    ``dht``. Call :meth:`step` after each local ``loss.backward()`` with the batch size;
+    call :meth:`close` (or use ``with``) when done."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        dht: BlockingDHT,
+        config: CollaborativeConfig,
+    ) -> None:
+        self.optimizer = optimizer
+        self.dht = dht
+        self.config = config
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self.params or any(p.device.type != "cpu" for p in self.params):
+            raise OptimizerError("the optimizer must hold CPU parameters")
+        self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.epoch = 0
+        self._samples = 0
+        self._averaging = False
+        self._local_steps = 0
+        self._local_samples = 0
+        self._inner_steps = 0
+        self._rate = 0.0
+        self._rate_since = time.monotonic()
+        self._rate_samples = 0
+        self._counts = {"rounds": 0, "alone": 0, "loads": 0, "bytes": 0}
+        self._records: dict[PeerID, PeerProgress] = {}
+        self._view: SwarmProgress | None = None
+        self._outer: torch.optim.Optimizer | None = None
+        self._anchor: list[torch.Tensor] = []
+        if config.diloco is not None:
+            self._anchor = [p.detach().clone() for p in self.params]
+            self._outer = torch.optim.SGD(
+                self.params,
+                lr=config.diloco.outer_lr,
+                momentum=config.diloco.outer_momentum,
+                nesterov=config.diloco.outer_momentum > 0,
+            )
+        codec = _CODECS[config.diloco.codec]() if config.diloco else NoneCodec()
+        averager_config = AveragerConfig(
+            prefix=config.run_id,
+            matchmaking=config.matchmaking,
+            allreduce=replace(config.allreduce, codec=codec),
+        )
+        named = {str(i): b for i, b in enumerate(self.buffers)}
+        self._averager = Averager(dht.node, named, averager_config)
+        self._stop = asyncio.Event()
+        self._closed = False
+        dht.peer.run(self._averager.__aenter__())
+        self._progress_task = dht.peer.submit(self._track_progress())
+        self._publish_now()
+
+    # --- the training loop's side ------------------------------------------------------
+
+    def step(self, batch_size: int) -> None:
+        """Account for a local batch of ``batch_size`` samples whose gradients are in the
+        parameters' ``.grad``; take a swarm step when the swarm is ready. Gradients are
+        consumed (zeroed). Blocks during averaging and state downloads."""
+        if self._closed:
+            raise OptimizerError("the optimizer is closed")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise OptimizerError("batch_size must be a positive int")
+        self._local_steps += 1
+        self._local_samples += batch_size
+        self._measure(batch_size)
+        if self._behind():
+            self._zero_grads()
+            self._load_state()
+            return
+        if self.config.diloco is not None:
+            self._diloco_step(batch_size)
+        else:
+            self._gradient_step(batch_size)
+
+    def _gradient_step(self, batch_size: int) -> None:
+        with torch.no_grad():
+            for p, b in zip(self.params, self.buffers, strict=True):
+                if p.grad is not None:
+                    b.add_(p.grad, alpha=float(batch_size))
+        self._zero_grads()
+        self._samples += batch_size
+        view = self._wait_for_swarm()
+        if not view.ready:
+            return
+        self._averaging = True
+        self._publish_now()
+        with torch.no_grad():
+            for b in self.buffers:
+                b.div_(float(self._samples))
+        if not self._average(self._samples, view.num_peers):
+            self._load_state()
+            return
+        with torch.no_grad():
+            for p, b in zip(self.params, self.buffers, strict=True):
+                p.grad = b.to(p.dtype).clone()
+        self.optimizer.step()
+        self._zero_grads()
+        self._finish_epoch()
+
+    def _diloco_step(self, batch_size: int) -> None:
+        assert self.config.diloco is not None and self._outer is not None
+        self.optimizer.step()
+        self._zero_grads()
+        self._samples += batch_size
+        self._inner_steps += 1
+        if self._inner_steps % self.config.diloco.inner_steps:
+            return
+        self._averaging = True
+        self._wait_for_outer_step()
+        with torch.no_grad():
+            for p, a, b in zip(self.params, self._anchor, self.buffers, strict=True):
+                torch.sub(a, p.detach(), out=b)  # the outer "gradient": anchor - current
+        if not self._average(self._samples, self._summary().num_peers):
+            self._load_state()
+            return
+        with torch.no_grad():
+            for p, a, b in zip(self.params, self._anchor, self.buffers, strict=True):
+                p.copy_(a)
+                p.grad = b.to(p.dtype).clone()
+        self._outer.step()
+        self._zero_grads()
+        with torch.no_grad():
+            for p, a in zip(self.params, self._anchor, strict=True):
+                a.copy_(p)
+        self._finish_epoch()
+
+    def _average(self, samples: int, num_peers: int) -> bool:
+        """Average the buffers with the swarm (in place). False if no group formed while
+        other peers are live: they stepped without us, so our state is stale."""
+        timeout = self.config.matchmaking.search_timeout
+        try:
+            step: AveragingStep = self.dht.peer.run(
+                self._averager.step(
+                    self.epoch,
+                    weight=float(max(samples, 1)),
+                    target_group_size=max(num_peers, 2),
+                ),
+                timeout=timeout + self.config.allreduce.round_timeout + 5.0,
+            )
+        except MatchmakingError as e:
+            if self._summary().num_peers > 1:
+                logger.info("epoch %d: no group (%s); resyncing", self.epoch, e)
+                return False
+            logger.info("epoch %d: no group (%s); stepping alone", self.epoch, e)
+            self._counts["alone"] += 1
+            return True
+        self._counts["rounds"] += 1
+        self._counts["bytes"] += step.outcome.transfer.bytes_sent
+        report = step.outcome.result.report
+        if not step.outcome.transfer.agreed or report.fraction_averaged < 1.0:
+            # Withdrawn, or the round ended at its deadline: what we hold is not what
+            # the others hold. Take their state rather than drift apart silently.
+            logger.info("epoch %d: round not agreed (%s); resyncing", self.epoch, report)
+            return False
+        return True
+
+    def _wait_for_swarm(self) -> SwarmProgress:
+        """Once this peer has its share of the global batch, wait (a bounded time) for
+        the others to fill theirs rather than run ahead: the step then averages the
+        global batch the config asks for, as one big machine would."""
+        view = self._summary()
+        share = self.config.target_batch_size / max(view.num_peers, 1)
+        if view.ready or self._samples < share:
+            return view
+        self._publish_now()
+        deadline = time.monotonic() + self.config.max_wait_seconds
+        while not view.ready and time.monotonic() < deadline and not self._behind_view(view):
+            time.sleep(self.config.progress_interval / 4)
+            view = self._summary()
+        return view
+
+    def _wait_for_outer_step(self) -> None:
+        """DiLoCo: wait (a bounded time) until every live peer in this epoch finished its
+        inner steps too, so that all of them enter the same averaging round."""
+        self._publish_now()
+        deadline = time.monotonic() + self.config.max_wait_seconds
+        me = self.dht.peer.peer_id
+        while time.monotonic() < deadline:
+            now = dht_time()
+            waiting = [
+                r
+                for p, r in self._records.items()
+                if p != me
+                and now - r.time <= self.config.progress_expiration
+                and r.epoch == self.epoch
+                and not r.averaging
+            ]
+            if not waiting:
+                return
+            time.sleep(self.config.progress_interval / 4)
+
+    def _behind_view(self, view: SwarmProgress) -> bool:
+        return view.epoch > self.epoch
+
+    def _finish_epoch(self) -> None:
+        self.epoch += 1
+        self._averaging = False
+        self._samples = 0
+        for b in self.buffers:
+            b.zero_()
+        self._publish_now()
+        self._share_state()
+
+    def _zero_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _measure(self, batch_size: int) -> None:
+        self._rate_samples += batch_size
+        elapsed = time.monotonic() - self._rate_since
+        if elapsed >= 1.0:
+            self._rate = self._rate_samples / elapsed
+            self._rate_since, self._rate_samples = time.monotonic(), 0
+
+    # --- progress ---------------------------------------------------------------------
+
+    def _mine(self) -> PeerProgress:
+        return PeerProgress(self.epoch, self._samples, self._rate, dht_time(), self._averaging)
+
+    def _summary(self) -> SwarmProgress:
+        self._view = summarize(
+            self._records,
+            self.dht.peer.peer_id,
+            self._mine(),
+            self.config.target_batch_size,
+            now=dht_time(),
+            expiration_seconds=self.config.progress_expiration,
+        )
+        return self._view
+
+    def _behind(self) -> bool:
+        return self._summary().epoch > self.epoch
+
+    @property
+    def _progress_key(self) -> str:
+        return f"{self.config.run_id}/progress"
+
+    def _publish_now(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.dht.peer.submit(self._publish(self._mine()))
+
+    async def _publish(self, progress: PeerProgress) -> None:
+        node: DHT = self.dht.node
+        expiration = dht_time() + self.config.progress_expiration
+        with contextlib.suppress(Exception):  # progress is best effort; the next one wins
+            await node.store(
+                self._progress_key,
+                progress.to_wire(),
+                expiration,
+                subkey=owner_marker(node.peer.peer_id),
+            )
+
+    async def _track_progress(self) -> None:
+        """Publish my progress and read everyone's, every ``progress_interval``."""
+        node: DHT = self.dht.node
+        while not self._stop.is_set():
+            await self._publish(self._mine())
+            with contextlib.suppress(Exception):
+                found = await node.get(self._progress_key)
+                if isinstance(found, dict):
+                    self._records = _parse_records(found)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.progress_interval):
+                    await self._stop.wait()
+
+    # --- state ------------------------------------------------------------------------
+
+    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        optimizers = {"inner": self.optimizer}
+        if self._outer is not None:
+            optimizers["outer"] = self._outer
+        return optimizers
+
+    def _share_state(self) -> None:
+        tensors, metadata = pack_state(self.params, self._optimizers(), {"epoch": self.epoch})
+        try:
+            self.dht.peer.run(
+                self._averager.share_state(
+                    self.epoch, metadata, extra=tensors, include_averaged=False
+                ),
+                timeout=self.config.state_timeout,
+            )
+        except (StateSyncError, TimeoutError, ValueError) as e:
+            logger.warning("could not share state of epoch %d: %s", self.epoch, e)
+
+    def _load_state(self) -> None:
+        """Download parameters and optimizer state from peers and continue from there."""
+        try:
+            loaded = self.dht.peer.run(
+                self._averager.load_state_from_peers(
+                    timeout=self.config.state_timeout, apply=False
+                ),
+                timeout=self.config.state_timeout + 5.0,
+            )
+        except (StateSyncError, TimeoutError) as e:
+            logger.warning("could not load state from peers: %s", e)
+            return
+        extra = {
+            k.removeprefix("extra/"): v for k, v in loaded.tensors.items() if k.startswith("extra/")
+        }
+        counters = unpack_state(extra, loaded.metadata, self.params, self._optimizers())
+        self.epoch = int(counters["epoch"])
+        self._samples = 0
+        self._inner_steps = 0
+        for b in self.buffers:
+            b.zero_()
+        if self._anchor:
+            with torch.no_grad():
+                for p, a in zip(self.params, self._anchor, strict=True):
+                    a.copy_(p)
+        self._counts["loads"] += 1
+        self._publish_now()
+
+    def wait_for_peers(self, num_peers: int, timeout: float) -> int:
+        """Wait until ``num_peers`` peers (this one included) publish progress, or
+        ``timeout`` seconds; returns how many were seen. Peers that start together call
+        it before their first step: two halves of a swarm that cannot see each other yet
+        would otherwise take their first steps in two groups, and drift apart."""
+        deadline = time.monotonic() + timeout
+        seen = self._summary().num_peers
+        while seen < num_peers and time.monotonic() < deadline:
+            time.sleep(self.config.progress_interval)
+            seen = self._summary().num_peers
+        return seen
+
+    def load_state_from_peers(self) -> bool:
+        """Join a running swarm: download its state now if it is ahead of us. True if
+        state was loaded."""
+        if not self._behind():
+            return False
+        self._load_state()
+        return True
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def statistics(self) -> OptimizerStatistics:
+        view = self._view or self._summary()
+        return OptimizerStatistics(
+            epoch=self.epoch,
+            local_steps=self._local_steps,
+            local_samples=self._local_samples,
+            num_rounds=self._counts["rounds"],
+            num_rounds_alone=self._counts["alone"],
+            num_state_loads=self._counts["loads"],
+            bytes_sent=self._counts["bytes"],
+            num_peers=view.num_peers,
+            samples_per_second=self._rate,
+        )
+
+    def close(self) -> None:
+        """Stop publishing progress and leave the swarm (the DHT stays open)."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop() -> None:
+            self._stop.set()
+            await self._averager.__aexit__(None, None, None)
+
+        with contextlib.suppress(Exception):
+            self.dht.peer.run(stop(), timeout=10.0)
+        with contextlib.suppress(Exception):
+            self._progress_task.result(timeout=5.0)
+
+    def __enter__(self) -> CollaborativeOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _parse_records(found: dict[bytes, Any]) -> dict[PeerID, PeerProgress]:
+    records: dict[PeerID, PeerProgress] = {}
+    for subkey, item in found.items():
+        try:
+            owner = owner_of(b"", subkey)
+        except RecordError:
+            continue
+        progress = PeerProgress.from_wire(getattr(item, "value", None))
+        if owner is not None and progress is not None:
+            records[owner] = progress
+    return records

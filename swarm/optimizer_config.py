@@ -1,0 +1,120 @@
+"""Configuration and statistics of :class:`swarm.optimizer.CollaborativeOptimizer`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from averaging import AllReduceConfig, MatchmakingConfig
+from swarm.errors import SwarmError
+
+
+class OptimizerError(SwarmError):
+    """The collaborative optimizer was configured or used wrongly."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig:
+    """DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
+    Language Models"): ``inner_steps`` local steps, then an outer Nesterov step on the
+    swarm's averaged parameter change."""
+
+    inner_steps: int = 50
+    """H in the paper: local optimizer steps between two synchronisations."""
+    outer_lr: float = 0.7
+    """The outer optimizer's learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """Nesterov momentum of the outer optimizer (the paper's 0.9)."""
+    codec: str = "float16"
+    """How the parameter change travels: "none", "float16" or "uint8"."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
+            raise OptimizerError("inner_steps must be a positive int")
+        if not 0 < self.outer_lr < math.inf or not 0 <= self.outer_momentum < 1:
+            raise OptimizerError("need outer_lr > 0 and 0 <= outer_momentum < 1")
+        if self.codec not in ("none", "float16", "uint8"):
+            raise OptimizerError("codec must be 'none', 'float16' or 'uint8'")
+
+
+def _default_matchmaking() -> MatchmakingConfig:
+    # Training swarms know how many peers to expect (their progress records), so groups
+    # form as soon as everyone joined; the gather window only waits for stragglers.
+    return MatchmakingConfig(
+        target_group_size=64,
+        min_group_size=2,
+        search_timeout=10.0,
+        gather_timeout=1.0,
+        request_timeout=3.0,
+        poll_interval_seconds=0.05,
+        form_when_full=True,
+    )
+
+
+def _default_allreduce() -> AllReduceConfig:
+    return AllReduceConfig(sender_timeout=5.0, reducer_timeout=10.0, round_timeout=20.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollaborativeConfig:
+    """How a peer trains with the swarm."""
+
+    run_id: str
+    """Name of the training run: peers with the same run id train one model together."""
+    target_batch_size: int
+    """Samples the whole swarm accumulates per optimizer step (the global batch). Ignored
+    in DiLoCo mode, which synchronises every ``diloco.inner_steps`` local steps."""
+    diloco: DiLoCoConfig | None = None
+    """DiLoCo mode; ``None`` averages gradients every global batch."""
+    matchmaking: MatchmakingConfig = field(default_factory=_default_matchmaking)
+    """Groups for each averaging round (sizes come from the progress records)."""
+    allreduce: AllReduceConfig = field(default_factory=_default_allreduce)
+    """Round timeouts and chunking of the averaging rounds."""
+    progress_interval: float = 0.05
+    """Seconds between this peer's progress publications (and reads of everyone's)."""
+    progress_expiration: float = 10.0
+    """A peer whose last progress record is older than this is counted as gone."""
+    max_wait_seconds: float = 2.0
+    """Seconds a peer that has its share of the global batch waits for the others before
+    it goes on accumulating (a fast peer in a slow swarm: its extra samples still count)."""
+    state_timeout: float = 30.0
+    """Seconds a late joiner or a peer that fell behind may spend downloading state."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
+            raise OptimizerError("run_id must be a non-empty string without '/'")
+        if not isinstance(self.target_batch_size, int) or self.target_batch_size < 1:
+            raise OptimizerError("target_batch_size must be a positive int")
+        for name in (
+            "progress_interval",
+            "progress_expiration",
+            "max_wait_seconds",
+            "state_timeout",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise OptimizerError(f"{name} must be a positive number of seconds")
+        if self.progress_expiration <= 2 * self.progress_interval:
+            raise OptimizerError("progress_expiration must exceed two progress intervals")
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerStatistics:
+    """Counters of one peer's collaborative training (STYLE.md 15)."""
+
+    epoch: int
+    """Global optimizer steps (outer steps in DiLoCo mode) this peer has taken part in."""
+    local_steps: int
+    local_samples: int
+    num_rounds: int
+    """Averaging rounds that formed a group."""
+    num_rounds_alone: int
+    """Steps taken alone (no group formed in time)."""
+    num_state_loads: int
+    """Times this peer downloaded state (joining late or falling behind)."""
+    bytes_sent: int
+    """Bytes this peer sent in averaging rounds."""
+    num_peers: int
+    """Peers in the swarm's current epoch, as last seen."""
+    samples_per_second: float
+    """This peer's measured training throughput."""

@@ -1,0 +1,122 @@
+"""Training progress shared through the DHT, and what a peer concludes from it.
+
+Each peer publishes one signed record under ``{run_id}/progress`` (its subkey is its
+owner marker, so nobody can write another peer's record): its epoch, the samples it
+accumulated toward the next step, its throughput and the time. :func:`summarize` turns
+every peer's records into the swarm's state from one peer's point of view (pure, STYLE.md
+1).
+
+Sample counts are self-reported, so one peer could claim a billion and end every epoch
+alone. A peer's claim therefore counts only up to ``plausible_factor`` times the
+*typical* claim (the median over peers in the epoch) or what this peer measured itself,
+whichever is larger: hardware differs by a small factor between volunteers, not by
+orders of magnitude. Liars in a minority cannot move the median, so they cannot advance
+the epoch by themselves; honest fast peers are at worst under-counted (the epoch then
+lasts a little longer, never shorter).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from peers.identity import PeerID
+
+#: A peer counts for at most this many times the median claim of its epoch: volunteers'
+#: hardware differs by a few times, not by orders of magnitude.
+PLAUSIBLE_FACTOR = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerProgress:
+    """One peer's published record."""
+
+    epoch: int
+    samples: int
+    """Samples accumulated toward the step that ends ``epoch``."""
+    samples_per_second: float
+    time: float
+    """When it was published (``dht_time``)."""
+    averaging: bool = False
+    """It has started averaging for ``epoch``: peers in that epoch should join it now."""
+
+    @classmethod
+    def from_wire(cls, value: object) -> PeerProgress | None:
+        """Parse a record; ``None`` for anything malformed (a remote's garbage)."""
+        if not isinstance(value, list) or len(value) != 5:
+            return None
+        epoch, samples, rate, when, averaging = value
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, samples)):
+            return None
+        if not all(isinstance(v, int | float) and math.isfinite(v) for v in (rate, when)):
+            return None
+        if epoch < 0 or samples < 0 or rate < 0 or not isinstance(averaging, bool):
+            return None
+        return cls(epoch, samples, float(rate), float(when), averaging)
+
+    def to_wire(self) -> list[object]:
+        return [self.epoch, self.samples, self.samples_per_second, self.time, self.averaging]
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmProgress:
+    """The swarm as one peer sees it."""
+
+    epoch: int
+    """The newest epoch any live peer is in."""
+    num_peers: int
+    """Live peers, this one included (a peer one epoch behind is about to catch up)."""
+    samples: int
+    """Samples accumulated toward that epoch's step, each peer's claim capped."""
+    target_batch_size: int
+    samples_per_second: float
+    """Sum of the live peers' throughput (capped alike)."""
+    averaging: bool = False
+    """A peer in this epoch has started averaging."""
+
+    @property
+    def ready(self) -> bool:
+        """Time to step: the global batch is full, or a peer already started averaging."""
+        return self.averaging or self.samples >= self.target_batch_size
+
+    @property
+    def eta_seconds(self) -> float:
+        """Seconds until the step, at the current throughput (inf when none)."""
+        missing = max(self.target_batch_size - self.samples, 0)
+        if missing == 0:
+            return 0.0
+        return missing / self.samples_per_second if self.samples_per_second > 0 else math.inf
+
+
+def summarize(
+    records: Mapping[PeerID, PeerProgress],
+    me: PeerID,
+    mine: PeerProgress,
+    target_batch_size: int,
+    *,
+    now: float,
+    expiration_seconds: float,
+    plausible_factor: float = PLAUSIBLE_FACTOR,
+) -> SwarmProgress:
+    """The swarm's progress from ``records`` (everyone's, maybe stale) and ``mine`` (my
+    own, always current). Records older than ``expiration_seconds`` are of peers gone."""
+    live = {p: r for p, r in records.items() if now - r.time <= expiration_seconds and p != me}
+    live[me] = mine
+    epoch = max(r.epoch for r in live.values())
+    current = [r for r in live.values() if r.epoch == epoch]
+    # median_low: with two peers, the smaller claim (one liar in two is no majority)
+    median_samples = statistics.median_low(r.samples for r in current)
+    median_rate = statistics.median_low(r.samples_per_second for r in current)
+    own_samples = mine.samples if mine.epoch == epoch else 0
+    sample_cap = plausible_factor * max(median_samples, own_samples, 1)
+    rate_cap = plausible_factor * max(median_rate, mine.samples_per_second, 1e-9)
+    return SwarmProgress(
+        epoch=epoch,
+        num_peers=len(live),
+        samples=int(sum(min(r.samples, sample_cap) for r in current)),
+        target_batch_size=target_batch_size,
+        samples_per_second=sum(min(r.samples_per_second, rate_cap) for r in current),
+        averaging=any(r.averaging for p, r in live.items() if r.epoch == epoch and p != me),
+    )

@@ -1,0 +1,86 @@
+"""The swarm's progress as one peer sees it: absurd claims cannot end an epoch."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from peers import KeyPair, PeerID
+from peers.dht import BlockingDHT, dht_time
+from peers.dht.records import owner_marker
+from swarm.optimizer import _parse_records
+from swarm.progress import PeerProgress, summarize
+
+
+def _ids(n: int) -> list[PeerID]:
+    return [KeyPair.generate().peer_id for _ in range(n)]
+
+
+def _view(claims: list[int], mine: int = 16, target: int = 64) -> object:
+    me, *others = _ids(len(claims) + 1)
+    now = 1000.0
+    records = {p: PeerProgress(3, c, 100.0, now) for p, c in zip(others, claims, strict=True)}
+    return summarize(
+        records, me, PeerProgress(3, mine, 100.0, now), target, now=now, expiration_seconds=5
+    )
+
+
+def test_honest_peers_fill_the_batch() -> None:
+    view = _view([16, 16, 16])
+    assert view.samples == 64 and view.ready and view.num_peers == 4  # type: ignore[attr-defined]
+
+
+def test_an_absurd_claim_cannot_end_the_epoch_by_itself() -> None:
+    view = _view([10**12, 0, 0], mine=0)
+    assert not view.ready  # type: ignore[attr-defined]
+    view = _view([10**12, 8, 8], mine=8)
+    assert view.samples < 64 and not view.ready  # type: ignore[attr-defined]
+    # ... and in a pair, one liar is no majority either
+    assert not _view([10**12], mine=4).ready  # type: ignore[attr-defined]
+
+
+def test_stale_and_malformed_records_are_ignored() -> None:
+    me, other = _ids(2)
+    now = 1000.0
+    view = summarize(
+        {other: PeerProgress(9, 500, 1.0, now - 60)},
+        me,
+        PeerProgress(3, 8, 1.0, now),
+        64,
+        now=now,
+        expiration_seconds=5,
+    )
+    assert view.epoch == 3 and view.num_peers == 1
+    for garbage in (
+        None,
+        [1, 2, 3],
+        [1, -5, 0.0, now, False],
+        [1, 2, float("nan"), now, False],
+        [True, 2, 1.0, now, False],
+        [1, 2, 1.0, now, "yes"],
+    ):
+        assert PeerProgress.from_wire(garbage) is None
+
+
+def test_a_liar_on_the_dht_does_not_make_an_honest_peer_ready() -> None:
+    """A real peer publishes a billion samples under the run's progress key; the honest
+    peer reads it through the DHT and still waits for its batch."""
+    with contextlib.ExitStack() as stack:
+        honest = stack.enter_context(BlockingDHT())
+        addr = f"{honest.peer.listen_addrs[0]}/p2p/{honest.peer.peer_id}"
+        liar = stack.enter_context(BlockingDHT([addr]))
+        key = "run/progress"
+        claim = PeerProgress(0, 10**9, 1e9, dht_time())
+        assert liar.store(key, claim.to_wire(), ttl=30, subkey=owner_marker(liar.peer.peer_id))
+        found: object = None
+        deadline = time.monotonic() + 10
+        while not found and time.monotonic() < deadline:
+            found = honest.get(key)
+        assert isinstance(found, dict)
+        records = _parse_records(found)
+        assert list(records) == [liar.peer.peer_id]
+        mine = PeerProgress(0, 16, 100.0, dht_time())
+        view = summarize(
+            records, honest.peer.peer_id, mine, 1024, now=dht_time(), expiration_seconds=10
+        )
+        assert not view.ready and view.samples <= 2 * 16 * 4
