@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -36,6 +36,7 @@ from averaging.state_records import LoadedState, StateSyncConfig
 from averaging.state_sync import load_state_from_peers
 from peers.dht.node import DHT
 from peers.errors import LocalProtocolError
+from peers.identity import PeerID
 
 #: Bandwidth (bytes/s) a peer announces before it has measured its own: a common
 #: broadband figure, so a newcomer takes an ordinary share of the first round.
@@ -194,9 +195,7 @@ class Averager:
     def _measured(self, outcome: AllReduceResult) -> None:
         rate = outcome.received_bytes_per_second
         if outcome.transfer.bytes_received > 0 and math.isfinite(rate) and rate > 0:
-            self.bandwidth = (
-                BANDWIDTH_SMOOTHING * rate + (1 - BANDWIDTH_SMOOTHING) * self.bandwidth
-            )
+            self.bandwidth = BANDWIDTH_SMOOTHING * rate + (1 - BANDWIDTH_SMOOTHING) * self.bandwidth
 
     # --- state for newcomers ----------------------------------------------------------
 
@@ -220,22 +219,32 @@ class Averager:
         await self._state.set_state(version, tensors, dict(metadata or {}))
 
     async def load_state_from_peers(
-        self, *, timeout: float | None = None, apply: bool = True
+        self,
+        *,
+        timeout: float | None = None,
+        apply: bool = True,
+        donors: Sequence[PeerID] | None = None,
     ) -> LoadedState:
         """Download the newest state peers share (in parallel from several donors,
         verified) and copy the averaged tensors into ours; the result also holds the
         ``extra`` tensors and metadata. Raises
         :class:`~averaging.state_manifest.StateSyncError` if none can be had, and
         :class:`AveragerError` if it does not fit our tensors (ours are then unchanged).
-        With ``apply`` False our tensors are left alone (the caller uses ``extra``).
+        With ``apply`` False our tensors are left alone (the caller uses ``extra``);
+        ``donors`` restricts the download to those peers.
         """
-        loaded = await load_state_from_peers(
-            self.peer,
-            dht=self.dht,
-            prefix=self._state_prefix,
-            timeout=timeout,
-            config=self.config.state_sync,
-        )
+        if donors:
+            loaded = await load_state_from_peers(
+                self.peer, donors=list(donors), timeout=timeout, config=self.config.state_sync
+            )
+        else:
+            loaded = await load_state_from_peers(
+                self.peer,
+                dht=self.dht,
+                prefix=self._state_prefix,
+                timeout=timeout,
+                config=self.config.state_sync,
+            )
         if not apply:
             return loaded
         for name, tensor in self.tensors.items():

@@ -48,7 +48,7 @@ from swarm.optimizer_config import (
     OptimizerError,
     OptimizerStatistics,
 )
-from swarm.progress import PeerProgress, SwarmProgress, summarize
+from swarm.progress import PeerProgress, SwarmProgress, split_winner, summarize
 from swarm.training_state import pack_state, unpack_state
 
 logger = logging.getLogger(__name__)
@@ -81,13 +81,14 @@ class CollaborativeOptimizer:
         self.epoch = 0
         self._samples = 0
         self._averaging = False
+        self._fingerprint = b""
         self._local_steps = 0
         self._local_samples = 0
         self._inner_steps = 0
         self._rate = 0.0
         self._rate_since = time.monotonic()
         self._rate_samples = 0
-        self._counts = {"rounds": 0, "alone": 0, "loads": 0, "bytes": 0}
+        self._counts = {"rounds": 0, "alone": 0, "loads": 0, "bytes": 0, "splits": 0}
         self._records: dict[PeerID, PeerProgress] = {}
         self._view: SwarmProgress | None = None
         self._outer: torch.optim.Optimizer | None = None
@@ -130,6 +131,19 @@ class CollaborativeOptimizer:
         if self._behind():
             self._zero_grads()
             self._load_state()
+            return
+        branch = split_winner(
+            self._records,
+            self.dht.peer.peer_id,
+            self._mine(),
+            now=dht_time(),
+            expiration_seconds=self.config.progress_expiration,
+        )
+        if branch is not None:  # we stepped in a group apart from most of the swarm
+            logger.warning("epoch %d: the swarm split; following the majority", self.epoch)
+            self._zero_grads()
+            self._counts["splits"] += 1
+            self._load_state(donors=branch[1], fingerprint=branch[0])
             return
         if self.config.diloco is not None:
             self._diloco_step(batch_size)
@@ -210,6 +224,7 @@ class CollaborativeOptimizer:
             return True
         self._counts["rounds"] += 1
         self._counts["bytes"] += step.outcome.transfer.bytes_sent
+        self._fingerprint = step.outcome.result.fingerprint()[:16]
         report = step.outcome.result.report
         if not step.outcome.transfer.agreed or report.fraction_averaged < 1.0:
             # Withdrawn, or the round ended at its deadline: what we hold is not what
@@ -279,7 +294,9 @@ class CollaborativeOptimizer:
     # --- progress ---------------------------------------------------------------------
 
     def _mine(self) -> PeerProgress:
-        return PeerProgress(self.epoch, self._samples, self._rate, dht_time(), self._averaging)
+        return PeerProgress(
+            self.epoch, self._samples, self._rate, dht_time(), self._averaging, self._fingerprint
+        )
 
     def _summary(self) -> SwarmProgress:
         self._view = summarize(
@@ -347,12 +364,15 @@ class CollaborativeOptimizer:
         except (StateSyncError, TimeoutError, ValueError) as e:
             logger.warning("could not share state of epoch %d: %s", self.epoch, e)
 
-    def _load_state(self) -> None:
-        """Download parameters and optimizer state from peers and continue from there."""
+    def _load_state(
+        self, donors: list[PeerID] | None = None, fingerprint: bytes | None = None
+    ) -> None:
+        """Download parameters and optimizer state from peers (``donors`` if given) and
+        continue from there."""
         try:
             loaded = self.dht.peer.run(
                 self._averager.load_state_from_peers(
-                    timeout=self.config.state_timeout, apply=False
+                    timeout=self.config.state_timeout, apply=False, donors=donors
                 ),
                 timeout=self.config.state_timeout + 5.0,
             )
@@ -364,6 +384,9 @@ class CollaborativeOptimizer:
         }
         counters = unpack_state(extra, loaded.metadata, self.params, self._optimizers())
         self.epoch = int(counters["epoch"])
+        self._fingerprint = (
+            fingerprint if fingerprint is not None else bytes(counters.get("fingerprint", b""))
+        )
         self._samples = 0
         self._inner_steps = 0
         for b in self.buffers:
@@ -406,6 +429,7 @@ class CollaborativeOptimizer:
             num_rounds=self._counts["rounds"],
             num_rounds_alone=self._counts["alone"],
             num_state_loads=self._counts["loads"],
+            num_splits=self._counts["splits"],
             bytes_sent=self._counts["bytes"],
             num_peers=view.num_peers,
             samples_per_second=self._rate,

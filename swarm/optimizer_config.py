@@ -44,7 +44,10 @@ def _default_matchmaking() -> MatchmakingConfig:
         target_group_size=64,
         min_group_size=2,
         search_timeout=10.0,
-        gather_timeout=1.0,
+        # How long a leader waits for expected peers that have not joined (a dead peer
+        # not yet expired, or one whose declaration is slow to show in the DHT): forming
+        # early would split the swarm into groups that step apart.
+        gather_timeout=3.0,
         request_timeout=3.0,
         poll_interval_seconds=0.05,
         form_when_full=True,
@@ -112,6 +115,9 @@ class OptimizerStatistics:
     """Steps taken alone (no group formed in time)."""
     num_state_loads: int
     """Times this peer downloaded state (joining late or falling behind)."""
+    num_splits: int
+    """Times this peer found it had stepped apart from most of the swarm (and followed
+    the majority's state)."""
     bytes_sent: int
     """Bytes this peer sent in averaging rounds."""
     num_peers: int

@@ -27,6 +27,8 @@ from peers.identity import PeerID
 #: A peer counts for at most this many times the median claim of its epoch: volunteers'
 #: hardware differs by a few times, not by orders of magnitude.
 PLAUSIBLE_FACTOR = 4.0
+#: A round fingerprint in a progress record: 16 bytes tell rounds apart.
+MAX_FINGERPRINT_BYTES = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,23 +43,34 @@ class PeerProgress:
     """When it was published (``dht_time``)."""
     averaging: bool = False
     """It has started averaging for ``epoch``: peers in that epoch should join it now."""
+    fingerprint: bytes = b""
+    """Of the round that ended its previous epoch: peers that stepped together share it."""
 
     @classmethod
     def from_wire(cls, value: object) -> PeerProgress | None:
         """Parse a record; ``None`` for anything malformed (a remote's garbage)."""
-        if not isinstance(value, list) or len(value) != 5:
+        if not isinstance(value, list) or len(value) != 6:
             return None
-        epoch, samples, rate, when, averaging = value
+        epoch, samples, rate, when, averaging, fingerprint = value
+        if not isinstance(fingerprint, bytes) or len(fingerprint) > MAX_FINGERPRINT_BYTES:
+            return None
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, samples)):
             return None
         if not all(isinstance(v, int | float) and math.isfinite(v) for v in (rate, when)):
             return None
         if epoch < 0 or samples < 0 or rate < 0 or not isinstance(averaging, bool):
             return None
-        return cls(epoch, samples, float(rate), float(when), averaging)
+        return cls(epoch, samples, float(rate), float(when), averaging, fingerprint)
 
     def to_wire(self) -> list[object]:
-        return [self.epoch, self.samples, self.samples_per_second, self.time, self.averaging]
+        return [
+            self.epoch,
+            self.samples,
+            self.samples_per_second,
+            self.time,
+            self.averaging,
+            self.fingerprint,
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +133,25 @@ def summarize(
         samples_per_second=sum(min(r.samples_per_second, rate_cap) for r in current),
         averaging=any(r.averaging for p, r in live.items() if r.epoch == epoch and p != me),
     )
+
+
+def split_winner(
+    records: Mapping[PeerID, PeerProgress],
+    me: PeerID,
+    mine: PeerProgress,
+    *,
+    now: float,
+    expiration_seconds: float,
+) -> tuple[bytes, list[PeerID]] | None:
+    """If live peers in my epoch reached it through a different round than I did (the
+    swarm split into groups that stepped apart), the branch to follow and its peers:
+    the one most peers are on, ties to the smaller fingerprint. ``None`` when I am on it
+    (or nobody else is in my epoch)."""
+    branches: dict[bytes, list[PeerID]] = {mine.fingerprint: [me]}
+    for peer, r in records.items():
+        if peer != me and now - r.time <= expiration_seconds and r.epoch == mine.epoch:
+            branches.setdefault(r.fingerprint, []).append(peer)
+    best = min(branches, key=lambda f: (-len(branches[f]), f))
+    if best == mine.fingerprint or not best:
+        return None
+    return best, branches[best]

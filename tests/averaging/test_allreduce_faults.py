@@ -22,14 +22,20 @@ CONFIG = {
 }
 
 
-def _start_round(procs: list[PeerProcess], ranks: dict[str, int], seed: int) -> None:
+def _start_round(
+    procs: list[PeerProcess],
+    ranks: dict[str, int],
+    seed: int,
+    elements: int = ELEMENTS,
+    codec: str = "none",
+) -> None:
     members = [[p.peer_id, p.maddr, ranks[p.peer_id]] for p in procs]
     command = {
         "op": "round",
         "round_id": os.urandom(16).hex(),
         "members": members,
-        "elements": ELEMENTS,
-        "config": CONFIG,
+        "elements": elements,
+        "config": {**CONFIG, "codec": codec},
         "seed": seed,
     }
     for p in procs:
@@ -45,6 +51,23 @@ def _check_survivors(reports: list[dict[str, Any]], dead: set[str]) -> None:
         assert r["all_parts_cover_survivors"], r
         assert r["max_error"] < 1e-5, r
         assert r["seconds"] <= 2 * CONFIG["round_timeout"], r
+
+
+def test_eight_processes_hold_the_mean_within_each_codec_bound() -> None:
+    with LocalSwarm() as swarm:
+        procs = swarm.start(NUM_PEERS, target=TARGET)
+        for p in procs:
+            p.wait_report("serving", 60)
+        ranks = {p.peer_id: i for i, p in enumerate(procs)}
+        for codec in ("none", "float16", "uint8", "blockwise8"):
+            _start_round(procs, ranks, seed=5, elements=1 << 20, codec=codec)
+            reports = [p.wait_report("done", 4 * CONFIG["round_timeout"]) for p in procs]
+            assert len({r["fingerprint"] for r in reports}) == 1  # identical everywhere
+            for r in reports:
+                assert r["agreed"] and r["fraction"] == 1.0 and not r["failed"], (codec, r)
+                assert r["max_error"] <= r["bound"], (codec, r)
+                if codec == "none":
+                    assert r["max_error"] < 1e-5, r
 
 
 def test_two_of_eight_killed_mid_round_ten_times() -> None:

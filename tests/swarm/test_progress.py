@@ -9,7 +9,7 @@ from peers import KeyPair, PeerID
 from peers.dht import BlockingDHT, dht_time
 from peers.dht.records import owner_marker
 from swarm.optimizer import _parse_records
-from swarm.progress import PeerProgress, summarize
+from swarm.progress import PeerProgress, split_winner, summarize
 
 
 def _ids(n: int) -> list[PeerID]:
@@ -84,3 +84,33 @@ def test_a_liar_on_the_dht_does_not_make_an_honest_peer_ready() -> None:
             records, honest.peer.peer_id, mine, 1024, now=dht_time(), expiration_seconds=10
         )
         assert not view.ready and view.samples <= 2 * 16 * 4
+
+
+def test_a_split_swarm_follows_the_majority_branch() -> None:
+    me, a, b, c = _ids(4)
+    now = 1000.0
+
+    def rec(fp: bytes, epoch: int = 5) -> PeerProgress:
+        return PeerProgress(epoch, 0, 1.0, now, False, fp)
+
+    mine = rec(b"x")
+    assert (
+        split_winner({a: rec(b"x"), b: rec(b"x")}, me, mine, now=now, expiration_seconds=5) is None
+    )
+    winner = split_winner(
+        {a: rec(b"y"), b: rec(b"y"), c: rec(b"y")}, me, mine, now=now, expiration_seconds=5
+    )
+    assert winner is not None and winner[0] == b"y" and set(winner[1]) == {a, b, c}
+    # two against two: the smaller fingerprint ("x", mine) stays
+    assert (
+        split_winner(
+            {a: rec(b"y"), b: rec(b"y"), c: rec(b"x")}, me, mine, now=now, expiration_seconds=5
+        )
+        is None
+    )
+    # a tie goes to the smaller fingerprint, the same choice on both sides
+    tie = split_winner({a: rec(b"a")}, me, mine, now=now, expiration_seconds=5)
+    assert tie is not None and tie[0] == b"a"
+    assert split_winner({a: rec(b"z")}, me, mine, now=now, expiration_seconds=5) is None
+    # other epochs and stale records do not count
+    assert split_winner({a: rec(b"a", epoch=4)}, me, mine, now=now, expiration_seconds=5) is None

@@ -9,11 +9,19 @@ each part's contributors, recomputed here from the seeds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
+from averaging.compression import (
+    Blockwise8BitCodec,
+    Codec,
+    Float16Codec,
+    NoneCodec,
+    Uniform8BitCodec,
+)
 from peers.identity import PeerID
 from peers.testing import Node
 
@@ -37,6 +45,22 @@ def _max_error(result: Any, ranks: dict[PeerID, int], seed: int, elements: int) 
     return worst
 
 
+CODECS: dict[str, Callable[[], Codec]] = {
+    "none": NoneCodec,
+    "float16": Float16Codec,
+    "uint8": Uniform8BitCodec,
+    "blockwise8": Blockwise8BitCodec,
+}
+
+
+def _bound(codec: Codec, ranks: dict[PeerID, int], seed: int, elements: int, result: Any) -> float:
+    """A value's error: its sender's encoding (weights sum to one, so the mean moves by at
+    most the largest sender bound) plus the reducer's encoding of the mean."""
+    tensors = [member_tensor(seed, r, elements) for r in ranks.values()]
+    senders = max(codec.error_bound(t) for t in tensors)
+    return senders + codec.error_bound(result.averaged) + 1e-6
+
+
 async def allreduce_node(node: Node) -> None:
     torch.set_num_threads(1)  # 8 processes share 2 cores: no intra-op thread pools
     async with AllReduceService(node.peer) as service:
@@ -58,7 +82,9 @@ async def allreduce_node(node: Node) -> None:
                 chunk_elements=int(command["config"].get("chunk_elements", 1 << 16)),
                 me=node.peer.peer_id,
             )
-            config = AllReduceConfig(**command["config"])
+            settings = dict(command["config"])
+            codec = CODECS[settings.pop("codec", "none")]()
+            config = AllReduceConfig(**settings, codec=codec)
             local = member_tensor(int(command["seed"]), me, elements)
             node.report({"event": "started"})
             outcome = await service.run_round(spec, local, 1.0, config)
@@ -81,5 +107,6 @@ async def allreduce_node(node: Node) -> None:
                     "all_parts_cover_survivors": parts_ok,
                     "max_error": _max_error(result, ranks, int(command["seed"]), elements),
                     "bytes_sent": outcome.transfer.bytes_sent,
+                    "bound": _bound(codec, ranks, int(command["seed"]), elements, result),
                 }
             )
