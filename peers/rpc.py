@@ -228,14 +228,22 @@ def add_stream_handler(
                     yield from_wire(request_type, _message_body(frame))
                     frame = await framed.read_frame()
 
+            responses = handler(requests(), context)
             try:
                 async with asyncio.timeout(context.timeout):
-                    async for response in handler(requests(), context):
+                    async for response in responses:
                         await framed.write_frame([_KIND_MESSAGE, to_wire(response)])
             except ConnectionClosed:
                 raise
             except Exception as e:
                 await framed.write_frame(_error_frame(e))
+            finally:
+                # Run the handler's own cleanup now (its ``finally`` blocks, freeing what
+                # it holds), not whenever the abandoned generator is collected.
+                aclose = getattr(responses, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
             await stream.close()
 
         await _serve_guarded(stream, work())

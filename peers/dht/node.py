@@ -55,7 +55,7 @@ from peers.errors import PeersError
 from peers.host import Peer
 from peers.identity import PeerID
 from peers.rpc import CallContext
-from peers.serialization import pack, unpack
+from peers.serialization import SerializationError, pack, unpack
 from peers.wire import WireError
 
 __all__ = [
@@ -533,10 +533,17 @@ class DHT:
     @staticmethod
     def _as_result(
         best: dict[bytes | None, Record],
-    ) -> ValueWithExpiration | dict[bytes, ValueWithExpiration]:
-        entries = {
-            s: ValueWithExpiration(unpack(r.value), r.expiration_time) for s, r in best.items()
-        }
+    ) -> ValueWithExpiration | dict[bytes, ValueWithExpiration] | None:
+        entries: dict[bytes | None, ValueWithExpiration] = {}
+        for s, r in best.items():
+            try:
+                entries[s] = ValueWithExpiration(unpack(r.value), r.expiration_time)
+            except SerializationError:
+                # One undecodable record (any peer may store under a shared key) must not
+                # hide the others under that key; it is skipped.
+                logger.info("skipping an undecodable value under subkey %r", s)
+        if not entries:
+            return None
         if list(entries) == [None]:
             return entries[None]
         return {s: v for s, v in entries.items() if s is not None}

@@ -203,3 +203,20 @@ def test_client_mode_is_automatic_without_a_listen_address(arun: Run) -> None:
                     assert isinstance(found, ValueWithExpiration) and found.value == "v"
 
     arun(main())
+
+
+def test_an_undecodable_value_does_not_hide_the_others_under_its_key(arun: Run) -> None:
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            expiration = dht_time() + 60
+            good = wire(b"shared", "honest", expiration, subkey=b"a")
+            garbage = WireRecord(b"shared", b"b", b"\xc1\xff\x00garbage", expiration)
+            assert await raw_store(attacker, victim, [good, garbage]) == [True, True]
+            found = await victim.get(b"shared")
+            assert isinstance(found, dict) and list(found) == [b"a"]
+            assert found[b"a"].value == "honest"
+            lone = WireRecord(b"lone", None, b"\xc1", expiration)
+            assert await raw_store(attacker, victim, [lone]) == [True]
+            assert await victim.get(b"lone") is None
+
+    arun(main())
