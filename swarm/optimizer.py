@@ -205,6 +205,9 @@ class CollaborativeOptimizer:
     def _average(self, samples: int, num_peers: int) -> bool:
         """Average the buffers with the swarm (in place). False if no group formed while
         other peers are live: they stepped without us, so our state is stale."""
+        if num_peers <= 1:  # nobody else is training: no group to look for
+            self._counts["alone"] += 1
+            return True
         timeout = self.config.matchmaking.search_timeout
         try:
             step: AveragingStep = self.dht.peer.run(
