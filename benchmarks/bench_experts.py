@@ -1,0 +1,335 @@
+"""Remote expert benchmark: ours (``swarm.experts``) against hivemind's MoE server.
+
+One expert, the same module on both sides: hivemind's "ffn" (Linear 1024 -> 4096, GELU,
+Linear 4096 -> 1024, residual LayerNorm) with Adam, one server process and one client
+process per system on 127.0.0.1 (started with multiprocessing's ``spawn``), torch on one
+thread in every process. Ours: ``ExpertServer`` + ``RemoteExpert``; hivemind:
+``hivemind.moe.Server.create(expert_cls="ffn")`` + its ``RemoteExpert``. The local module
+(the same FFN and Adam in one process, no network) is the zero-network limit.
+
+For batch sizes 1, 16 and 256: median latency of a forward (``torch.no_grad()``) and of a
+forward+backward (the client backpropagates a fixed gradient; the server recomputes the
+forward, backpropagates and steps Adam, as both systems do), timed in the client after
+a warm-up; samples/s = batch / median. Each repetition starts fresh clients; within it
+the systems take turns of a few calls each (rotating the order across repetitions), so
+load from other work on a shared machine falls on all of them alike; figures are
+medians over all timed calls of all repetitions. The run ends with one JSON line;
+ratios are oriented so > 1 means ours is better (hivemind's latency over ours; our
+throughput over hivemind's).
+
+    .venv/bin/python benchmarks/bench_experts.py --quick   # 1 rep, under a minute
+    .venv/bin/python benchmarks/bench_experts.py           # 3 reps, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
+from _common import BenchError, descendants, emit_result, median, print_table, stop_pids
+from _experts_peers import child_entry
+
+#: Seconds a child has to import its stack and start (hivemind starts p2pd, a DHT
+#: process and its handler processes).
+STARTUP_TIMEOUT = 120.0
+#: Seconds one measurement command may take.
+MEASURE_TIMEOUT = 300.0
+#: Seconds a child gets to stop after being asked, before it is terminated.
+STOP_GRACE = 15.0
+SYSTEMS = ("ours", "hivemind", "local")
+MODES = ("forward", "forward_backward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How much to measure."""
+
+    batches: tuple[int, ...] = (1, 16, 256)
+    """Batch sizes."""
+    calls: dict[int, int]
+    """Timed calls per repetition, mode and system, by batch size."""
+    warmup: dict[int, int]
+    """Untimed calls before them."""
+    num_reps: int
+    """Repetitions (fresh clients each); figures pool their calls."""
+
+
+QUICK = Plan(calls={1: 20, 16: 10, 256: 4}, warmup={1: 3, 16: 2, 256: 1}, num_reps=1)
+FULL = Plan(calls={1: 100, 16: 40, 256: 10}, warmup={1: 10, 16: 5, 256: 2}, num_reps=3)
+
+
+@dataclass
+class Child:
+    name: str
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    daemon_pids: list[int] = field(default_factory=list)
+
+
+class Fleet:
+    """Every child this run started; stops each, and what it started, by PID."""
+
+    def __init__(self) -> None:
+        self._context = multiprocessing.get_context("spawn")
+        self.children: list[Child] = []
+
+    def start(self, role: str, options: dict[str, Any] | None = None) -> tuple[Child, Any]:
+        ours, theirs = self._context.Pipe()
+        process = self._context.Process(
+            target=child_entry, args=(role, theirs, options or {}), name=role, daemon=False
+        )
+        process.start()
+        theirs.close()
+        child = Child(role, process, ours)
+        self.children.append(child)
+        return child, self.receive(child, STARTUP_TIMEOUT)
+
+    def receive(self, child: Child, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BenchError(f"{child.name} did not answer within {timeout:.0f} s")
+            if child.conn.poll(min(0.2, remaining)):
+                try:
+                    kind, body = child.conn.recv()
+                except (EOFError, OSError) as e:
+                    raise BenchError(f"{child.name} exited ({child.process.exitcode})") from e
+                if kind == "pids":
+                    child.daemon_pids.extend(body)
+                    continue
+                if kind == "error":
+                    raise BenchError(f"{child.name} failed:\n{body}")
+                return body
+            if not child.process.is_alive() and not child.conn.poll(0):
+                raise BenchError(f"{child.name} exited ({child.process.exitcode})")
+
+    def measure(self, child: Child, options: dict[str, Any]) -> list[float]:
+        child.conn.send(("measure", options))
+        seconds: list[float] = self.receive(child, MEASURE_TIMEOUT)
+        return seconds
+
+    def stop(self, child: Child) -> None:
+        tree = descendants(child.process.pid) if child.process.pid else []
+        with contextlib.suppress(OSError, ValueError):
+            child.conn.send(("stop", None))
+        child.process.join(STOP_GRACE)
+        if child.process.is_alive():
+            child.process.terminate()
+            child.process.join(5.0)
+        if child.process.is_alive():
+            child.process.kill()
+            child.process.join(5.0)
+        with contextlib.suppress(OSError):
+            child.conn.close()
+        stop_pids(tree)
+        stop_pids(child.daemon_pids)
+        self.children.remove(child)
+
+    def close(self) -> None:
+        for child in list(self.children):
+            self.stop(child)
+
+
+Results = dict[tuple[str, str, int], list[float]]  # (system, mode, batch) -> seconds
+
+
+#: Timed calls per turn: systems take turns in slices this long, so a load that comes and
+#: goes on a shared machine falls on all of them alike.
+CALLS_PER_TURN = 5
+
+
+def _drop_hivemind(servers: dict[str, Any], notes: list[str], where: str, error: Exception) -> None:
+    notes.append(f"hivemind failed {where}; dropped: {error}")
+    print(f"hivemind failed {where}, measuring without it: {error}", file=sys.stderr)
+    servers.pop("hivemind", None)
+
+
+def _repetition(
+    fleet: Fleet,
+    plan: Plan,
+    order: list[str],
+    servers: dict[str, Any],
+    rep: int,
+    notes: list[str],
+    results: Results,
+) -> None:
+    """Fresh clients for every system; then, for each batch size and mode, the systems
+    take turns of ``CALLS_PER_TURN`` timed calls (each turn after its own warm-up)."""
+    clients: dict[str, Child] = {}
+    try:
+        for system in order:
+            role = "local" if system == "local" else f"{system}_client"
+            try:
+                clients[system], _ = fleet.start(role, servers[system])
+            except BenchError as e:
+                if system != "hivemind":
+                    raise
+                _drop_hivemind(servers, notes, f"to start a client in repetition {rep + 1}", e)
+        for batch in plan.batches:
+            for mode in MODES:
+                left = plan.calls[batch]
+                while left > 0:
+                    calls = min(CALLS_PER_TURN, left)
+                    left -= calls
+                    for system in [s for s in order if s in clients]:
+                        options = {
+                            "mode": mode,
+                            "batch": batch,
+                            "calls": calls,
+                            "warmup": plan.warmup[batch],
+                        }
+                        try:
+                            seconds = fleet.measure(clients[system], options)
+                        except BenchError as e:
+                            if system != "hivemind":
+                                raise
+                            _drop_hivemind(servers, notes, f"in repetition {rep + 1}", e)
+                            fleet.stop(clients.pop(system))
+                            continue
+                        results.setdefault((system, mode, batch), []).extend(seconds)
+                line = "  ".join(
+                    f"{s} {median(results[(s, mode, batch)]) * 1e3:.1f}"
+                    for s in order
+                    if (s, mode, batch) in results
+                )
+                label = "fwd" if mode == "forward" else "fwd+bwd"
+                print(
+                    f"  rep {rep + 1}/{plan.num_reps} {label} batch {batch}: {line} (ms)",
+                    flush=True,
+                )
+    finally:
+        for client in clients.values():
+            fleet.stop(client)
+
+
+def measure(plan: Plan, systems: list[str], notes: list[str]) -> Results:
+    results: Results = {}
+    fleet = Fleet()
+    try:
+        servers: dict[str, Any] = {"local": {}}
+        for system in systems:
+            if system == "local":
+                continue
+            try:
+                _, servers[system] = fleet.start(f"{system}_server")
+            except BenchError as e:
+                if system != "hivemind":
+                    raise
+                notes.append(f"hivemind could not start: {e}")
+                print(f"hivemind could not start, measuring without it: {e}", file=sys.stderr)
+        for rep in range(plan.num_reps):
+            order = [s for s in systems if s in servers]
+            shift = rep % len(order)
+            _repetition(fleet, plan, order[shift:] + order[:shift], servers, rep, notes, results)
+    finally:
+        fleet.close()
+    return results
+
+
+def probe_hivemind() -> tuple[str | None, str]:
+    """hivemind's version, or ``None`` and why it cannot be used (checked in a child)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import hivemind.moe, hivemind; print(hivemind.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=STARTUP_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"importing hivemind took over {STARTUP_TIMEOUT:.0f} s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["unknown error"])[-1]
+        return None, f"hivemind is not importable ({last}); install the 'bench' extra"
+    return done.stdout.strip(), ""
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 3) if num and den else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="reduced run, under a minute")
+    parser.add_argument("--no-hivemind", action="store_true", help="measure ours only")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    notes: list[str] = []
+    version, why = (None, "disabled with --no-hivemind") if args.no_hivemind else probe_hivemind()
+    if version is None:
+        notes.append(why)
+        print(f"hivemind: not measured: {why}", file=sys.stderr)
+    mode = "quick" if args.quick else "full"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"experts benchmark ({mode}): ffn {1024}x{4096}, loopback, 1 torch thread per process, "
+        f"{os.cpu_count()} CPUs, load average {load:.2f}; hivemind {version or 'absent'}"
+    )
+    began = time.monotonic()
+    systems = [s for s in SYSTEMS if s != "hivemind" or version]
+    results = measure(plan, systems, notes)
+    total_s = time.monotonic() - began
+
+    def med(system: str, mode: str, batch: int) -> float | None:
+        values = results.get((system, mode, batch))
+        return median(values) if values else None
+
+    figures: dict[str, Any] = {}
+    ratios: dict[str, Any] = {}
+    rows = [["measurement", "ours", "hivemind", "local", "ratio"]]
+    for batch in plan.batches:
+        for kind in MODES:
+            label = "fwd" if kind == "forward" else "fwd+bwd"
+            for system in SYSTEMS:
+                value = med(system, kind, batch)
+                if value is not None:
+                    figures[f"{kind}_ms_b{batch}_{system}"] = round(value * 1e3, 3)
+                    figures[f"{kind}_samples_per_s_b{batch}_{system}"] = round(batch / value, 1)
+            ratio = _ratio(med("hivemind", kind, batch), med("ours", kind, batch))
+            key = f"{'latency' if batch < 256 else 'throughput'}_{kind}_b{batch}"
+            if ratio is not None:
+                ratios[key] = ratio
+            cells = [med(s, kind, batch) for s in SYSTEMS]
+            rows.append(
+                [f"{label} batch {batch} (ms)"]
+                + [f"{c * 1e3:.2f}" if c else "-" for c in cells]
+                + [f"{ratio:.2f}x" if ratio else "-"]
+            )
+            if batch == max(plan.batches):
+                rows.append(
+                    [f"{label} batch {batch} (samples/s)"]
+                    + [f"{batch / c:.0f}" if c else "-" for c in cells]
+                    + [""]
+                )
+    print_table(
+        f"medians over {plan.num_reps} reps; ratio = hivemind / ours (> 1: ours better)", rows
+    )
+    for note in notes:
+        print(f"note: {note}")
+    print(f"total {total_s:.1f} s")
+    emit_result(
+        "experts",
+        figures,
+        ratios,
+        mode=mode,
+        hivemind=version,
+        load_average=round(load, 2),
+        notes=notes,
+        plan={k: v for k, v in asdict(plan).items()},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The expert server: hosts modules under uids, batches requests, trains, announces.
+
+``async with ExpertServer(peer, backends, config, dht=dht)`` registers the experts
+protocol on ``peer``, starts one :class:`ModuleWorker` per module and (with a DHT)
+announces the modules once, then every ``announce_interval``; its tasks live in a
+TaskGroup it owns (STYLE.md 3). Every request is checked against
+the module's schema before it is decoded or queued; a bad one costs only its caller a
+:class:`BadExpertRequest`. A pipeline stage is hosted the same way as an expert: a
+module under a uid such as ``stage.2``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+
+from peers.dht import DHT, dht_time
+from peers.host import Peer
+from peers.rpc import CallContext
+from peers.serialization import MAX_FRAME_BYTES
+from swarm.experts.announce import Announcement, ExpertLocation, declare_experts
+from swarm.experts.backend import BackendStatistics, KeptForward, ModuleBackend
+from swarm.experts.batching import Batcher
+from swarm.experts.errors import BadExpertRequest
+from swarm.experts.kept import KeptStore
+from swarm.experts.schema import ExpertInfo, TensorSpec, check_batch
+from swarm.experts.server_config import ServerConfig
+from swarm.experts.wire import (
+    BACKWARD_PROTOCOL,
+    FORWARD_PROTOCOL,
+    INFO_PROTOCOL,
+    BackwardRequest,
+    BackwardResponse,
+    ForwardRequest,
+    ForwardResponse,
+    InfoRequest,
+    WireTensor,
+    check_codec,
+    check_finite,
+    decode,
+    encode,
+)
+from swarm.experts.worker import ModuleWorker
+
+logger = logging.getLogger(__name__)
+
+#: Room in a frame for the msgpack head and tensor descriptors of a maximal request.
+FRAME_SLACK_BYTES = 64 * 1024
+#: Hosted uids a "no such expert" error lists (a server may host thousands).
+MAX_LISTED_UIDS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStatistics:
+    modules: dict[str, BackendStatistics]
+    queued_samples: dict[str, int]
+    throughput: dict[str, float]
+    num_announcements: int
+
+
+class ExpertServer:
+    """Serves ``backends`` on ``peer``; announces them in ``dht`` if one is given."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        backends: Sequence[ModuleBackend],
+        config: ServerConfig | None = None,
+        *,
+        dht: DHT | None = None,
+    ) -> None:
+        self.peer = peer
+        self.config = config or ServerConfig()
+        self.dht = dht
+        self.workers: dict[str, ModuleWorker] = {}
+        for backend in backends:
+            if backend.uid in self.workers:
+                raise ValueError(f"uid {backend.uid} is hosted twice")
+            max_batch = backend.info.max_batch_size
+            batcher: Batcher[int] = Batcher(
+                max_batch_size=max_batch,
+                max_queued_samples=self.config.max_queued_batches * max_batch,
+                min_batch_size=min(self.config.min_batch_size, max_batch),
+                max_wait_seconds=self.config.max_wait_seconds,
+            )
+            kept: KeptStore[KeptForward] = KeptStore(
+                max_entries=self.config.max_kept_forwards,
+                ttl_seconds=self.config.kept_forward_seconds,
+            )
+            self.workers[backend.uid] = ModuleWorker(backend, batcher, kept)
+        largest = max((w.backend.info.max_request_bytes for w in self.workers.values()), default=0)
+        self.max_frame_bytes = max(MAX_FRAME_BYTES, largest + FRAME_SLACK_BYTES)
+        self._group: asyncio.TaskGroup | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._num_announcements = 0
+
+    async def __aenter__(self) -> ExpertServer:
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        self.peer.add_unary_handler(INFO_PROTOCOL, self.rpc_info, InfoRequest)
+        for protocol, handler, request_type in (
+            (FORWARD_PROTOCOL, self.rpc_forward, ForwardRequest),
+            (BACKWARD_PROTOCOL, self.rpc_backward, BackwardRequest),
+        ):
+            self.peer.add_unary_handler(
+                protocol, handler, request_type, max_frame_bytes=self.max_frame_bytes
+            )
+        for worker in self.workers.values():
+            self._tasks.append(self._group.create_task(worker.run()))
+        if self.dht is not None:
+            entered = False
+            try:
+                await self.announce()  # findable as soon as the body runs
+                entered = True
+            finally:
+                if not entered:  # cancelled while announcing: undo
+                    await self.__aexit__(None, None, None)
+            self._tasks.append(self._group.create_task(self._announce_forever()))
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for protocol in (INFO_PROTOCOL, FORWARD_PROTOCOL, BACKWARD_PROTOCOL):
+            self.peer.remove_stream_handler(protocol)
+        for task in self._tasks:
+            task.cancel()
+        assert self._group is not None
+        await self._group.__aexit__(None, None, None)
+
+    # --- handlers ------------------------------------------------------------------
+
+    def _worker(self, uid: str) -> ModuleWorker:
+        worker = self.workers.get(uid)
+        if worker is None:
+            hosted = sorted(self.workers)[:MAX_LISTED_UIDS]
+            raise BadExpertRequest(f"no expert {uid[:128]!r} here; this server hosts {hosted}")
+        return worker
+
+    async def rpc_info(self, request: InfoRequest, context: CallContext) -> ExpertInfo:
+        return self._worker(request.uid).backend.info
+
+    async def rpc_forward(self, request: ForwardRequest, context: CallContext) -> ForwardResponse:
+        worker = self._worker(request.uid)
+        info = worker.backend.info
+        codec = _codec(request.reply_codec)
+        inputs, batch = _decode(
+            f"forward {info.uid}: inputs", request.inputs, info.inputs, info.max_batch_size
+        )
+        outputs, kept = await worker.submit("forward", (inputs,), batch, keep=request.keep)
+        token = 0
+        if kept is not None:
+            token = worker.kept.put(context.remote_peer_id, kept, time.monotonic())
+        return ForwardResponse([encode(t, codec) for t in outputs if t is not None], token)
+
+    async def rpc_backward(
+        self, request: BackwardRequest, context: CallContext
+    ) -> BackwardResponse:
+        worker = self._worker(request.uid)
+        info = worker.backend.info
+        codec = _codec(request.reply_codec)
+        what = f"backward {info.uid}"
+        inputs, batch = _decode(f"{what}: inputs", request.inputs, info.inputs, info.max_batch_size)
+        grads, _ = _decode(
+            f"{what}: grad_outputs", request.grad_outputs, info.outputs, info.max_batch_size, batch
+        )
+        kept = None
+        if request.forward_token:
+            kept = worker.kept.take(context.remote_peer_id, request.forward_token, time.monotonic())
+            if kept is not None and kept.leaves[0].shape[0] != batch:
+                kept = None  # not this batch's graph: recompute
+        grad_inputs, _ = await worker.submit("backward", (inputs, grads), batch, kept=kept)
+        return BackwardResponse([None if g is None else encode(g, codec) for g in grad_inputs])
+
+    # --- announcing ----------------------------------------------------------------
+
+    def announcements(self) -> list[Announcement]:
+        addrs = tuple(str(a) for a in self.peer.listen_addrs)
+        return [
+            Announcement(
+                ExpertLocation(uid, self.peer.peer_id, addrs),
+                load=w.batcher.num_queued_samples,
+                throughput=w.throughput,
+            )
+            for uid, w in self.workers.items()
+        ]
+
+    async def announce(self) -> int:
+        """Announce every hosted module once; entries stored (see ``declare_experts``)."""
+        assert self.dht is not None
+        expiration = dht_time() + self.config.announce_ttl
+        stored = await declare_experts(self.dht, self.announcements(), expiration)
+        self._num_announcements += 1
+        return stored
+
+    async def _announce_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.announce_interval)
+            await self.announce()
+
+    def statistics(self) -> ServerStatistics:
+        return ServerStatistics(
+            modules={uid: w.backend.statistics() for uid, w in self.workers.items()},
+            queued_samples={uid: w.batcher.num_queued_samples for uid, w in self.workers.items()},
+            throughput={uid: w.throughput for uid, w in self.workers.items()},
+            num_announcements=self._num_announcements,
+        )
+
+
+def _codec(name: str) -> str:
+    try:
+        return check_codec(name)
+    except ValueError as e:
+        raise BadExpertRequest(str(e)) from None
+
+
+def _decode(
+    what: str,
+    items: list[WireTensor],
+    specs: list[TensorSpec],
+    max_batch_size: int,
+    batch_size: int | None = None,
+) -> tuple[list[torch.Tensor], int]:
+    """Check headers, then decode, then check values; BadExpertRequest on any failure."""
+    try:
+        batch = check_batch(what, items, specs, max_batch_size, batch_size)
+        tensors = [decode(item) for item in items]
+        check_finite(what, tensors)
+    except ValueError as e:
+        raise BadExpertRequest(str(e)) from None
+    return tensors, batch

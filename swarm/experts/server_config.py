@@ -1,0 +1,45 @@
+"""The configuration of an :class:`swarm.experts.ExpertServer`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """How a server batches requests and announces its experts."""
+
+    min_batch_size: int = 1
+    """A batch smaller than this waits for more requests (up to ``max_wait_seconds``).
+    The default 1 runs a lone request at once: batching then only groups the requests
+    that arrive while the module is busy, and costs no latency."""
+    max_wait_seconds: float = 0.0
+    """Longest a request waits for company when its batch is below ``min_batch_size``."""
+    max_queued_batches: int = 8
+    """Queue bound per module, in maximal batches: past ``max_queued_batches *
+    max_batch_size`` queued samples a request is refused with ``ServerBusy`` (so a flood
+    costs memory for a bounded queue, and callers learn to go elsewhere)."""
+    max_kept_forwards: int = 16
+    """Forward graphs kept per module for their callers' backward passes (saving the
+    recomputation). Each holds one request's activations (the ``ffn`` of width 1024 at
+    batch 256: about 30 MB), so this bounds the memory a module spends on them."""
+    kept_forward_seconds: float = 60.0
+    """How long a kept graph waits for its backward."""
+    announce_interval: float = 30.0
+    """Seconds between announcements of the hosted experts in the DHT."""
+    announce_ttl: float = 90.0
+    """Seconds an announcement lives: a server that vanishes drops out of beam search
+    within this. Must exceed ``announce_interval`` so a live server never flickers."""
+
+    def __post_init__(self) -> None:
+        if self.min_batch_size < 1 or self.max_queued_batches < 1:
+            raise ValueError("min_batch_size and max_queued_batches must be at least 1")
+        if self.max_wait_seconds < 0 or self.kept_forward_seconds < 0:
+            raise ValueError("max_wait_seconds and kept_forward_seconds must be >= 0")
+        if self.max_kept_forwards < 0:
+            raise ValueError("max_kept_forwards must be >= 0")
+        if not 0 < self.announce_interval < self.announce_ttl:
+            raise ValueError(
+                f"need 0 < announce_interval ({self.announce_interval}) < announce_ttl "
+                f"({self.announce_ttl}), or a live server's entries would expire between rounds"
+            )

@@ -1,0 +1,187 @@
+"""The task that runs one hosted module: queue, batch, compute, reply, then step.
+
+Handlers ``submit`` a request and await its share of a batch. The worker asks its
+:class:`Batcher` what to run, joins the requests of a batch along the batch dimension,
+computes, and splits the results. Work expected to take more than
+``INLINE_COMPUTE_SECONDS`` (judged by the measured throughput) runs in a thread
+(``asyncio.to_thread``: the event loop keeps moving bytes and enforcing deadlines while
+torch works, and torch releases the GIL in its kernels); smaller work runs inline,
+saving two thread switches per request. After a backward batch, the replies go out
+first and the optimizer step follows, before the module's next batch. One worker per
+module, so a forward never reads parameters a step is writing. A caller that gives up
+leaves the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from swarm.experts.backend import KeptForward, ModuleBackend
+from swarm.experts.batching import Batch, Batcher, Kind
+from swarm.experts.kept import KeptStore
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
+
+#: Weight of the newest batch in the smoothed throughput (samples/s) a server announces.
+THROUGHPUT_SMOOTHING = 0.2
+#: Expected compute below which a batch runs on the event loop instead of a thread: the
+#: loop stalls at most this long, and a small request saves two thread switches.
+INLINE_COMPUTE_SECONDS = 0.002
+
+Tensors = list[torch.Tensor]
+Result = list[torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class _Job:
+    parts: tuple[Tensors, ...]  # forward: (inputs,); backward: (inputs, grad_outputs)
+    future: asyncio.Future[tuple[Result, KeptForward | None]]
+    keep: bool
+    kept: KeptForward | None
+
+
+class ModuleWorker:
+    """Owns one module's queue; :meth:`run` is its task (started by the server)."""
+
+    def __init__(
+        self, backend: ModuleBackend, batcher: Batcher[int], kept: KeptStore[KeptForward]
+    ) -> None:
+        self.backend = backend
+        self.batcher = batcher
+        self.kept = kept
+        """Forward graphs kept for their callers' backward passes."""
+        self.throughput = 0.0
+        """Samples per second of compute, smoothed over batches (0 before the first)."""
+        self._jobs: dict[int, _Job] = {}
+        self._tickets = itertools.count()
+        self._wake = asyncio.Event()
+        self._stepping: asyncio.Future[None] | None = None
+
+    async def submit(
+        self,
+        kind: Kind,
+        parts: tuple[Tensors, ...],
+        num_samples: int,
+        *,
+        keep: bool = False,
+        kept: KeptForward | None = None,
+    ) -> tuple[Result, KeptForward | None]:
+        """This request's results once its batch has run (and a forward's graph if
+        ``keep`` and it ran alone). Raises ``ServerBusy`` if the queue is full, or what
+        the module raised. Cancelling it (the caller's deadline) takes the request out
+        of the queue if it has not started."""
+        loop = asyncio.get_running_loop()
+        ticket = next(self._tickets)
+        self.batcher.submit(ticket, kind, num_samples, loop.time())
+        job = _Job(parts, loop.create_future(), keep, kept)
+        self._jobs[ticket] = job
+        self._wake.set()
+        try:
+            return await job.future
+        finally:
+            if self.batcher.cancel(ticket):
+                del self._jobs[ticket]
+
+    async def run(self) -> None:
+        """Serve the queue until cancelled; a step in progress then finishes first (it
+        changes the parameters, and a half-known state would be worse)."""
+        try:
+            await self._serve()
+        finally:
+            if self._stepping is not None:
+                with contextlib.suppress(Exception):  # logged by the other path
+                    await asyncio.shield(self._stepping)
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            decision = self.batcher.next_batch(loop.time())
+            if isinstance(decision, Batch):
+                await self._run_batch(decision, [self._jobs.pop(t) for t in decision.tickets])
+                await asyncio.sleep(0)  # after inline work: let replies out and requests in
+                continue
+            self._wake.clear()
+            delay = None if decision is None else max(0.0, decision - loop.time())
+            try:
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def _call(self, fn: Callable[[], R], num_samples: int) -> R:
+        if self.throughput and num_samples / self.throughput < INLINE_COMPUTE_SECONDS:
+            return fn()
+        return await asyncio.to_thread(fn)
+
+    async def _run_batch(self, batch: Batch[int], jobs: list[_Job]) -> None:
+        started = time.perf_counter()
+        try:
+            results = await self._call(lambda: self._compute(batch.kind, jobs), batch.num_samples)
+        except Exception as e:  # the module's own failure: every caller of this batch hears it
+            logger.info("%s %s failed: %r", self.backend.uid, batch.kind, e)
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_exception(e)
+            return
+        finally:
+            seconds = time.perf_counter() - started
+            self.backend.add_compute_seconds(seconds)
+        rate = batch.num_samples / max(seconds, 1e-9)
+        weight = THROUGHPUT_SMOOTHING if self.throughput else 1.0
+        self.throughput += weight * (rate - self.throughput)
+        for job, result in zip(jobs, results, strict=True):
+            if not job.future.done():  # its caller may have given up meanwhile
+                job.future.set_result(result)
+        if batch.kind == "backward":
+            self._stepping = asyncio.ensure_future(asyncio.to_thread(self.backend.step))
+            try:
+                await asyncio.shield(self._stepping)  # a cancelled worker still finishes it
+            except Exception as e:  # the callers have their gradients; the step is ours
+                logger.warning("%s optimizer step failed: %r", self.backend.uid, e)
+            self._stepping = None
+
+    def _compute(self, kind: Kind, jobs: Sequence[_Job]) -> list[tuple[Result, KeptForward | None]]:
+        """Join, compute, split. A forward keeps its graph only if it ran alone; a
+        backward with a kept graph runs on its own, the others together."""
+        if kind == "forward":
+            keep = len(jobs) == 1 and jobs[0].keep
+            outputs, kept = self.backend.forward(_join([j.parts[0] for j in jobs]), keep=keep)
+            return [(r, kept) for r in _split(outputs, [_size(j) for j in jobs])]
+        results: dict[int, Result] = {}
+        for i, job in enumerate(jobs):
+            if job.kept is not None and self.backend.is_fresh(job.kept):
+                results[i] = self.backend.backward(job.parts[0], job.parts[1], job.kept)
+        rest = [i for i in range(len(jobs)) if i not in results]
+        if rest:
+            inputs = _join([jobs[i].parts[0] for i in rest])
+            grads = _join([jobs[i].parts[1] for i in rest])
+            split = _split(self.backend.backward(inputs, grads), [_size(jobs[i]) for i in rest])
+            results.update(zip(rest, split, strict=True))
+        return [(results[i], None) for i in range(len(jobs))]
+
+
+def _size(job: _Job) -> int:
+    return int(job.parts[0][0].shape[0])
+
+
+def _join(per_request: Sequence[Tensors]) -> Tensors:
+    if len(per_request) == 1:
+        return per_request[0]
+    return [torch.cat(column) for column in zip(*per_request, strict=True)]
+
+
+def _split(outputs: Sequence[torch.Tensor | None], sizes: list[int]) -> list[Result]:
+    if len(sizes) == 1:
+        return [list(outputs)]
+    pieces = [[None] * len(sizes) if t is None else list(torch.split(t, sizes)) for t in outputs]
+    return [[column[i] for column in pieces] for i in range(len(sizes))]

@@ -1,0 +1,359 @@
+"""Expert servers and clients on loopback, in one process: numerics, deadlines, bad
+requests, batching, compression (STYLE.md 10: port 0, bounded waits)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from peers import BlockingPeer, Peer, PeerConfig, RemoteError
+from peers.wire import to_wire
+from swarm.experts import (
+    BlockingExpertServer,
+    ExpertCallConfig,
+    ExpertError,
+    ExpertInputError,
+    ExpertLocation,
+    ExpertServer,
+    ModuleBackend,
+    RemoteExpert,
+    ServerConfig,
+    TensorSpec,
+    call_backward,
+    call_forward,
+    call_info,
+)
+from swarm.experts.layers import FeedforwardBlock
+from swarm.experts.wire import FORWARD_PROTOCOL, ForwardRequest, ForwardResponse
+
+LISTEN = PeerConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",))
+CLIENT = PeerConfig(listen_addrs=())
+Arun = Callable[[Coroutine[Any, Any, Any]], Any]
+
+torch.set_num_threads(1)
+
+
+class TwoWay(nn.Module):
+    """Two inputs (one integer) and two outputs: every path of the protocol."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.embed = nn.Embedding(10, 6)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.linear(x) + self.embed(ids))
+        return h, (h * x).sum(dim=-1, keepdim=True)
+
+
+class Slow(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def _ffn(
+    uid: str = "ffn.0.0", dim: int = 16, max_batch: int = 32, lr: float = 0.0
+) -> ModuleBackend:
+    module = FeedforwardBlock(dim)
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr) if lr else None
+    spec = [TensorSpec(shape=[dim], dtype="float32")]
+    return ModuleBackend(uid, module, inputs=spec, max_batch_size=max_batch, optimizer=optimizer)
+
+
+def _location(peer: Peer, uid: str) -> ExpertLocation:
+    return ExpertLocation(uid, peer.peer_id, tuple(str(a) for a in peer.listen_addrs))
+
+
+@contextlib.asynccontextmanager
+async def _served(
+    backends: list[ModuleBackend], config: ServerConfig | None = None
+) -> AsyncIterator[tuple[Peer, ExpertServer]]:
+    async with (
+        Peer(LISTEN) as server_peer,
+        Peer(CLIENT) as client,
+        ExpertServer(server_peer, backends, config) as server,
+    ):
+        client.add_addresses(server_peer.peer_id, server_peer.listen_addrs)
+        yield client, server
+
+
+@contextlib.contextmanager
+def _hosted(backends: list[ModuleBackend]) -> Iterator[BlockingPeer]:
+    """A server on its own BlockingPeer (its loop thread), stopped on exit."""
+    with BlockingPeer(LISTEN) as peer, BlockingExpertServer(backends, peer=peer):
+        yield peer
+
+
+def test_remote_expert_matches_local_module_values_gradients_and_updates() -> None:
+    torch.manual_seed(0)
+    remote_module, local_module = TwoWay(), TwoWay()
+    local_module.load_state_dict(remote_module.state_dict())
+    specs = [TensorSpec(shape=[6], dtype="float32"), TensorSpec(shape=[], dtype="int64")]
+    backend = ModuleBackend(
+        "two.1",
+        remote_module,
+        inputs=specs,
+        max_batch_size=16,
+        optimizer=torch.optim.SGD(remote_module.parameters(), lr=0.1),
+    )
+    local_opt = torch.optim.SGD(local_module.parameters(), lr=0.1)
+    x = torch.randn(5, 6)
+    ids = torch.randint(0, 10, (5,))
+    with _hosted([backend]) as server, BlockingPeer(CLIENT) as client:
+        expert = RemoteExpert(_location(server.peer, "two.1"), client)
+        assert [s.shape for s in expert.info.outputs] == [[6], [1]]
+        x_remote = x.clone().requires_grad_()
+        h, s = expert(x_remote, ids)
+        x_local = x.clone().requires_grad_()
+        h_ref, s_ref = local_module(x_local, ids)
+        torch.testing.assert_close(h, h_ref, atol=1e-6, rtol=0)
+        torch.testing.assert_close(s, s_ref, atol=1e-6, rtol=0)
+        (h.square().sum() + 3 * s.sum()).backward()
+        (h_ref.square().sum() + 3 * s_ref.sum()).backward()
+        assert x_remote.grad is not None and x_local.grad is not None
+        torch.testing.assert_close(x_remote.grad, x_local.grad, atol=1e-6, rtol=0)
+        local_opt.step()
+        # the server steps after replying, before the next batch: a second forward runs
+        # with the updated parameters on both sides
+        with torch.no_grad():
+            torch.testing.assert_close(
+                expert(x, ids)[0], local_module(x, ids)[0], atol=1e-6, rtol=0
+            )
+        for p, q in zip(remote_module.parameters(), local_module.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0)
+        with pytest.raises(ExpertInputError, match=r"inputs\[1\]: expected dtype int64"):
+            expert(x, ids.float())
+    stats = backend.statistics()
+    assert (stats.num_forward_samples, stats.num_backward_samples) == (10, 5)
+    assert stats.num_optimizer_steps == 1
+    assert stats.num_recomputed_samples == 0  # the forward kept its graph for the backward
+
+
+def test_remote_expert_trains_without_input_gradients() -> None:
+    backend = _ffn(lr=0.5)
+    before = [p.detach().clone() for p in backend.module.parameters()]
+    with _hosted([backend]) as server, BlockingPeer(CLIENT) as client:
+        expert = RemoteExpert(_location(server.peer, "ffn.0.0"), client)
+        out = expert(torch.randn(3, 16))  # the input needs no gradient; the expert still trains
+        assert isinstance(out, torch.Tensor)
+        out.square().sum().backward()
+        expert(torch.randn(1, 16))  # runs after the step
+    assert backend.statistics().num_optimizer_steps == 1
+    assert any(
+        not torch.equal(a, b) for a, b in zip(before, backend.module.parameters(), strict=True)
+    )
+
+
+def test_remote_expert_refuses_to_block_an_event_loop(arun: Arun) -> None:
+    with _hosted([_ffn()]) as server, BlockingPeer(CLIENT) as client:
+        expert = RemoteExpert(_location(server.peer, "ffn.0.0"), client)
+        _ = expert.info
+
+        async def inside_a_loop() -> None:
+            with pytest.raises(ExpertError, match=r"asyncio\.to_thread"):
+                expert(torch.randn(1, 16))
+
+        arun(inside_a_loop())
+
+
+def test_deadline_raises_and_the_server_goes_on(arun: Arun) -> None:
+    module = Slow(2.0)
+    slow = ModuleBackend(
+        "slow.0", module, inputs=[TensorSpec(shape=[4], dtype="float32")], max_batch_size=4
+    )
+
+    async def main() -> None:
+        async with _served([slow, _ffn()]) as (client, server):
+            loc = _location(server.peer, "slow.0")
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await call_forward(
+                    client, loc, [torch.randn(1, 4)], config=ExpertCallConfig(forward_timeout=0.3)
+                )
+            assert time.monotonic() - started < 1.5  # did not wait for the 2 s compute
+            # the other module answers meanwhile; the slow one once it is free again
+            fast = await call_forward(
+                client,
+                _location(server.peer, "ffn.0.0"),
+                [torch.randn(2, 16)],
+                config=ExpertCallConfig(),
+            )
+            assert fast.outputs[0].shape == (2, 16)
+            module.seconds = 0.0
+            out = await call_forward(client, loc, [torch.randn(1, 4)], config=ExpertCallConfig())
+            assert out.outputs[0].shape == (1, 4)
+
+    arun(main())
+
+
+def test_bad_requests_get_clear_remote_errors_and_the_server_keeps_serving(arun: Arun) -> None:
+    async def main() -> None:
+        backend = _ffn(max_batch=8)
+        async with _served([backend]) as (client, server):
+            loc = _location(server.peer, "ffn.0.0")
+            config = ExpertCallConfig(forward_timeout=10)
+            x = torch.randn(3, 16)
+            bad_inputs = [
+                (
+                    [torch.randn(3, 15)],
+                    r"inputs\[0\]: expected shape \['batch', 16\], got \[3, 15\]",
+                ),
+                ([x.double()], r"inputs\[0\]: expected dtype float32, got float64"),
+                ([torch.randn(9, 16)], "batch of 9 samples exceeds this expert's max_batch_size 8"),
+                ([x, x], "expected 1 tensors, got 2"),
+                ([torch.full((3, 16), float("nan"))], "NaN or infinite"),
+            ]
+            for inputs, message in bad_inputs:
+                with pytest.raises(RemoteError, match=message) as caught:
+                    await call_forward(client, loc, inputs, config=config)
+                assert caught.value.remote_type == "BadExpertRequest"
+            with pytest.raises(RemoteError, match=r"no expert 'ffn\.9\.9' here"):
+                await call_forward(client, _location(server.peer, "ffn.9.9"), [x], config=config)
+            with pytest.raises(
+                RemoteError, match=r"grad_outputs\[0\]: batch size 2 differs from 3"
+            ):
+                await call_backward(client, loc, [x], [torch.randn(2, 16)], config=config)
+            with pytest.raises(RemoteError, match="codec 'zip' is not one of"):
+                request = ForwardRequest("ffn.0.0", [x], reply_codec="zip")
+                await client.call_unary(
+                    loc.peer_id, FORWARD_PROTOCOL, request, ForwardResponse, timeout=5
+                )
+            with pytest.raises(RemoteError, match=r"ForwardRequest\.inputs"):  # not a tensor at all
+                await client.call_unary(
+                    loc.peer_id, FORWARD_PROTOCOL, ["ffn.0.0", [[1, 2]]], ForwardResponse, timeout=5
+                )
+            with pytest.raises(RemoteError, match="exceeds the limit"):  # refused before it is read
+                await call_forward(client, loc, [torch.randn(1 << 18, 16)], config=config)
+            # none of it was computed, and the server serves the next caller as usual
+            assert backend.statistics().num_batches == 0
+            out = await call_forward(client, loc, [x], config=config)
+            with torch.no_grad():
+                torch.testing.assert_close(out.outputs[0], backend.module(x), atol=1e-6, rtol=0)
+            assert to_wire(await call_info(client, loc, timeout=5)) == to_wire(backend.info)
+
+    arun(main())
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(arun: Arun) -> None:
+    async def main() -> None:
+        backend = _ffn(dim=64, max_batch=64)
+        async with _served([backend]) as (client, server):
+            loc = _location(server.peer, "ffn.0.0")
+            xs = [torch.randn(i + 1, 64) for i in range(12)]
+            outs = await asyncio.gather(
+                *(call_forward(client, loc, [x], config=ExpertCallConfig()) for x in xs)
+            )
+            with torch.no_grad():
+                for x, out in zip(xs, outs, strict=True):
+                    torch.testing.assert_close(out.outputs[0], backend.module(x), atol=1e-5, rtol=0)
+            stats = backend.statistics()
+            assert stats.num_forward_samples == sum(range(1, 13))
+            assert stats.num_batches < 12  # requests that waited ran together
+
+    arun(main())
+
+
+def test_a_full_queue_refuses_with_server_busy(arun: Arun) -> None:
+    async def main() -> None:
+        slow = ModuleBackend(
+            "slow.0", Slow(0.3), inputs=[TensorSpec(shape=[4], dtype="float32")], max_batch_size=2
+        )
+        async with _served([slow], ServerConfig(max_queued_batches=1)) as (client, server):
+            loc = _location(server.peer, "slow.0")
+            calls = [
+                call_forward(client, loc, [torch.randn(2, 4)], config=ExpertCallConfig())
+                for _ in range(4)
+            ]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            busy = [r for r in results if isinstance(r, RemoteError)]
+            assert busy and all(r.remote_type == "ServerBusy" for r in busy)
+            assert any(not isinstance(r, BaseException) for r in results)
+
+    arun(main())
+
+
+@pytest.mark.parametrize(
+    ("codec", "tolerance"),
+    [("float16", 2e-3), ("bfloat16", 2e-2), ("uint8", 5e-2), ("blockwise8", 5e-2)],
+)
+def test_compressed_calls_stay_within_the_codec_error(
+    arun: Arun, codec: str, tolerance: float
+) -> None:
+    async def main() -> None:
+        backend = _ffn(dim=64)
+        async with _served([backend]) as (client, server):
+            loc = _location(server.peer, "ffn.0.0")
+            config = ExpertCallConfig(codec=codec)
+            x = torch.randn(8, 64)
+            (out,), _ = await call_forward(client, loc, [x], config=config, info=backend.info)
+            g = torch.randn(8, 64)
+            (grad,) = await call_backward(client, loc, [x], [g], config=config)
+            x_ref = x.clone().requires_grad_()
+            ref = backend.module(x_ref)
+            ref.backward(g)
+            assert (out - ref).abs().max() < tolerance * ref.abs().max()
+            assert grad is not None and x_ref.grad is not None
+            assert (grad - x_ref.grad).abs().max() < tolerance * x_ref.grad.abs().max()
+
+    arun(main())
+
+
+def test_a_kept_forward_spares_the_recomputation_unless_a_step_made_it_stale(arun: Arun) -> None:
+    async def main() -> None:
+        backend = _ffn(dim=16, lr=0.1)
+        reference = FeedforwardBlock(16)
+        reference.load_state_dict(backend.module.state_dict())
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        x1, x2, g1, g2 = (
+            torch.randn(2, 16),
+            torch.randn(3, 16),
+            torch.randn(2, 16),
+            torch.randn(3, 16),
+        )
+        async with _served([backend]) as (client, server):
+            loc = _location(server.peer, "ffn.0.0")
+            config = ExpertCallConfig()
+            _, token1 = await call_forward(client, loc, [x1], config=config, keep=True)
+            _, token2 = await call_forward(client, loc, [x2], config=config, keep=True)
+            assert token1 and token2 and token1 != token2
+            (grad1,) = await call_backward(
+                client, loc, [x1], [g1], config=config, forward_token=token1
+            )
+            assert backend.statistics().num_recomputed_samples == 0
+            # the step that followed made the second graph stale: it is recomputed on the
+            # new parameters, as if it had not been kept
+            (grad2,) = await call_backward(
+                client, loc, [x2], [g2], config=config, forward_token=token2
+            )
+            assert backend.statistics().num_recomputed_samples == 3
+            # a token that is not ours (or is gone) is no error: the forward is recomputed
+            (grad3,) = await call_backward(
+                client, loc, [x2], [g2], config=config, forward_token=token1
+            )
+            assert backend.statistics().num_recomputed_samples == 6
+        expected = []
+        for x, g in ((x1, g1), (x2, g2), (x2, g2)):
+            leaf = x.clone().requires_grad_()
+            reference(leaf).backward(g)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            expected.append(leaf.grad)
+        for got, want in zip((grad1, grad2, grad3), expected, strict=True):
+            assert got is not None and want is not None
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+    arun(main())
