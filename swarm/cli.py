@@ -1,9 +1,14 @@
 """The ``swarm`` command.
 
 ``swarm bootstrap`` hosts a peer and prints its multiaddrs; ``swarm ping`` checks that
-a peer is reachable and who it is; ``swarm demo`` runs a local two-peer exchange. The
-commands are thin: options map onto :class:`peers.PeerConfig`, logic lives in packages.
-Only ``peers`` is imported here, so the command starts fast and needs no torch.
+a peer is reachable and who it is; ``swarm serve`` hosts experts; ``swarm train`` and
+``swarm join`` train a built-in task with a swarm (:mod:`swarm.train_command`); ``swarm
+demo`` (also plain ``swarm``) runs a whole local swarm and compares it with one process
+(:mod:`swarm.demo`). The commands are thin: options map onto config dataclasses
+(:class:`peers.PeerConfig`, :class:`swarm.experts.serve.ServeConfig`,
+:class:`swarm.trainer.TrainerConfig`, :class:`swarm.demo.DemoConfig`), logic lives in
+packages. Only ``peers`` is imported at start, so the command starts fast; ``serve``,
+``train``, ``join`` and ``demo`` import torch when they run.
 """
 
 from __future__ import annotations
@@ -15,19 +20,23 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from peers import (
     KeyPair,
     Peer,
     PeerConfig,
     PeersError,
-    RemoteError,
     parse_multiaddr,
     run,
 )
 from peers.dht import DHT, DHTConfig, dht_time
 from peers.dht.presence import announce_forever, list_peers
 from peers.echo import install_echo
+
+if TYPE_CHECKING:
+    from swarm.trainer import TrainerConfig
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 
@@ -51,6 +60,55 @@ async def _bootstrap(args: argparse.Namespace) -> int:
         announcer = group.create_task(announce_forever(dht, peer.config.agent_version))
         await stop.wait()
         announcer.cancel()
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    """Host experts: build the modules a ServeConfig names, announce them, serve."""
+    from swarm.experts.serve import ServeConfig, serve
+    from swarm.experts.server_config import ServerConfig
+    from swarm.experts.uids import grid_uids
+    from swarm.optim_spec import OptimizerSpec
+
+    try:
+        uids = [*(args.uids or ()), *(u for p in args.expert_pattern or () for u in grid_uids(p))]
+        optimizer = None
+        if args.optimizer != "none":
+            optimizer = OptimizerSpec(kind=args.optimizer, lr=args.lr)
+        config = ServeConfig(
+            uids=tuple(uids),
+            module=args.module,
+            hidden_dim=args.hidden_dim,
+            max_batch_size=args.max_batch_size,
+            optimizer=optimizer,
+            seed=args.seed,
+            server=ServerConfig(
+                announce_interval=args.announce_interval,
+                announce_ttl=3 * args.announce_interval,
+            ),
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    identity = KeyPair.load_or_create(args.identity) if args.identity else None
+    peer_config = PeerConfig(
+        identity=identity,
+        listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
+        announce_addrs=tuple(args.announce or []),
+    )
+    dht_config = DHTConfig(initial_peers=tuple(args.initial_peers or ()), client_mode=False)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(server: object) -> None:
+        for addr in peer.listen_addrs:
+            print(addr, flush=True)
+        print(f"serving {len(uids)} experts: {' '.join(uids[:8])}", flush=True)
+
+    async with Peer(peer_config) as peer, DHT(peer, dht_config) as dht:
+        await serve(peer, dht, config, stop, ready)
     return 0
 
 
@@ -101,55 +159,196 @@ async def _ping(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _demo(args: argparse.Namespace) -> int:
-    """Start a bootstrap peer process and talk to it from this one, narrating."""
-    from peers.testing import LocalSwarm
+# --- training: swarm train / swarm join / swarm demo ----------------------------------
+# These import torch (through swarm.train_command and swarm.demo) only when they run.
 
-    with LocalSwarm() as local:
-        print("starting a bootstrap peer process ...", flush=True)
-        (boot,) = local.start(1, target="peers.echo:serve_echo")
-        print(f"  bootstrap peer {boot.peer_id} (pid {boot.pid}) listens on {boot.maddr}")
-        async with Peer() as peer:
-            print(f"this peer is {peer.peer_id}")
-            started = time.perf_counter()
-            remote = await peer.connect(boot.maddr)
-            print(
-                "connected (TCP + Noise XX + yamux) in "
-                f"{(time.perf_counter() - started) * 1000:.1f} ms"
-            )
-            info = await peer.identify(remote)
-            print(f"identify: agent {info.agent_version}, protocols {', '.join(info.protocols)}")
-            for i in range(3):
-                print(f"ping {i + 1}: {await peer.ping(remote) * 1000:.3f} ms")
-            reply = await peer.call_unary(
-                remote, "/swarmtrain/echo/1.0.0", "hello from the demo", str, timeout=5
-            )
-            print(f"unary echo: sent 'hello from the demo', got {reply!r}")
-            import numpy as np
 
-            chunks = [np.full(1 << 18, i, dtype=np.float32) for i in range(16)]
-            started = time.perf_counter()
-            received = [
-                c
-                async for c in peer.call_stream(
-                    remote, "/swarmtrain/echo-stream/1.0.0", chunks, np.ndarray, timeout=30
-                )
-            ]
-            elapsed = time.perf_counter() - started
-            ok = all(np.array_equal(a, b) for a, b in zip(chunks, received, strict=True))
-            size_mib = sum(c.nbytes for c in chunks) / 2**20
-            print(
-                f"streaming echo: {len(received)} arrays, {size_mib:.0f} MiB each way "
-                f"in {elapsed:.2f} s, all equal: {ok}"
-            )
-            try:
-                await peer.call_unary(
-                    remote, "/swarmtrain/echo/1.0.0", {"not": "a string"}, str, timeout=5
-                )
-            except RemoteError as e:
-                print(f"a malformed request is refused with a clear remote error: {e}")
-        print(f"stopping the bootstrap peer (pid {boot.pid})")
-    return 0 if ok else 1
+def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
+    """The TrainerConfig the flags of ``swarm train``/``swarm join`` describe."""
+    from swarm.optimizer_config import DiLoCoConfig
+    from swarm.trainer import TrainerConfig
+
+    diloco = None
+    if args.diloco:
+        diloco = DiLoCoConfig(
+            inner_steps=args.diloco, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum
+        )
+    return TrainerConfig(
+        task=args.task,
+        run_id=args.run_id,
+        initial_peers=tuple(args.initial_peers or ()),
+        listen=tuple(args.listen or [DEFAULT_LISTEN]),
+        rank=args.rank,
+        num_peers=args.num_peers,
+        local_batch_size=args.local_batch_size,
+        target_batch_size=args.target_batch_size,
+        num_samples=args.num_samples,
+        seed=args.seed,
+        diloco=diloco,
+        checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+    )
+
+
+def _train(args: argparse.Namespace) -> int:
+    """Join a swarm (or start one) and train a built-in task."""
+    from swarm.errors import SwarmError
+    from swarm.train_command import run_train, sigterm_as_interrupt, stop_when_stdin_closes
+
+    try:
+        config = _trainer_config(args)
+    except SwarmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sigterm_as_interrupt()
+    if args.stop_when_stdin_closes:
+        stop_when_stdin_closes()
+    try:
+        run_train(config, progress=args.progress, num_threads=args.num_threads)
+    except SwarmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: left the swarm", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """A whole local swarm trains a small model, then meets the single-process baseline."""
+    from swarm.demo import DemoConfig, DemoError, run_demo
+    from swarm.errors import SwarmError
+    from swarm.train_command import sigterm_as_interrupt
+
+    try:
+        sizes = {} if args.num_peers is None else {"num_peers": args.num_peers}
+        config = DemoConfig(
+            **sizes,
+            task=args.task,
+            num_samples=args.num_samples,
+            seed=args.seed,
+            timeout=args.timeout,
+        )
+    except SwarmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sigterm_as_interrupt()
+    try:
+        run_demo(config)
+    except (DemoError, SwarmError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopped the demo's peers", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _add_train_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for name, help_text in (
+        ("train", "train a built-in task with a swarm; with no --initial-peers, start one"),
+        ("join", "join a running swarm through --initial-peers and train with it"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument(
+            "--initial-peers",
+            nargs="+",
+            metavar="MADDR",
+            required=name == "join",
+            help="peers of the swarm to join through"
+            + ("" if name == "join" else " (none: host a new swarm's bootstrap peer here)"),
+        )
+        p.add_argument("--task", default="digits", help="built-in task: digits, charlm (digits)")
+        p.add_argument("--run-id", default="demo", help="the training run to join (demo)")
+        p.add_argument(
+            "--rank", type=_non_negative_int, default=0, help="this peer's data shard (0)"
+        )
+        p.add_argument(
+            "--num-peers",
+            type=_positive_int,
+            default=1,
+            help="shards the data is dealt into: the swarm's expected size (1)",
+        )
+        p.add_argument(
+            "--local-batch-size",
+            type=_non_negative_int,
+            default=0,
+            help="samples per local step (default: global batch / --num-peers)",
+        )
+        p.add_argument(
+            "--target-batch-size",
+            type=_non_negative_int,
+            default=0,
+            help="the swarm's global batch (default: the task's recipe)",
+        )
+        p.add_argument(
+            "--num-samples",
+            type=_non_negative_int,
+            default=0,
+            help="global samples to train for (default: the task's recipe)",
+        )
+        p.add_argument("--seed", type=_non_negative_int, default=0, help="init and data order (0)")
+        p.add_argument(
+            "--diloco",
+            type=_positive_int,
+            metavar="H",
+            help="DiLoCo: H local steps between synchronisations (default: average gradients "
+            "every global batch)",
+        )
+        p.add_argument(
+            "--outer-lr", type=_positive_float, default=0.7, help="DiLoCo outer lr (0.7)"
+        )
+        p.add_argument(
+            "--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum (0.9)"
+        )
+        p.add_argument("--checkpoint", metavar="PATH", help="resume from it if present; save to it")
+        p.add_argument(
+            "--listen",
+            action="append",
+            metavar="MADDR",
+            help=f"listen address (default {DEFAULT_LISTEN}); repeatable",
+        )
+        p.add_argument(
+            "--progress",
+            choices=["auto", "bar", "lines", "json", "none"],
+            default="auto",
+            help="bar on a terminal, plain lines otherwise (auto); json for programs",
+        )
+        p.add_argument(
+            "--num-threads", type=_positive_int, default=0, help="torch threads (torch's default)"
+        )
+        p.add_argument("--stop-when-stdin-closes", action="store_true", help=argparse.SUPPRESS)
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    demo = sub.add_parser(
+        "demo", help="a local swarm trains a small model, then meets one process (the default)"
+    )
+    demo.add_argument(
+        "--num-peers",
+        type=_positive_int,
+        help="trainer processes (default: two per CPU core, from 2 to 4)",
+    )
+    demo.add_argument("--task", default="digits", help="built-in task: digits, charlm (digits)")
+    demo.add_argument(
+        "--num-samples",
+        type=_non_negative_int,
+        default=0,
+        help="global samples to train for (default: the task's recipe)",
+    )
+    demo.add_argument("--seed", type=_non_negative_int, default=0, help="init and data order (0)")
+    demo.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds the swarm may train before the demo gives up (600)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -164,6 +363,39 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = sub.add_parser("serve", help="host experts (torch modules) for others to call")
+    serve.add_argument("--uids", nargs="+", metavar="UID", help="uids to host, e.g. ffn.0.3")
+    serve.add_argument(
+        "--expert-pattern",
+        action="append",
+        metavar="PATTERN",
+        help="host every uid of a grid pattern, e.g. 'ffn.[0:4].[0:4]'; repeatable",
+    )
+    serve.add_argument(
+        "--module", default="ffn", help="built-in module (ffn, linear) or package.module:function"
+    )
+    serve.add_argument("--hidden-dim", type=_positive_int, default=1024, help="(default 1024)")
+    serve.add_argument(
+        "--max-batch-size", type=_positive_int, default=1024, help="samples per batch (1024)"
+    )
+    serve.add_argument(
+        "--optimizer", choices=["adam", "adamw", "sgd", "none"], default="adam", help="(adam)"
+    )
+    serve.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (1e-3)")
+    serve.add_argument("--seed", type=int, help="seed module initialisation")
+    serve.add_argument(
+        "--announce-interval",
+        type=_positive_float,
+        default=30.0,
+        help="seconds between DHT announcements; they live 3x this (default 30)",
+    )
+    serve.add_argument("--listen", action="append", metavar="MADDR", help="listen address")
+    serve.add_argument("--announce", action="append", metavar="MADDR", help="address to announce")
+    serve.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers to join through")
+    serve.add_argument("--identity", metavar="PATH", help="key file; created if missing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,14 +442,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_positive_float, default=10.0, help="seconds to reach them (default 10)"
     )
 
-    sub.add_parser("demo", help="run a local bootstrap peer and exchange messages with it")
+    _add_serve_parser(sub)
+    _add_train_parsers(sub)
+    _add_demo_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # plain `swarm`: the demo
+        args = parser.parse_args(["demo"])
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
-    command = args.command or "demo"
+    command = args.command
     try:
         if command == "bootstrap":
             return run(_bootstrap(args))
@@ -225,7 +462,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(_ping(args))
         if command == "status":
             return run(_status(args))
-        return run(_demo(args))
+        if command == "serve":
+            return run(_serve(args))
+        if command in ("train", "join"):
+            return _train(args)
+        return _demo(args)
     except PeersError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

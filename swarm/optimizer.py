@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -206,7 +207,7 @@ class CollaborativeOptimizer:
         """Average the buffers with the swarm (in place). False if no group formed while
         other peers are live: they stepped without us, so our state is stale."""
         if num_peers <= 1:  # nobody else is training: no group to look for
-            self._counts["alone"] += 1
+            self._stepped_alone()
             return True
         timeout = self.config.matchmaking.search_timeout
         try:
@@ -223,7 +224,7 @@ class CollaborativeOptimizer:
                 logger.info("epoch %d: no group (%s); resyncing", self.epoch, e)
                 return False
             logger.info("epoch %d: no group (%s); stepping alone", self.epoch, e)
-            self._counts["alone"] += 1
+            self._stepped_alone()
             return True
         self._counts["rounds"] += 1
         self._counts["bytes"] += step.outcome.transfer.bytes_sent
@@ -273,6 +274,15 @@ class CollaborativeOptimizer:
 
     def _behind_view(self, view: SwarmProgress) -> bool:
         return view.epoch > self.epoch
+
+    def _stepped_alone(self) -> None:
+        # A fingerprint of our own: should another peer have stepped this epoch too
+        # (we did not see it in time), the two branches differ and split detection
+        # makes one follow the other instead of drifting apart unseen.
+        self._counts["alone"] += 1
+        digest = hashlib.sha256(b"alone\0" + self.dht.peer.peer_id.to_bytes())
+        digest.update(self.epoch.to_bytes(8, "big"))
+        self._fingerprint = digest.digest()[:16]
 
     def _finish_epoch(self) -> None:
         self.epoch += 1

@@ -143,11 +143,12 @@ def test_ping_malformed_address() -> None:
     assert out.returncode == 1 and "invalid multiaddr" in out.stderr
 
 
-def test_demo_runs() -> None:
-    out = subprocess.run([*SWARM, "demo"], capture_output=True, text=True, timeout=120)
+def test_help_lists_every_command() -> None:
+    # `swarm demo` itself (a local training swarm) is tested in test_cli_train.py
+    out = subprocess.run([*SWARM, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "unary echo: sent 'hello from the demo', got 'hello from the demo'" in out.stdout
-    assert "all equal: True" in out.stdout
+    for command in ("bootstrap", "ping", "status", "train", "join", "demo"):
+        assert command in out.stdout
 
 
 def test_bootstrap_with_corrupt_identity_fails_clearly(tmp_path: Path) -> None:

@@ -1,0 +1,129 @@
+"""``swarm train`` / ``swarm join``: one peer that trains a built-in task with the swarm.
+
+With initial peers it joins their swarm. Without, it starts one: a bootstrap DHT node
+in this process (on the ``listen`` addresses) that the trainer and everyone after it
+join through, and it prints the command that joins it. Either way it trains with
+:func:`swarm.trainer.train`, shows progress (:class:`swarm.train_display.TrainDisplay`)
+and ends with a summary.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import dataclasses
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TextIO
+
+import torch
+
+from peers.config import PeerConfig
+from peers.dht import BlockingDHT
+from swarm.errors import TaskError
+from swarm.tasks import get_task
+from swarm.train_display import ProgressMode, TrainDisplay
+from swarm.trainer import TrainerConfig, TrainResult, plan_run, train
+
+
+def swarm_command() -> str:
+    """How this process was started, for the commands we print: ``swarm`` (or the path
+    of that script) when run as the console script, else ``python -m swarm.cli``."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0.endswith("swarm") or argv0.endswith("swarm.exe"):
+        return argv0
+    return f"{sys.executable} -m swarm.cli"
+
+
+def join_command(config: TrainerConfig, initial_peers: Sequence[str]) -> str:
+    """The command that joins ``config``'s run through ``initial_peers``."""
+    parts = [
+        swarm_command(),
+        "join",
+        "--initial-peers",
+        *initial_peers,
+        "--task",
+        config.task,
+        "--run-id",
+        config.run_id,
+    ]
+    if config.num_samples:
+        parts += ["--num-samples", str(config.num_samples)]
+    if config.target_batch_size:
+        parts += ["--target-batch-size", str(config.target_batch_size)]
+    if config.diloco is not None:
+        parts += ["--diloco", str(config.diloco.inner_steps)]
+    return " ".join(parts)
+
+
+@contextlib.contextmanager
+def hosted_bootstrap(listen: Sequence[str]) -> Iterator[list[str]]:
+    """A bootstrap DHT node in this process for the duration; yields its multiaddrs.
+
+    Raises :class:`TaskError` if ``listen`` is empty (a peer nobody can dial cannot
+    start a swarm) and the ``peers`` errors of a bad or busy address.
+    """
+    if not listen:
+        raise TaskError("a swarm's first peer must listen: give --listen, or --initial-peers")
+    boot = BlockingDHT(peer_config=PeerConfig(listen_addrs=tuple(listen)))
+    try:
+        yield [str(a) for a in boot.peer.listen_addrs]
+    finally:
+        boot.close()
+
+
+def run_train(
+    config: TrainerConfig,
+    *,
+    progress: ProgressMode = "auto",
+    num_threads: int = 0,
+    stream: TextIO | None = None,
+) -> TrainResult:
+    """Train one peer as ``swarm train`` does; returns its result (the summary is
+    printed). Raises what :func:`swarm.trainer.train` raises."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    display = TrainDisplay(plan_run(config, get_task(config.task).recipe), progress, stream)
+    with contextlib.ExitStack() as stack:
+        if not config.initial_peers:
+            addrs = stack.enter_context(hosted_bootstrap(config.listen))
+            config = dataclasses.replace(config, initial_peers=tuple(addrs))
+            display.message("started a new swarm; its bootstrap peer listens on")
+            for addr in addrs:
+                display.message(f"  {addr}")
+            display.message("others join it with")
+            display.message(f"  {join_command(config, [_dialable(addrs)])}")
+        display.message(f"training {config.task} (run {config.run_id!r}) ...")
+        result = train(config, display.on_step)
+    display.finish(result)
+    return result
+
+
+def _dialable(addrs: Sequence[str]) -> str:
+    """The address to show first: one other machines can dial, if there is one."""
+    remote = [a for a in addrs if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+    return (remote or list(addrs))[0]
+
+
+def stop_when_stdin_closes() -> None:
+    """Interrupt the main thread (as Ctrl-C would) once stdin reaches end of file: a
+    parent that started us with a pipe and died takes us with it."""
+
+    def watch() -> None:
+        with contextlib.suppress(ValueError, OSError):
+            while sys.stdin.readline():
+                pass
+        _thread.interrupt_main()
+
+    threading.Thread(target=watch, daemon=True, name="swarmtrain-stdin-watch").start()
+
+
+def sigterm_as_interrupt() -> None:
+    """Let SIGTERM stop training the way Ctrl-C does (leave the swarm, close sockets)."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,112 @@
+"""``swarm train``, ``swarm join`` and ``swarm demo`` as a user runs them: real processes
+on loopback, reduced sizes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+SWARM = [sys.executable, "-m", "swarm.cli"]
+LOCAL = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+
+
+def test_demo_trains_a_local_swarm_and_compares_it_with_the_baseline() -> None:
+    out = subprocess.run(
+        [*SWARM, "demo", "--num-peers", "2", "--num-samples", str(64 * 30)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    boot = re.search(r"bootstrap peer \(this process\): (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)", text)
+    assert boot is not None, text
+    assert f"join --initial-peers {boot.group(1)} --task digits --run-id demo" in text
+    assert "[####################] 100%  samples 1,920/1,920" in text  # not a TTY: plain lines
+    assert re.search(r"test accuracy\s+\d+\.\d%\s+\d+\.\d%", text), text
+    assert re.search(r"optimizer steps\s+30\s+30", text), text
+    assert re.search(r"training samples\s+1,920\s+1,920", text), text
+    assert "demo finished in" in text
+
+
+def _summary(stdout: str, epochs: int) -> None:
+    assert f"done: {epochs} epochs, {epochs * 64:,} global samples" in stdout, stdout
+    assert re.search(r"test metrics: loss \d\.\d+, accuracy \d+\.\d%", stdout), stdout
+
+
+def test_train_starts_a_swarm_and_join_trains_with_it() -> None:
+    sizes = ["--num-peers", "2", "--num-samples", str(64 * 20), "--num-threads", "1"]
+    first = subprocess.Popen(
+        [*SWARM, "train", *LOCAL, "--rank", "0", *sizes],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    second: subprocess.Popen[str] | None = None
+    try:
+        assert first.stdout is not None
+        head = []
+        for line in first.stdout:  # bounded by the pytest timeout
+            head.append(line)
+            found = re.search(r" join --initial-peers (\S+) --task digits --run-id demo", line)
+            if found:
+                break
+        else:
+            raise AssertionError(f"no join command printed: {''.join(head)}")
+        second = subprocess.Popen(
+            [*SWARM, "join", "--initial-peers", found.group(1), *LOCAL, "--rank", "1", *sizes],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out_first, err_first = first.communicate(timeout=150)
+        out_second, err_second = second.communicate(timeout=60)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    assert first.returncode == 0, err_first
+    assert second.returncode == 0, err_second
+    _summary(out_first, 20)
+    _summary(out_second, 20)
+    peers = re.findall(r"peers (\d)", out_first + out_second)
+    assert "2" in peers  # they saw each other
+    assert "state loads" in out_second and "Traceback" not in err_first + err_second
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--rank", "2", "--num-peers", "2"], "error: rank must be in [0, 2), got 2"),
+        (["train", "--task", "imagenet"], "error: unknown task 'imagenet'"),
+        (["train", "--run-id", "a/b"], "error: run_id must be a non-empty string without '/'"),
+        (["train", "--diloco", "0"], "error: argument --diloco: must be at least 1"),
+        (["train", "--outer-momentum", "1.5", "--diloco", "5"], "error: need outer_lr > 0"),
+        (["train", "--num-samples", "-1"], "error: argument --num-samples"),
+        (["join"], "error: the following arguments are required: --initial-peers"),
+        (["demo", "--num-peers", "1"], "error: num_peers must be in [2, 16], got 1"),
+        (["demo", "--task", "imagenet"], "error: unknown task 'imagenet'"),
+        (["demo", "--timeout", "0"], "error: argument --timeout: must be positive"),
+    ],
+)
+def test_bad_flags_fail_with_a_clear_error_and_exit_code_2(args: list[str], message: str) -> None:
+    out = subprocess.run([*SWARM, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_join_with_no_reachable_peer_fails_clearly() -> None:
+    dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWEHcPYfshUhjJdxeGGP12Jikv4UWyTL12fnE2Yja3tfqH"
+    out = subprocess.run(
+        [*SWARM, "join", "--initial-peers", dead, *LOCAL],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "error: none of the 1 initial peers answered" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,58 @@
+"""``swarm serve``: hosting experts from the command line, as a user runs it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import torch
+
+from peers import BlockingPeer, PeerConfig, PeerID
+from swarm.experts import ExpertCallConfig, ExpertLocation, RemoteExpert
+
+SWARM = [sys.executable, "-m", "swarm.cli"]
+
+
+def test_serve_hosts_experts_until_sigterm() -> None:
+    proc = subprocess.Popen(
+        [
+            *SWARM,
+            "serve",
+            *("--module", "linear", "--hidden-dim", "8", "--uids", "lin.0"),
+            *("--expert-pattern", "lin.[1:3]", "--listen", "/ip4/127.0.0.1/tcp/0"),
+            *("--optimizer", "sgd", "--lr", "0.1", "--seed", "0"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        maddr = proc.stdout.readline().strip()  # bounded by the pytest timeout
+        assert maddr.startswith("/ip4/127.0.0.1/tcp/"), proc.stderr.read() if proc.stderr else ""
+        assert proc.stdout.readline().strip() == "serving 3 experts: lin.0 lin.1 lin.2"
+        peer_id = maddr.rsplit("/", 1)[1]
+        with BlockingPeer(PeerConfig(listen_addrs=())) as client:
+            client.connect(maddr, timeout=10)
+            location = ExpertLocation("lin.2", PeerID.from_base58(peer_id))
+            expert = RemoteExpert(location, client, ExpertCallConfig(forward_timeout=10))
+            x = torch.randn(3, 8, requires_grad=True)
+            out = expert(x)
+            assert isinstance(out, torch.Tensor) and out.shape == (3, 8)
+            out.sum().backward()
+            assert x.grad is not None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+def test_serve_refuses_a_bad_config_with_a_clear_error() -> None:
+    out = subprocess.run(
+        [*SWARM, "serve", "--uids", "ffn"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "invalid expert uid 'ffn'" in out.stderr
