@@ -16,6 +16,7 @@ from averaging.allreduce_config import (
 )
 from averaging.allreduce_service import AllReduceService
 from averaging.averager import Averager, AveragerConfig, AveragerError, AveragingStep
+from averaging.blocking import BlockingAverager
 from averaging.butterfly import DEFERRED_PARTS, MAX_SAMPLE_WEIGHT, ButterflyRound
 from averaging.butterfly_records import (
     MAX_ROUND_ID_BYTES,
@@ -111,6 +112,7 @@ __all__ = [
     "AveragerError",
     "AveragingStep",
     "BFloat16Codec",
+    "BlockingAverager",
     "Blockwise8BitCodec",
     "ButterflyRound",
     "CenteredClipConfig",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -15,11 +16,12 @@ from averaging import (
     Averager,
     AveragerConfig,
     AveragerError,
+    BlockingAverager,
     MatchmakingConfig,
     MatchmakingError,
 )
 from peers import Peer, PeerConfig
-from peers.dht import DHT, DHTConfig
+from peers.dht import DHT, BlockingDHT, DHTConfig
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -126,3 +128,27 @@ def test_bad_tensors_and_prefixes_are_refused() -> None:
         AveragerConfig(prefix="a/b")
     with pytest.raises(AveragerError):
         Averager.__init__(object.__new__(Averager), None, {"x": torch.arange(3)}, CONFIG)  # type: ignore[arg-type]
+
+
+def test_the_blocking_averager_from_plain_threads() -> None:
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(BlockingDHT())
+        addr = f"{first.peer.listen_addrs[0]}/p2p/{first.peer.peer_id}"
+        dhts = [first, stack.enter_context(BlockingDHT([addr]))]
+        averagers = [
+            stack.enter_context(BlockingAverager(d, {"x": torch.full((100,), float(i))}, CONFIG))
+            for i, d in enumerate(dhts)
+        ]
+        results: list[Any] = [None, None]
+
+        def run(i: int) -> None:
+            results[i] = averagers[i].step("blocking", weight=1.0, target_group_size=2)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(r is not None and r.num_peers == 2 for r in results)
+        for a in averagers:
+            assert torch.allclose(a.tensors["x"], torch.full((100,), 0.5))
