@@ -158,6 +158,11 @@ class RoundRunner:
                 await self._close_links()
         if self._result is None or not self.round.is_done():
             self._result = self.round.result()
+        # Drop what the round held (chunks, encodings, links) now rather than when the
+        # cyclic garbage collector gets to it: a 64M-element round holds gigabytes.
+        self._encoded.clear()
+        self._link_tasks.clear()
+        self.links.clear()
         transfer = TransferStatistics(
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
@@ -284,7 +289,7 @@ class RoundRunner:
         codec = self.config.codec
         encoded = []
         for start, end in chunk_ranges(part.start, part.end, self.spec.chunk_elements):
-            encoded.append(codec.encode(part.values[start - part.start : end - part.start]))
+            encoded.append(self._encode_values(part.values[start - part.start : end - part.start]))
         if codec.name != "none":  # hold what the receivers will decode (results identical)
             decoded = torch.cat([decode_tensor(e).to(torch.float32) for e in encoded])
             self.round.set_published_part(part_index, decoded)
@@ -414,9 +419,18 @@ class RoundRunner:
         except (PeersError, OSError) as e:
             self._link_failed(link, e)
 
+    def _encode_values(self, values: torch.Tensor) -> EncodedTensor:
+        if self.config.codec.name == "none" and values.dtype == torch.float32:
+            # Exact values need no codec work: our vector was checked finite when the
+            # round began and stays unchanged until it ends, so a view of it goes out
+            # as it is (the codec would check its range and copy it first).
+            array = values.contiguous().numpy()
+            return EncodedTensor("none", "float32", [values.numel()], {"values": array})
+        return self.config.codec.encode(values)
+
     def _encode(self, item: _Item) -> list[object]:
         if isinstance(item, Outgoing):
-            encoded = self.config.codec.encode(item.values)
+            encoded = self._encode_values(item.values)
             return encode_message(
                 ChunkMessage(item.part_index, item.chunk_index, item.weight, encoded)
             )

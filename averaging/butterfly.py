@@ -61,6 +61,7 @@ from averaging.butterfly_records import (
     is_positive_finite,
     plan_reassignment,
 )
+from averaging.compression.base import all_finite
 from averaging.partition import chunk_ranges
 from averaging.reduction import PartReceipt, PartReduction
 from averaging.robust import CenteredClipReduction
@@ -96,7 +97,7 @@ class ButterflyRound:
             raise RoundError(f"local must have shape ({spec.total_elements},)")
         if not is_positive_finite(local_weight, MAX_SAMPLE_WEIGHT):
             raise RoundError(f"local_weight must be in (0, {MAX_SAMPLE_WEIGHT:g}]")
-        if not bool(torch.isfinite(local).all()):
+        if not all_finite(local):
             raise RoundError("local holds NaN or infinity")
         self.spec = spec
         self._me = spec.me
@@ -163,7 +164,7 @@ class ButterflyRound:
             reason = RejectReason.BAD_WEIGHT
         if reason is None and self._weights.get(sender, weight) != weight:
             reason = RejectReason.INCONSISTENT_WEIGHT
-        if reason is None and not bool(torch.isfinite(values).all()):
+        if reason is None and not all_finite(values):
             reason = RejectReason.NON_FINITE
         reduction = self._reductions.get(part_index)
         key = (part_index, sender, chunk_index)
@@ -226,7 +227,7 @@ class ButterflyRound:
         part = self.reduced_part(part_index)
         if values.dtype != torch.float32 or values.shape != part.values.shape:
             raise RoundError("published values must match the part's float32 shape")
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise RoundError("published values hold NaN or infinity")
         self._published[part_index] = values.detach().to(self._local.device)
 
@@ -263,7 +264,7 @@ class ButterflyRound:
         receipt = self._receipts.get(part_index)
         if reason is None and receipt is not None:  # always one past the checks above
             reason = self._check_contributors(reducer, contributors, receipt)
-            if reason is None and not bool(torch.isfinite(values).all()):
+            if reason is None and not all_finite(values):
                 reason = RejectReason.NON_FINITE
             if reason is None and chunk_index in receipt.chunks:
                 reason = RejectReason.DUPLICATE

@@ -10,9 +10,11 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import zlib
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from averaging.compression import MAX_DECODED_ELEMENTS
@@ -310,10 +312,15 @@ class RoundResult:
     report: RoundReport
 
     def fingerprint(self) -> bytes:
-        """sha256 of the averaged parts (values, reducer, contributors): survivors of a
+        """A digest of the averaged parts (values, reducer, contributors): survivors of a
         round hold identical tensors exactly when their fingerprints match, so peers can
         compare 32 bytes instead of tensors. Parts left at a peer's own value are left
-        out (they differ between peers by design)."""
+        out (they differ between peers by design).
+
+        Values enter as CRC-32 and Adler-32 per part (64 check bits, ~10x faster than
+        hashing them with sha256: the hash was a fifth of a round's CPU). Fingerprints
+        detect honest divergence (different failure sets, lost chunks); they are not a
+        defence against a peer that lies about what it holds, which it could anyway."""
         digest = hashlib.sha256(self.report.round_id)
         values = self.averaged.detach().cpu().contiguous().numpy()
         for part in self.report.parts:
@@ -322,7 +329,9 @@ class RoundResult:
             digest.update(part.part_index.to_bytes(8, "big") + part.reducer.to_bytes())
             for member in sorted(part.contributors):
                 digest.update(member.to_bytes())
-            digest.update(values[part.start : part.end].tobytes())
+            view = values[part.start : part.end].view(np.uint8).data
+            checks = (zlib.crc32(view), zlib.adler32(view), part.end - part.start)
+            digest.update(b"".join(c.to_bytes(8, "big") for c in checks))
         return digest.digest()
 
 
