@@ -317,8 +317,9 @@ class RoundResult:
         compare 32 bytes instead of tensors. Parts left at a peer's own value are left
         out (they differ between peers by design).
 
-        Values enter as CRC-32 and Adler-32 per part (64 check bits, ~10x faster than
-        hashing them with sha256: the hash was a fifth of a round's CPU). Fingerprints
+        Values enter as a CRC-32 and a wrapping sum of their 32-bit words per part (64
+        check bits from two unrelated functions, ~15x faster than sha256 over the values,
+        which was a fifth of a round's CPU). Fingerprints
         detect honest divergence (different failure sets, lost chunks); they are not a
         defence against a peer that lies about what it holds, which it could anyway."""
         digest = hashlib.sha256(self.report.round_id)
@@ -329,8 +330,10 @@ class RoundResult:
             digest.update(part.part_index.to_bytes(8, "big") + part.reducer.to_bytes())
             for member in sorted(part.contributors):
                 digest.update(member.to_bytes())
-            view = values[part.start : part.end].view(np.uint8).data
-            checks = (zlib.crc32(view), zlib.adler32(view), part.end - part.start)
+            segment = self.averaged[part.start : part.end]
+            crc = zlib.crc32(values[part.start : part.end].view(np.uint8).data)
+            word_sum = int(segment.view(torch.int32).sum(dtype=torch.int32)) & 0xFFFFFFFF
+            checks = (crc, word_sum, part.end - part.start)
             digest.update(b"".join(c.to_bytes(8, "big") for c in checks))
         return digest.digest()
 
