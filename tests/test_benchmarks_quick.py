@@ -1,0 +1,47 @@
+"""Smoke tests of the benchmarks: each runs end to end at a tiny size and ends with its
+JSON line. Timing is never asserted (DESIGN.md); correctness checks inside a benchmark
+are, since a benchmark that measures a wrong result measures nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_HIVEMIND = importlib.util.find_spec("hivemind") is not None
+
+
+def _run(script: str, *args: str, timeout: float) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.timeout(240)
+def test_allreduce_benchmark_runs_and_checks_results() -> None:
+    args = ["--quick", "--sizes", "256K", "--rounds", "1", "--step-rounds", "1"]
+    if not HAVE_HIVEMIND:
+        args.append("--no-hivemind")  # ours and the raw TCP limit still run
+    result = _run("bench_allreduce.py", *args, timeout=220)
+    assert result["benchmark"] == "allreduce"
+    figures, ratios, notes = result["figures"], result["ratios"], result["notes"]
+    assert isinstance(figures, dict) and isinstance(ratios, dict) and isinstance(notes, list)
+    for codec in ("none", "float16", "uint8"):
+        assert f"256K_{codec}_round_seconds_ours" in figures
+        assert f"256K_{codec}_step_seconds_ours" in figures
+        # A ratio is given only for a result that passed its check against the true mean.
+        assert f"256K_{codec}_fraction_of_bound" in ratios
+    assert figures["256K_raw_per_peer_MB_per_s"] > 0
+    assert not [n for n in notes if str(n).startswith("ours") and "WRONG" in str(n)]
