@@ -17,7 +17,15 @@ medians over all timed calls of all repetitions. The run ends with one JSON line
 ratios are oriented so > 1 means ours is better (hivemind's latency over ours; our
 throughput over hivemind's).
 
-    .venv/bin/python benchmarks/bench_experts.py --quick   # 1 rep, under a minute
+A second section measures pipelines (``swarm.pipeline``): training throughput
+(samples/s of forward, backward and optimizer step) of a 3-stage MLP on 3 stage servers
+(one per stage, each its own process), driven by ``RemoteSequential.train_step`` with
+several micro-batches in flight, against the same model trained on the same micro-batches
+in one process (``pipeline_vs_local_*`` ratios: > 1 means the pipeline is faster). Two
+models: ``digits`` (the tests' 64 -> 128 | 128 -> 256 -> 128 | 128 -> 10) and ``wide``
+(three 512 -> 2048 -> 512 stages), with synthetic data.
+
+    .venv/bin/python benchmarks/bench_experts.py --quick   # 1 rep, about a minute
     .venv/bin/python benchmarks/bench_experts.py           # 3 reps, a few minutes
 """
 
@@ -46,6 +54,8 @@ STARTUP_TIMEOUT = 120.0
 MEASURE_TIMEOUT = 300.0
 #: Seconds a child gets to stop after being asked, before it is terminated.
 STOP_GRACE = 15.0
+#: Seconds one pipeline stage call may take before the run is declared broken.
+CALL_TIMEOUT = 60.0
 SYSTEMS = ("ours", "hivemind", "local")
 MODES = ("forward", "forward_backward")
 
@@ -255,6 +265,132 @@ def probe_hivemind() -> tuple[str | None, str]:
     return done.stdout.strip(), ""
 
 
+# --- pipelines: a 3-stage model on 3 stage servers vs the same model in one process -----
+
+PIPELINE_MODELS: dict[str, tuple[tuple[int, ...], ...]] = {
+    "digits": ((64, 128), (128, 256, 128), (128, 10)),
+    "wide": ((512, 2048, 512),) * 3,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelinePlan:
+    """How much pipeline training to time."""
+
+    steps: dict[str, int]
+    """Timed steps per model; each step trains ``in_flight`` micro-batches."""
+    warmup_steps: int = 2
+    micro_batch: int = 32
+    in_flight: int = 4
+
+
+QUICK_PIPELINE = PipelinePlan(steps={"digits": 10, "wide": 3})
+FULL_PIPELINE = PipelinePlan(steps={"digits": 60, "wide": 15})
+
+
+def _timed_steps(steps: list[Any], warmup: int, train: Any) -> float:
+    """Seconds ``train(step)`` takes over ``steps[warmup:]`` (after the warm-up ones)."""
+    started = 0.0
+    for i, step in enumerate(steps):
+        if i == warmup:
+            started = time.perf_counter()
+        train(step)
+    return time.perf_counter() - started
+
+
+def _local_seconds(widths: tuple[tuple[int, ...], ...], steps: list[Any], warmup: int) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    from swarm.pipeline import MLPStages
+
+    local = MLPStages(widths=widths).build_local()
+    optimizer = torch.optim.SGD(local.parameters(), lr=0.01)
+
+    def train(step: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for x, y in step:  # one micro-batch after the other: one process, one thread
+            optimizer.zero_grad()
+            F.cross_entropy(local(x), y).backward()
+            optimizer.step()
+
+    return _timed_steps(steps, warmup, train)
+
+
+def _pipeline_seconds(
+    widths: tuple[tuple[int, ...], ...], steps: list[Any], plan: PipelinePlan
+) -> float:
+    import torch.nn.functional as F
+
+    from peers.dht import BlockingDHT, DHTConfig
+    from peers.testing import LocalSwarm
+    from swarm.experts import ExpertCallConfig
+    from swarm.pipeline import PipelineConfig, RemoteSequential
+
+    options: dict[str, Any] = {
+        "widths": [list(w) for w in widths],
+        "optimizer": "sgd",
+        "lr": 0.01,
+        "average_interval": 3600.0,  # one server per stage: no replicas to average
+        "max_batch_size": plan.micro_batch * plan.in_flight,
+    }
+    with LocalSwarm(startup_timeout=STARTUP_TIMEOUT) as swarm:
+        (boot,) = swarm.start(1, target="peers.dht.testing:dht_node")
+        boot.wait_report("joined", STARTUP_TIMEOUT)
+        servers = swarm.start(
+            len(widths),
+            target="swarm.pipeline.testing:stage_server",
+            options={**options, "initial_peers": [boot.maddr]},
+            per_peer_options=[{"stage": i} for i in range(len(widths))],
+        )
+        for server in servers:
+            server.wait_report("serving", STARTUP_TIMEOUT)
+        calls = ExpertCallConfig(forward_timeout=CALL_TIMEOUT, backward_timeout=CALL_TIMEOUT)
+        config = PipelineConfig(num_stages=len(widths), calls=calls, seed=0)
+        with BlockingDHT(config=DHTConfig(initial_peers=(boot.maddr,))) as dht:
+            pipeline = RemoteSequential(dht, config)
+            seconds = _timed_steps(
+                steps, plan.warmup_steps, lambda step: pipeline.train_step(step, F.cross_entropy)
+            )
+            if pipeline.statistics().num_failed_calls:
+                raise BenchError(f"pipeline calls failed: {pipeline.statistics()}")
+    return seconds
+
+
+def measure_pipeline(plan: PipelinePlan) -> tuple[dict[str, float], dict[str, float]]:
+    """Samples/s of the pipeline and of the local model, per model; their ratios."""
+    import torch
+
+    torch.set_num_threads(1)
+    figures: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    for name, widths in PIPELINE_MODELS.items():
+        gen = torch.Generator().manual_seed(0)
+        steps = [
+            [
+                (
+                    torch.randn(plan.micro_batch, widths[0][0], generator=gen),
+                    torch.randint(0, widths[-1][-1], (plan.micro_batch,), generator=gen),
+                )
+                for _ in range(plan.in_flight)
+            ]
+            for _ in range(plan.warmup_steps + plan.steps[name])
+        ]
+        local_s = _local_seconds(widths, steps, plan.warmup_steps)
+        pipeline_s = _pipeline_seconds(widths, steps, plan)
+        # again, after: the quieter of the two (the machine is shared)
+        local_s = min(local_s, _local_seconds(widths, steps, plan.warmup_steps))
+        samples = plan.steps[name] * plan.in_flight * plan.micro_batch
+        figures[f"pipeline_{name}_samples_per_s"] = round(samples / pipeline_s, 1)
+        figures[f"local_{name}_samples_per_s"] = round(samples / local_s, 1)
+        ratios[f"pipeline_vs_local_{name}"] = round(local_s / pipeline_s, 3)
+        print(
+            f"  pipeline {name}: {samples / pipeline_s:.0f} samples/s on 3 stage servers, "
+            f"local {samples / local_s:.0f} samples/s ({local_s / pipeline_s:.2f}x)",
+            flush=True,
+        )
+    return figures, ratios
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 3) if num and den else None
 
@@ -263,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="reduced run, under a minute")
     parser.add_argument("--no-hivemind", action="store_true", help="measure ours only")
+    parser.add_argument("--no-pipeline", action="store_true", help="skip the pipeline section")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     notes: list[str] = []
@@ -315,6 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"medians over {plan.num_reps} reps; ratio = hivemind / ours (> 1: ours better)", rows
     )
+    if not args.no_pipeline:
+        pipeline_plan = QUICK_PIPELINE if args.quick else FULL_PIPELINE
+        print(
+            f"pipelines: 3 stage servers (1 process each) vs one process, "
+            f"{pipeline_plan.in_flight} micro-batches of {pipeline_plan.micro_batch} in flight"
+        )
+        pipeline_figures, pipeline_ratios = measure_pipeline(pipeline_plan)
+        figures.update(pipeline_figures)
+        ratios.update(pipeline_ratios)
+        total_s = time.monotonic() - began
     for note in notes:
         print(f"note: {note}")
     print(f"total {total_s:.1f} s")

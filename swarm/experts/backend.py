@@ -47,7 +47,8 @@ class KeptForward:
     leaves: list[torch.Tensor]
     outputs: list[torch.Tensor]
     step: int
-    """The optimizer step the parameters were at: a later step makes it stale."""
+    """The parameters' version (see :meth:`ModuleBackend.parameters_changed`): a later
+    optimizer step or outside change makes it stale."""
 
 
 class ModuleBackend:
@@ -84,6 +85,7 @@ class ModuleBackend:
         )
         self._num_forward = self._num_backward = self._num_recomputed = 0
         self._num_batches = self._num_steps = 0
+        self._version = 0  # bumped by every change of the parameters: steps and others
         self._compute_seconds = 0.0
 
     def forward(
@@ -98,13 +100,19 @@ class ModuleBackend:
         with torch.enable_grad():
             leaves = _leaves(self._here(inputs))
             outputs = _as_list(self.module(*leaves))
-        return _to_cpu(outputs), KeptForward(leaves, outputs, self._num_steps)
+        return _to_cpu(outputs), KeptForward(leaves, outputs, self._version)
 
     def _here(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.to(self.device, non_blocking=True) for t in tensors]
 
     def is_fresh(self, kept: KeptForward) -> bool:
-        return kept.step == self._num_steps
+        return kept.step == self._version
+
+    def parameters_changed(self) -> None:
+        """The parameters were changed outside :meth:`step` (averaged with replicas,
+        loaded from peers): graphs kept before are stale. Call it from
+        :meth:`swarm.experts.worker.ModuleWorker.exclusive`, where no batch runs."""
+        self._version += 1
 
     def backward(
         self,
@@ -119,7 +127,7 @@ class ModuleBackend:
             self._num_recomputed += inputs[0].shape[0]
             with torch.enable_grad():
                 leaves = _leaves(self._here(inputs))
-                kept = KeptForward(leaves, _as_list(self.module(*leaves)), self._num_steps)
+                kept = KeptForward(leaves, _as_list(self.module(*leaves)), self._version)
         grads = [
             g.to(o.device, o.dtype, non_blocking=True)
             for g, o in zip(grad_outputs, kept.outputs, strict=True)
@@ -145,6 +153,7 @@ class ModuleBackend:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._num_steps += 1
+        self._version += 1
 
     def add_compute_seconds(self, seconds: float) -> None:
         self._compute_seconds += seconds

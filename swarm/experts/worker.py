@@ -8,8 +8,9 @@ computes, and splits the results. Work expected to take more than
 torch works, and torch releases the GIL in its kernels); smaller work runs inline,
 saving two thread switches per request. After a backward batch, the replies go out
 first and the optimizer step follows, before the module's next batch. One worker per
-module, so a forward never reads parameters a step is writing. A caller that gives up
-leaves the queue at once.
+module, so a forward never reads parameters a step is writing; code outside that reads
+or changes the parameters (replica averaging) goes through :meth:`ModuleWorker.exclusive`
+for the same reason. A caller that gives up leaves the queue at once.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ModuleWorker:
         self._tickets = itertools.count()
         self._wake = asyncio.Event()
         self._stepping: asyncio.Future[None] | None = None
+        self._exclusive = asyncio.Lock()  # held by each batch (and its step), or by exclusive()
 
     async def submit(
         self,
@@ -107,7 +109,9 @@ class ModuleWorker:
         while True:
             decision = self.batcher.next_batch(loop.time())
             if isinstance(decision, Batch):
-                await self._run_batch(decision, [self._jobs.pop(t) for t in decision.tickets])
+                jobs = [self._jobs.pop(t) for t in decision.tickets]
+                async with self._exclusive:
+                    await self._run_batch(decision, jobs)
                 await asyncio.sleep(0)  # after inline work: let replies out and requests in
                 continue
             self._wake.clear()
@@ -117,6 +121,19 @@ class ModuleWorker:
                     await self._wake.wait()
             except TimeoutError:
                 pass
+
+    async def exclusive(self, fn: Callable[[], R]) -> R:
+        """``fn()``, run in a thread while no batch or optimizer step of this module
+        runs (requests keep queueing meanwhile): how outside code reads or changes the
+        parameters. Raises what ``fn`` raises. A cancelled caller still holds the module
+        until ``fn`` has finished (a half-written parameter must not be computed with)."""
+        async with self._exclusive:
+            future = asyncio.ensure_future(asyncio.to_thread(fn))
+            try:
+                return await asyncio.shield(future)
+            finally:
+                if not future.done():
+                    await asyncio.wait([future])
 
     async def _call(self, fn: Callable[[], R], num_samples: int) -> R:
         if self.throughput and num_samples / self.throughput < INLINE_COMPUTE_SECONDS:

@@ -1,0 +1,63 @@
+"""Pipelines of interchangeable servers (SWARM parallelism, Ryabinin et al. 2023).
+
+A model is cut into stages (:class:`PipelineModel`, e.g. :class:`MLPStages`); each stage
+is served by one or more :class:`StageServer` s, as the expert ``stage.{i}``.
+
+- :class:`RemoteSequential` (blocking) and :class:`PipelineClient` (async) send each
+  micro-batch through the stages, picking a server per stage by measured throughput and
+  queue (:class:`Wiring`, stochastic wiring); a failed server is banned for a while and
+  its micro-batch retried on another; activations and gradients may travel compressed
+  (``PipelineConfig.calls.codec``).
+- Replicas of a stage average their parameters periodically (:class:`StageReplica`,
+  through ``averaging.Averager``) and share their state; a server joining a stage
+  downloads it from them.
+- A server started without a stage takes the most under-served one, and may move
+  there later (:func:`stage_to_join`, :func:`stage_to_move`);
+  :class:`BlockingStageServer` hosts one from a plain script.
+"""
+
+from swarm.pipeline.blocking import BlockingStageServer
+from swarm.pipeline.client import (
+    PipelineClient,
+    PipelineConfig,
+    PipelineStatistics,
+    StageCall,
+    Trace,
+)
+from swarm.pipeline.errors import PipelineError, StageFailed, StageStateError, StageUnavailable
+from swarm.pipeline.rebalance import StageLoad, pressures, stage_to_join, stage_to_move
+from swarm.pipeline.remote import RemoteSequential
+from swarm.pipeline.replicas import ReplicaConfig, ReplicaStatistics, StageReplica
+from swarm.pipeline.server import StageServer, StageServerConfig, StageServerStatistics
+from swarm.pipeline.stages import DIGITS_STAGES, MLPStages, PipelineModel
+from swarm.pipeline.wiring import ServerRecord, Wiring, WiringConfig
+
+__all__ = [
+    "DIGITS_STAGES",
+    "BlockingStageServer",
+    "MLPStages",
+    "PipelineClient",
+    "PipelineConfig",
+    "PipelineError",
+    "PipelineModel",
+    "PipelineStatistics",
+    "RemoteSequential",
+    "ReplicaConfig",
+    "ReplicaStatistics",
+    "ServerRecord",
+    "StageCall",
+    "StageFailed",
+    "StageLoad",
+    "StageReplica",
+    "StageServer",
+    "StageServerConfig",
+    "StageServerStatistics",
+    "StageStateError",
+    "StageUnavailable",
+    "Trace",
+    "Wiring",
+    "WiringConfig",
+    "pressures",
+    "stage_to_join",
+    "stage_to_move",
+]

@@ -1,0 +1,316 @@
+"""The async core of a pipeline client: micro-batches through stages, rerouted on failure.
+
+A micro-batch's forward goes stage by stage; at each stage a server is drawn by the
+stage's :class:`~swarm.pipeline.wiring.Wiring` (stochastic wiring) and called with
+:func:`swarm.experts.call_forward`, asking it to keep its graph. The backward goes back
+through the same servers, each given its forward's token (no recomputation). A server
+that fails a call is banned for a while and the call retried on another server of the
+stage, up to ``max_attempts`` times: a forward with the same inputs; a backward on
+another replica with the inputs that stage got in the forward, so that replica
+recomputes the forward itself and backpropagates through its own parameters (SWARM
+does the same; retrying the whole micro-batch instead would redo every stage and, for
+stages already backpropagated, train them twice). When a stage has no live server the
+call re-reads the DHT for up to ``server_wait_timeout`` seconds (a new server may be
+joining) and then raises :class:`StageUnavailable`.
+
+Server listings come from the DHT (``stage.{i}`` announcements with load and throughput,
+see :mod:`swarm.experts.announce`), re-read at most every ``refresh_seconds`` by the
+micro-batch that finds them stale: no background task to own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from peers.dht import DHT
+from peers.errors import PeersError, RemoteError
+from swarm.experts.announce import ExpertLocation, find_experts
+from swarm.experts.calls import ExpertCallConfig, call_backward, call_forward
+from swarm.experts.uids import check_name
+from swarm.pipeline.errors import StageFailed, StageUnavailable
+from swarm.pipeline.stages import MAX_STAGES
+from swarm.pipeline.wiring import ServerRecord, Wiring, WiringConfig
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
+
+#: Most attempts of one stage call: each failed attempt bans a server, so more than
+#: this many failures in a row means the stage is failing, not one server.
+MAX_ATTEMPTS = 16
+#: Seconds between re-reads of the DHT while a stage has no live server.
+WAIT_POLL_SECONDS = 0.5
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Which stages a client calls, and how it picks and retries their servers."""
+
+    num_stages: int
+    """Stages of the model: uids ``{uid_prefix}.0`` to ``{uid_prefix}.{num_stages-1}``."""
+    uid_prefix: str = "stage"
+    """Name part of the stages' uids."""
+    calls: ExpertCallConfig = field(default_factory=ExpertCallConfig)
+    """Deadlines of each stage call, and the codec of activations and gradients
+    (``float16``, ``uint8``, ``blockwise8``: both directions)."""
+    wiring: WiringConfig = field(default_factory=WiringConfig)
+    """Bans and throughput smoothing of the stochastic wiring."""
+    max_attempts: int = 4
+    """Servers one stage call tries before :class:`StageFailed`."""
+    refresh_seconds: float = 5.0
+    """Seconds between re-reads of the stages' server listings in the DHT."""
+    server_wait_timeout: float = 30.0
+    """Seconds a call waits for a stage with no live server to get one."""
+    seed: int | None = None
+    """Seeds the wiring's random choices (``None``: from the OS)."""
+
+    def __post_init__(self) -> None:
+        check_name(self.uid_prefix)
+        if not 1 <= self.num_stages <= MAX_STAGES:
+            raise ValueError(f"num_stages must be in [1, {MAX_STAGES}], got {self.num_stages}")
+        if not 1 <= self.max_attempts <= MAX_ATTEMPTS:
+            raise ValueError(f"max_attempts must be in [1, {MAX_ATTEMPTS}]")
+        if not (math.isfinite(self.refresh_seconds) and self.refresh_seconds > 0):
+            raise ValueError("refresh_seconds must be finite and positive")
+        if not (math.isfinite(self.server_wait_timeout) and self.server_wait_timeout >= 0):
+            raise ValueError("server_wait_timeout must be finite and >= 0")
+
+    @property
+    def uids(self) -> list[str]:
+        return [f"{self.uid_prefix}.{i}" for i in range(self.num_stages)]
+
+
+@dataclass(frozen=True, slots=True)
+class StageCall:
+    """One stage of a micro-batch's forward: who computed it, on what."""
+
+    location: ExpertLocation
+    inputs: list[torch.Tensor]
+    forward_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A micro-batch's forward, stage by stage: what its backward needs."""
+
+    calls: tuple[StageCall, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStatistics:
+    num_forwards: int
+    num_backwards: int
+    num_failed_calls: int
+    """Stage calls that failed and were retried elsewhere (or gave up)."""
+    num_refreshes: int
+    servers: tuple[tuple[ServerRecord, ...], ...]
+    """Per stage, its servers as the wiring sees them."""
+
+
+class PipelineClient:
+    """Calls the stages announced in ``dht``; see the module docstring."""
+
+    def __init__(self, dht: DHT, config: PipelineConfig) -> None:
+        self.dht = dht
+        self.peer = dht.peer
+        self.config = config
+        self.wirings = [Wiring(config.wiring) for _ in range(config.num_stages)]
+        self._rng = random.Random(config.seed)
+        self._refreshed_at = -math.inf
+        self._refresh_lock = asyncio.Lock()
+        self._counters: Counter[str] = Counter()
+
+    async def refresh(self) -> None:
+        """Re-read every stage's servers from the DHT now."""
+        async with self._refresh_lock:
+            found = await find_experts(self.dht, self.config.uids)
+            now = time.monotonic()
+            for uid, wiring in zip(self.config.uids, self.wirings, strict=True):
+                wiring.update(found[uid], now)
+            self._refreshed_at = now
+            self._counters["refreshes"] += 1
+
+    async def _fresh(self) -> None:
+        if time.monotonic() - self._refreshed_at >= self.config.refresh_seconds:
+            if not self._refresh_lock.locked():
+                await self.refresh()
+            else:  # another micro-batch is refreshing: use its result
+                async with self._refresh_lock:
+                    pass
+
+    async def _choose(self, stage: int, num_samples: int) -> ExpertLocation:
+        wiring = self.wirings[stage]
+        deadline = time.monotonic() + self.config.server_wait_timeout
+        while True:
+            location = wiring.choose(num_samples, time.monotonic(), self._rng)
+            if location is not None:
+                return location
+            if time.monotonic() >= deadline:
+                uid = self.config.uids[stage]
+                why = (
+                    f"{wiring.num_listed} listed in the DHT, all banned after failures"
+                    if wiring.num_listed
+                    else "none announced in the DHT: is anyone serving it?"
+                )
+                raise StageUnavailable(
+                    f"stage {stage} ({uid}) has no live server after waiting "
+                    f"{self.config.server_wait_timeout:.0f} s ({why})",
+                    stage,
+                )
+            await asyncio.sleep(min(WAIT_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            await self.refresh()
+
+    async def _call(
+        self,
+        stage: int,
+        num_samples: int,
+        call: Callable[[ExpertLocation], Awaitable[R]],
+        *,
+        first: ExpertLocation | None = None,
+        measure: bool = True,
+    ) -> tuple[ExpertLocation, R]:
+        """``call`` on a server of ``stage`` (``first`` if it is not banned), retried on
+        others. Raises StageFailed after ``max_attempts``, StageUnavailable (above)."""
+        wiring = self.wirings[stage]
+        errors: list[str] = []
+        for attempt in range(self.config.max_attempts):
+            now = time.monotonic()
+            if attempt == 0 and first is not None and not wiring.is_banned(first.peer_id, now):
+                location = first
+            else:
+                location = await self._choose(stage, num_samples)
+            wiring.on_start(location.peer_id, num_samples)
+            settled = False
+            try:
+                result = await call(location)
+                settled = True
+                seconds = time.monotonic() - now if measure else None
+                wiring.on_success(location.peer_id, num_samples, seconds, time.monotonic())
+                return location, result
+            except (PeersError, TimeoutError, OSError) as e:  # the server's failure (or gone)
+                settled = True
+                busy = isinstance(e, RemoteError) and e.remote_type == "ServerBusy"
+                wiring.on_failure(location.peer_id, num_samples, time.monotonic(), busy=busy)
+                self._counters["failed_calls"] += 1
+                errors.append(f"{location.peer_id}: {type(e).__name__}: {e}")
+                logger.info("stage %d at %s failed: %r; rerouting", stage, location.peer_id, e)
+            finally:
+                if not settled:  # cancelled: no verdict on the server
+                    wiring.on_success(location.peer_id, num_samples, None, time.monotonic())
+        uid = self.config.uids[stage]
+        raise StageFailed(
+            f"stage {stage} ({uid}): {self.config.max_attempts} attempts failed; last: "
+            + "; ".join(errors[-3:]),
+            stage,
+        )
+
+    async def _forward_stage(
+        self, stage: int, inputs: list[torch.Tensor], keep: bool
+    ) -> tuple[StageCall, list[torch.Tensor]]:
+        async def attempt(location: ExpertLocation) -> tuple[list[torch.Tensor], int]:
+            done = await call_forward(
+                self.peer, location, inputs, config=self.config.calls, keep=keep
+            )
+            return done.outputs, done.forward_token
+
+        location, (outputs, token) = await self._call(stage, inputs[0].shape[0], attempt)
+        return StageCall(location, inputs, token), outputs
+
+    async def forward(
+        self, inputs: Sequence[torch.Tensor], *, keep: bool = False
+    ) -> tuple[list[torch.Tensor], Trace]:
+        """The last stage's outputs for ``inputs`` (batch-first), and the trace a
+        :meth:`backward` needs. With ``keep`` servers keep their graphs for it."""
+        current = [t.detach().cpu() for t in inputs]
+        calls = []
+        for stage in range(self.config.num_stages):
+            await self._fresh()
+            call, current = await self._forward_stage(stage, current, keep)
+            calls.append(call)
+        self._counters["forwards"] += 1
+        return current, Trace(tuple(calls))
+
+    async def _backward_stage(
+        self, stage: int, done: StageCall, grads: list[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        async def attempt(location: ExpertLocation) -> list[torch.Tensor | None]:
+            token = done.forward_token if location == done.location else 0
+            return await call_backward(
+                self.peer,
+                location,
+                done.inputs,
+                grads,
+                config=self.config.calls,
+                forward_token=token,
+            )
+
+        n = done.inputs[0].shape[0]
+        _, got = await self._call(stage, n, attempt, first=done.location, measure=False)
+        return got
+
+    async def backward(
+        self, trace: Trace, grad_outputs: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        """Gradients of the first stage's inputs (``None`` for integer ones); every
+        stage's server trains on the way (its optimizer steps)."""
+        grads = [g.detach().cpu() for g in grad_outputs]
+        got: list[torch.Tensor | None] = list(grads)
+        for stage in reversed(range(len(trace.calls))):
+            done = trace.calls[stage]
+            got = await self._backward_stage(stage, done, grads)
+            grads = [
+                torch.zeros_like(x) if g is None else g
+                for g, x in zip(got, done.inputs, strict=True)
+            ]
+        self._counters["backwards"] += 1
+        return got
+
+    async def train_micro_batch(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn
+    ) -> float:
+        """Forward ``inputs``, ``loss_fn(outputs, targets)`` here, backward through the
+        servers that did the forward (they train). Returns the loss."""
+        outputs, trace = await self.forward([inputs], keep=True)
+        with torch.enable_grad():
+            out = outputs[0].requires_grad_(True)
+            loss = loss_fn(out, targets)
+            (grad,) = torch.autograd.grad(loss, out)
+        await self.backward(trace, [grad])
+        return float(loss.detach())
+
+    async def train(
+        self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn
+    ) -> list[float]:
+        """:meth:`train_micro_batch` for each ``(inputs, targets)``, all in flight at
+        once (so different stages work on different micro-batches); their losses. If
+        one fails, the others are cancelled and its error raised."""
+        try:
+            async with asyncio.TaskGroup() as group:  # one fails: the others are cancelled
+                tasks = [
+                    group.create_task(self.train_micro_batch(x, y, loss_fn))
+                    for x, y in micro_batches
+                ]
+        except ExceptionGroup as e:
+            raise e.exceptions[0] from None  # the caller sees StageFailed, not a group
+        return [task.result() for task in tasks]
+
+    def statistics(self) -> PipelineStatistics:
+        now = time.monotonic()
+        return PipelineStatistics(
+            num_forwards=self._counters["forwards"],
+            num_backwards=self._counters["backwards"],
+            num_failed_calls=self._counters["failed_calls"],
+            num_refreshes=self._counters["refreshes"],
+            servers=tuple(w.statistics(now) for w in self.wirings),
+        )
