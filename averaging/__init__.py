@@ -1,10 +1,17 @@
 """averaging: compression, butterfly all-reduce, gossip, matchmaking, state sync.
 
-Built so far: tensor compression (:mod:`averaging.compression`), partitioning
-(:mod:`averaging.partition`), and one butterfly all-reduce round as a pure state machine
-(:mod:`averaging.butterfly`; its records in :mod:`averaging.butterfly_records`, a part's
-reduction in :mod:`averaging.reduction`). Layering: imports ``peers`` (and torch), never
-``swarm``.
+- :mod:`averaging.compression`: seven codecs behind one interface.
+- :mod:`averaging.matchmaking`: groups through the DHT, no coordinator.
+- :mod:`averaging.butterfly`: one all-reduce round as a pure state machine (records in
+  :mod:`averaging.butterfly_records`, a part's reduction in :mod:`averaging.reduction`,
+  CenteredClip in :mod:`averaging.robust`); :mod:`averaging.allreduce` runs it over real
+  streams, :mod:`averaging.allreduce_service` routes links to rounds.
+- :mod:`averaging.averager`: named tensors averaged with peers on request
+  (:class:`BlockingAverager` for plain scripts); :mod:`averaging.gossip`: Moshpit and
+  random groups.
+- :mod:`averaging.state_sync`: newcomers download state from several donors.
+
+Layering: imports ``peers`` (and torch), never ``swarm``.
 """
 
 from averaging.allreduce import RoundRunner

@@ -1,7 +1,13 @@
 """swarm: collaborative training, remote experts, the ``swarm`` command, monitoring.
 
-Today it holds the command line (``swarm.cli``); training arrives with the averaging
-layer. Importing ``swarm`` stays light: torch-heavy modules are imported by name.
+- :mod:`swarm.optimizer`: :class:`~swarm.optimizer.CollaborativeOptimizer` (gradient
+  averaging to a global batch, or DiLoCo); :mod:`swarm.trainer` runs one peer on a
+  built-in task (:mod:`swarm.tasks`), :mod:`swarm.demo` a whole local swarm.
+- :mod:`swarm.experts`: expert servers, ``RemoteExpert``, ``RemoteMixtureOfExperts``;
+  :mod:`swarm.pipeline`: SWARM pipelines (``RemoteSequential``).
+- :mod:`swarm.cli`: the ``swarm`` command; :mod:`swarm.checkpoint`: safe checkpoints.
+
+Importing ``swarm`` stays light (no torch): torch-heavy modules are imported by name.
 """
 
 __all__: list[str] = []
