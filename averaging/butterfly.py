@@ -402,19 +402,26 @@ class ButterflyRound:
         withdrew. Raises :class:`RoundError` unless :meth:`is_done`."""
         if not self.is_done():
             raise RoundError("the round is not done: some parts are unresolved")
-        averaged = self._local.clone()
+        # Every coordinate is written once: averaged parts from where they are held,
+        # the rest from my own vector (no full copy first).
+        averaged = torch.empty_like(self._local)
         reports: list[PartReport] = []
         for i, (start, end) in enumerate(self._parts):
             reducer: PeerID | None = None if self._excluded_by else self._assignee[i]
             contributors: frozenset[PeerID] = frozenset()
+            receipt = self._receipts.get(i)
             if reducer is None or i in self._abandoned:
                 reducer = None
+                averaged[start:end] = self._local[start:end]
             elif i in self._finals:
                 contributors = self._finals[i].contributors
                 averaged[start:end] = self._published.get(i, self._finals[i].values)
-            elif i in self._receipts:
-                contributors = self._receipts[i].contributors or frozenset()
-                averaged[start:end] = self._receipts[i].values()
+            elif receipt is not None:
+                contributors = receipt.contributors or frozenset()
+                for c, (s, e) in enumerate(self._chunks[i]):
+                    averaged[s:e] = receipt.chunks[c]
+            else:
+                averaged[start:end] = self._local[start:end]
             reports.append(PartReport(i, start, end, reducer, contributors, reducer is not None))
         total = self.spec.total_elements
         num_averaged = sum(p.end - p.start for p in reports if p.averaged)

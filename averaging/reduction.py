@@ -29,7 +29,9 @@ class PartReduction:
     def __init__(self, ranges: Sequence[tuple[int, int]], device: torch.device) -> None:
         self.ranges = list(ranges)
         """The part's chunks, as absolute ``(start, end)`` ranges of the flat vector."""
-        self._sums = [torch.zeros(e - s, dtype=torch.float64, device=device) for s, e in ranges]
+        # A chunk's sum starts as its first contribution (w * x is exactly 0 + w * x):
+        # no zero-filled buffer, one pass less per chunk.
+        self._sums: list[torch.Tensor | None] = [None] * len(self.ranges)
         self._totals = [0.0] * len(self.ranges)
         self._received: dict[PeerID, dict[int, torch.Tensor]] = {}
 
@@ -43,7 +45,14 @@ class PartReduction:
     def add(self, sender: PeerID, chunk: int, values: torch.Tensor, weight: float) -> None:
         """Add ``weight * values`` to chunk ``chunk`` (``values`` is kept by reference)."""
         self._received.setdefault(sender, {})[chunk] = values
-        self._sums[chunk].add_(values, alpha=weight)  # promoted to float64 in place
+        self._accumulate(chunk, values, weight)
+
+    def _accumulate(self, chunk: int, values: torch.Tensor, weight: float) -> None:
+        total = self._sums[chunk]
+        if total is None:
+            self._sums[chunk] = values.to(torch.float64).mul_(weight)
+        else:
+            total.add_(values, alpha=weight)  # promoted to float64 in place
         self._totals[chunk] += weight
 
     def drop(
@@ -52,20 +61,21 @@ class PartReduction:
         """Forget ``sender``: rebuild the sums of its chunks from the other senders', in
         ``order`` (``weights`` gives each sender's weight)."""
         for chunk in self._received.pop(sender, {}):
-            self._sums[chunk].zero_()
+            self._sums[chunk] = None
             self._totals[chunk] = 0.0
             for member in order:
                 values = self._received.get(member, {}).get(chunk)
                 if values is not None:
-                    self._sums[chunk].add_(values, alpha=weights[member])
-                    self._totals[chunk] += weights[member]
+                    self._accumulate(chunk, values, weights[member])
 
     def finalize(self) -> torch.Tensor:
         """The float32 weighted mean of the whole part; frees the per-sender chunks.
         Every chunk must have a positive total weight (the reducer's own is always in)."""
-        values = torch.cat(
-            [(s / t).to(torch.float32) for s, t in zip(self._sums, self._totals, strict=True)]
-        )
+        first, last = self.ranges[0][0], self.ranges[-1][1]
+        values = torch.empty(last - first, dtype=torch.float32)
+        for (start, end), total, weight in zip(self.ranges, self._sums, self._totals, strict=True):
+            assert total is not None  # the reducer's own chunk is always in
+            values[start - first : end - first].copy_(total.div_(weight))
         self._received.clear()
         self._sums = []
         return values
