@@ -194,3 +194,43 @@ def test_a_link_for_an_unknown_round_is_refused_and_the_service_keeps_serving(
     for r in arun(main()):
         assert r.transfer.agreed
         assert torch.allclose(r.result.averaged, torch.full((3000,), 0.5))
+
+
+def test_a_member_sending_garbage_on_its_link_is_excluded_and_the_rest_agree(arun: Run) -> None:
+    """A member that cannot be dialed (bandwidth 0) opens its links itself; this one sends
+    a valid Hello, then a frame that is no message at all, then one with a bad tensor."""
+
+    async def main() -> list[Any]:
+        config = AllReduceConfig(
+            sender_timeout=2.0, reducer_timeout=4.0, round_timeout=8.0, chunk_elements=1000
+        )
+        async with contextlib.AsyncExitStack() as stack:
+            honest = [await stack.enter_async_context(Peer()) for _ in range(2)]
+            liar = await stack.enter_async_context(Peer())
+            services = [
+                await stack.enter_async_context(AllReduceService(p, config)) for p in honest
+            ]
+            await _meet([*honest, liar])
+            specs = _specs([*honest, liar], 3000, [1.0, 1.0, 0.0], chunk=1000)
+            rounds = [
+                asyncio.ensure_future(s.run_round(spec, torch.full((3000,), float(i)), 1.0))
+                for i, (s, spec) in enumerate(zip(services, specs, strict=False))
+            ]
+            for target, garbage in zip(
+                honest,
+                ([9, {"not": "a message"}], [1, [0, 0, 1.0, ["none", "float32"]]]),
+                strict=True,
+            ):
+                stream = await liar.new_stream(target.peer_id, ALLREDUCE_PROTOCOL)
+                framed = FramedStream(stream)
+                await framed.write_frame(encode_hello(specs[0].round_id))
+                await framed.write_frame(garbage)
+            return list(await asyncio.gather(*rounds))
+
+    results = arun(main())
+    first = results[0].result.averaged
+    for r in results:
+        assert len(r.result.report.failed) == 1  # the liar, and only it
+        assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
+        assert torch.equal(r.result.averaged, first)
+    assert torch.allclose(first, torch.full((3000,), 0.5))

@@ -28,6 +28,13 @@ def _view(claims: list[int], mine: int = 16, target: int = 64) -> object:
 def test_honest_peers_fill_the_batch() -> None:
     view = _view([16, 16, 16])
     assert view.samples == 64 and view.ready and view.num_peers == 4  # type: ignore[attr-defined]
+    assert view.eta_seconds == 0.0  # type: ignore[attr-defined]
+
+
+def test_the_eta_follows_the_swarm_throughput() -> None:
+    view = _view([8, 8, 8], mine=8)  # 32 of 64 samples, 4 peers at 100 samples/s each
+    assert view.samples_per_second == 400.0  # type: ignore[attr-defined]
+    assert view.eta_seconds == (64 - 32) / 400.0  # type: ignore[attr-defined]
 
 
 def test_an_absurd_claim_cannot_end_the_epoch_by_itself() -> None:
