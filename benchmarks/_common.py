@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing.process
 import os
 import queue
+import re
 import signal
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +229,117 @@ def emit_result(
     """The closing JSON line. Ratios are oriented so that > 1 means we are better."""
     result = {"benchmark": benchmark, "figures": figures, "ratios": ratios, **extra}
     print(json.dumps(result, sort_keys=False), flush=True)
+
+
+# --- child processes shared by the benchmarks -----------------------------------------
+
+#: A hivemind ``p2pd``'s unix socket in its command line (left behind if it is killed).
+P2PD_SOCKET = re.compile(r"-listen=/unix(/\S*/hivemind-p2pd-[\w-]+\.sock)(?:\s|$)")
+#: Lines a wait reads at most: a child printing endlessly cannot hold us.
+MAX_LINES_PER_WAIT = 100_000
+
+
+class JsonChild:
+    """A ``python SCRIPT ARGS...`` child that reads JSON commands on stdin and prints JSON
+    reports on stdout; its output, and the processes it started (by PID)."""
+
+    def __init__(self, script: Path, args: list[str], *, name: str = "process") -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING")
+        self.name = name
+        self.popen = subprocess.Popen(
+            [sys.executable, str(script), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.out = LineReader(self.popen.stdout)
+        self.err = LineReader(self.popen.stderr)
+        self.tree: set[int] = set()
+        """Descendants seen so far: they outlive the parent if it dies first."""
+        self.sockets: set[str] = set()
+        """The unix sockets its ``p2pd`` listens on (left behind if it is killed)."""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.popen.stdin is not None
+        try:
+            self.popen.stdin.write(json.dumps(message) + "\n")
+            self.popen.stdin.flush()
+        except OSError as e:
+            raise BenchError(f"{self.name} {self.pid} is gone: {e}; {self.errors()}") from e
+
+    def wait_report(self, event: str, timeout: float) -> dict[str, Any]:
+        """The next report of ``event``; :class:`BenchError` if none comes in time."""
+        deadline = time.monotonic() + timeout
+        try:
+            for _ in range(MAX_LINES_PER_WAIT):
+                _, line = self.out.next_line(deadline)
+                if not line.startswith("{"):
+                    continue
+                with contextlib.suppress(json.JSONDecodeError):
+                    report: dict[str, Any] = json.loads(line)
+                    if report.get("event") == event:
+                        return report
+        except BenchError as e:
+            raise BenchError(f"{self.name} {self.pid}: {e}; {self.errors()}") from None
+        raise BenchError(f"{self.name} {self.pid} printed too much without {event!r}")
+
+    def drain_errors(self) -> list[str]:
+        """Every stderr line printed since the last call (hivemind logs there)."""
+        lines = []
+        with contextlib.suppress(BenchError):
+            while len(lines) < MAX_LINES_PER_WAIT:
+                lines.append(self.err.next_line(time.monotonic())[1])
+        return lines
+
+    def errors(self) -> str:
+        """The last lines of its stderr (what it has printed so far)."""
+        self.drain_errors()
+        return "stderr: " + (" | ".join(self.err.tail[-5:]) or "(none)")
+
+    def remember_tree(self) -> None:
+        for pid in descendants(self.pid):
+            self.tree.add(pid)
+            found = P2PD_SOCKET.search(pid_command(pid))
+            if found and "p2pd" in pid_command(pid):
+                self.sockets.add(found.group(1))
+
+
+@dataclass
+class PipeChild:
+    """One spawned ``multiprocessing`` child and our end of its command pipe."""
+
+    name: str
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    daemon_pids: list[int] = field(default_factory=list)
+    """PIDs of daemons the child reported starting (hivemind's p2pd)."""
+
+
+def receive_from(child: PipeChild, timeout: float) -> Any:
+    """The child's next answer; :class:`BenchError` if it fails, dies or is late. It sends
+    ``(kind, body)``: ``("pids", [...])`` records daemons it started, ``("error", text)``
+    fails, anything else is the answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BenchError(f"{child.name} did not answer within {timeout:.0f} s")
+        if child.conn.poll(min(0.2, remaining)):
+            try:
+                kind, body = child.conn.recv()
+            except (EOFError, OSError) as e:
+                raise BenchError(f"{child.name} exited (code {child.process.exitcode})") from e
+            if kind == "pids":
+                child.daemon_pids.extend(body)
+                continue
+            if kind == "error":
+                raise BenchError(f"{child.name} failed:\n{body}")
+            return body
+        if not child.process.is_alive() and not child.conn.poll(0):
+            raise BenchError(f"{child.name} exited (code {child.process.exitcode})")

@@ -61,11 +61,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
 from _common import (
     BenchError,
-    LineReader,
-    descendants,
+    JsonChild,
     emit_result,
     median,
-    pid_command,
     print_table,
     stop_pids,
 )
@@ -107,7 +105,6 @@ LATE_SECONDS = 0.05
 SENDER_TIMEOUT, REDUCER_TIMEOUT, ROUND_TIMEOUT = 10.0, 20.0, 60.0
 #: Seconds the parent waits for a round's reports beyond the round's own timeouts.
 REPORT_GRACE = 60.0
-P2PD_SOCKET = re.compile(r"-listen=/unix(/\S*/hivemind-p2pd-[\w-]+\.sock)(?:\s|$)")
 
 
 def elements(size: str) -> int:
@@ -156,70 +153,11 @@ FULL = Plan(sizes=("16M", "64M"), num_rounds=5, num_step_rounds=5, num_bound_rep
 # --- processes -------------------------------------------------------------------------
 
 
-class JsonProcess:
+class JsonProcess(JsonChild):
     """A ``_allreduce_peers.py`` process (hivemind or raw), its output, and its children."""
 
     def __init__(self, args: list[str]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING")
-        self.popen = subprocess.Popen(
-            [sys.executable, str(PEERS_FILE), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.out = LineReader(self.popen.stdout)
-        self.err = LineReader(self.popen.stderr)
-        self.tree: set[int] = set()
-        self.sockets: set[str] = set()
-        """Unix sockets its ``p2pd`` listens on (left behind if it is killed)."""
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def send(self, message: dict[str, Any]) -> None:
-        assert self.popen.stdin is not None
-        try:
-            self.popen.stdin.write(json.dumps(message) + "\n")
-            self.popen.stdin.flush()
-        except OSError as e:
-            raise BenchError(f"process {self.pid} is gone: {e}; {self.errors()}") from e
-
-    def wait_report(self, event: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                _, line = self.out.next_line(deadline)
-            except BenchError as e:
-                raise BenchError(f"process {self.pid}: {e}; {self.errors()}") from None
-            if line.startswith("{"):
-                with contextlib.suppress(json.JSONDecodeError):
-                    report: dict[str, Any] = json.loads(line)
-                    if report.get("event") == event:
-                        return report
-
-    def drain_errors(self) -> list[str]:
-        """Every stderr line printed since the last call (hivemind logs there)."""
-        lines = []
-        with contextlib.suppress(BenchError):
-            while len(lines) < 100_000:
-                lines.append(self.err.next_line(time.monotonic())[1])
-        return lines
-
-    def errors(self) -> str:
-        with contextlib.suppress(BenchError):
-            while True:
-                self.err.next_line(time.monotonic())
-        return "stderr: " + (" | ".join(self.err.tail[-5:]) or "(none)")
-
-    def remember_tree(self) -> None:
-        for pid in descendants(self.pid):
-            self.tree.add(pid)
-            found = P2PD_SOCKET.search(pid_command(pid))
-            if found and "p2pd" in pid_command(pid):
-                self.sockets.add(found.group(1))
+        super().__init__(PEERS_FILE, args)
 
 
 def close_processes(processes: list[JsonProcess]) -> None:

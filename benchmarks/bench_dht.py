@@ -41,7 +41,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -53,7 +52,7 @@ from typing import Any, Protocol
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
 from _common import (
     BenchError,
-    LineReader,
+    JsonChild,
     descendants,
     emit_result,
     median,
@@ -77,13 +76,9 @@ OP_TIMEOUT = 10.0
 BATCH_DEADLINE = 90.0
 #: Seconds the parent waits for a batch's report beyond the batch deadline.
 REPORT_GRACE = OP_TIMEOUT + 20.0
-#: Most lines read from a child while waiting for one report (logs are skipped).
-MAX_LINES_PER_WAIT = 100_000
 #: Seconds a stored value lives (longer than any run).
 TTL = 600.0
 VALUE_PADDING = "x" * 32
-#: Where hivemind's ``p2pd`` listens for its Python side, from its command line.
-P2PD_SOCKET = re.compile(r"-listen=/unix(/\S*/hivemind-p2pd-[\w-]+\.sock)(?:\s|$)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,62 +145,11 @@ class Member(Protocol):
     def wait_report(self, event: str, timeout: float) -> dict[str, Any]: ...
 
 
-class HivemindPeer:
+class HivemindPeer(JsonChild):
     """A ``_dht_peers.py hivemind`` process, its output, and the processes it started."""
 
     def __init__(self, options: dict[str, Any]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING")
-        self.popen = subprocess.Popen(
-            [sys.executable, str(PEERS_FILE), "hivemind", json.dumps(options)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.out = LineReader(self.popen.stdout)
-        self.err = LineReader(self.popen.stderr)
-        self.tree: set[int] = set()
-        """Descendants seen so far: they outlive the parent if it dies first."""
-        self.sockets: set[str] = set()
-        """The unix sockets its ``p2pd`` listens on (left behind if it is killed)."""
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def send(self, message: dict[str, Any]) -> None:
-        assert self.popen.stdin is not None
-        try:
-            self.popen.stdin.write(json.dumps(message) + "\n")
-            self.popen.stdin.flush()
-        except OSError as e:
-            raise BenchError(f"hivemind peer {self.pid} is gone: {e}; {self._errors()}") from e
-
-    def wait_report(self, event: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        try:
-            for _ in range(MAX_LINES_PER_WAIT):
-                _, line = self.out.next_line(deadline)
-                if line.startswith("{") and json.loads(line).get("event") == event:
-                    return dict(json.loads(line))
-        except BenchError as e:
-            raise BenchError(f"hivemind peer {self.pid}: {e}; {self._errors()}") from None
-        raise BenchError(f"hivemind peer {self.pid} printed too much without {event!r}")
-
-    def _errors(self) -> str:
-        """The last lines of its stderr (what it has printed so far)."""
-        with contextlib.suppress(BenchError):
-            for _ in range(MAX_LINES_PER_WAIT):
-                self.err.next_line(time.monotonic())
-        return "stderr: " + (" | ".join(self.err.tail[-5:]) or "(none)")
-
-    def remember_tree(self) -> None:
-        for pid in descendants(self.pid):
-            self.tree.add(pid)
-            found = P2PD_SOCKET.search(pid_command(pid))
-            if found and "p2pd" in pid_command(pid):
-                self.sockets.add(found.group(1))
+        super().__init__(PEERS_FILE, ["hivemind", json.dumps(options)], name="hivemind peer")
 
 
 class Swarm(Protocol):

@@ -38,13 +38,21 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
-from _common import BenchError, descendants, emit_result, median, print_table, stop_pids
+from _common import (
+    BenchError,
+    descendants,
+    emit_result,
+    median,
+    print_table,
+    receive_from,
+    stop_pids,
+)
+from _common import PipeChild as Child
 from _experts_peers import child_entry
 
 #: Seconds a child has to import its stack and start (hivemind starts p2pd, a DHT
@@ -78,14 +86,6 @@ QUICK = Plan(calls={1: 20, 16: 10, 256: 4}, warmup={1: 3, 16: 2, 256: 1}, num_re
 FULL = Plan(calls={1: 100, 16: 40, 256: 10}, warmup={1: 10, 16: 5, 256: 2}, num_reps=3)
 
 
-@dataclass
-class Child:
-    name: str
-    process: multiprocessing.process.BaseProcess
-    conn: Connection
-    daemon_pids: list[int] = field(default_factory=list)
-
-
 class Fleet:
     """Every child this run started; stops each, and what it started, by PID."""
 
@@ -105,24 +105,7 @@ class Fleet:
         return child, self.receive(child, STARTUP_TIMEOUT)
 
     def receive(self, child: Child, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BenchError(f"{child.name} did not answer within {timeout:.0f} s")
-            if child.conn.poll(min(0.2, remaining)):
-                try:
-                    kind, body = child.conn.recv()
-                except (EOFError, OSError) as e:
-                    raise BenchError(f"{child.name} exited ({child.process.exitcode})") from e
-                if kind == "pids":
-                    child.daemon_pids.extend(body)
-                    continue
-                if kind == "error":
-                    raise BenchError(f"{child.name} failed:\n{body}")
-                return body
-            if not child.process.is_alive() and not child.conn.poll(0):
-                raise BenchError(f"{child.name} exited ({child.process.exitcode})")
+        return receive_from(child, timeout)
 
     def measure(self, child: Child, options: dict[str, Any]) -> list[float]:
         child.conn.send(("measure", options))

@@ -42,7 +42,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,11 @@ from _common import (
     median,
     percentile,
     print_table,
+    receive_from,
     stop_pids,
+)
+from _common import (
+    PipeChild as Child,
 )
 
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -461,17 +465,6 @@ ROLES: dict[str, Callable[[Connection, dict[str, Any]], None]] = {
 # --- the parent side ------------------------------------------------------------------
 
 
-@dataclass
-class Child:
-    """One spawned child and our end of its command pipe."""
-
-    name: str
-    process: multiprocessing.process.BaseProcess
-    conn: Connection
-    daemon_pids: list[int] = field(default_factory=list)
-    """PIDs of daemons the child reported starting (hivemind's p2pd)."""
-
-
 class Fleet:
     """Every child this run started, and the daemons they started; stops each by PID."""
 
@@ -492,24 +485,7 @@ class Fleet:
 
     def receive(self, child: Child, timeout: float) -> Any:
         """The child's next answer; :class:`BenchError` if it fails, dies or is late."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BenchError(f"{child.name} did not answer within {timeout:.0f} s")
-            if child.conn.poll(min(0.2, remaining)):
-                try:
-                    kind, body = child.conn.recv()
-                except (EOFError, OSError) as e:
-                    raise BenchError(f"{child.name} exited (code {child.process.exitcode})") from e
-                if kind == "pids":
-                    child.daemon_pids.extend(body)
-                    continue
-                if kind == "error":
-                    raise BenchError(f"{child.name} failed:\n{body}")
-                return body
-            if not child.process.is_alive() and not child.conn.poll(0):
-                raise BenchError(f"{child.name} exited (code {child.process.exitcode})")
+        return receive_from(child, timeout)
 
     def request(self, child: Child, kind: str, options: dict[str, Any], timeout: float) -> Any:
         child.conn.send((kind, options))
