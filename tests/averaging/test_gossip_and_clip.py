@@ -4,6 +4,7 @@ group, and a CenteredClip round stays near the honest mean despite a -1000x peer
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,12 +38,15 @@ def test_moshpit_gossip_reaches_the_global_mean(swarm16: list[PeerProcess]) -> N
     seed = random.randrange(1 << 20)
     print("seed", seed)
     rounds = 12
+    start_at = time.time() + 2.0  # every peer has the command by then
     for rank, p in enumerate(swarm16):
         p.send(
             {
                 "op": "gossip",
                 "kind": "moshpit",
                 "rounds": rounds,
+                "start_at": start_at,
+                "period": 4.0,
                 "elements": ELEMENTS,
                 "seed": seed,
                 "rank": rank,
@@ -63,7 +67,8 @@ def test_moshpit_gossip_reaches_the_global_mean(swarm16: list[PeerProcess]) -> N
         spreads.append(_spread(vectors) / spread0)
     needed = next((r + 1 for r, s in enumerate(spreads) if s < 1e-6), None)
     print("relative spread per round", spreads, "rounds needed", needed)
-    assert needed is not None, spreads
+    groups = [[rep["history"][r]["group"] for rep in reports] for r in range(rounds)]
+    assert needed is not None, (spreads, "group sizes per round", groups)
     final = torch.stack([torch.tensor(rep["history"][-1]["x"]) for rep in reports]).double()
     # Averaging preserves the sum: the common value is the global mean.
     assert torch.allclose(final.mean(0), mean, atol=1e-5)

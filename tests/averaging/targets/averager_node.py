@@ -3,7 +3,8 @@
 Options: ``initial_peers``. Commands, each answered by one report:
 
 - ``{"op": "gossip", "kind": "moshpit"|"random", "rounds": R, "elements": n, "seed": s,
-  "rank": r}``: averages ``randn(n)`` (from ``seed`` and ``rank``) for R rounds and
+  "rank": r, "start_at": unix time, "period": s}``: averages ``randn(n)`` (from ``seed``
+  and ``rank``) for R rounds, round r starting at ``start_at + r * period``, and
   reports ``gossip`` with the vector after each round (``history``).
 - ``{"op": "clip", "key": k, "elements": n, "seed": s, "rank": r, "scale": x,
   "tau": t}``: one CenteredClip round of ``x * honest(n, seed, rank)``, reports
@@ -12,6 +13,8 @@ Options: ``initial_peers``. Commands, each answered by one report:
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import torch
@@ -67,7 +70,11 @@ async def _gossip(dht: DHT, command: dict[str, Any]) -> dict[str, Any]:
         topology = RandomGroups(int(command.get("num_groups", 4)), seed=seed + rank)
     history = []
     async with Averager(dht, {"x": x}, config) as averager:
+        start, period = float(command["start_at"]), float(command["period"])
         for r in range(int(command["rounds"])):
+            # Rounds follow a shared clock (round r starts at start + r * period): a peer
+            # whose round ran long does not drift into other rounds' keys for good.
+            await asyncio.sleep(max(0.0, start + r * period - time.time()))
             step = await gossip_round(averager, topology, r)
             history.append({"x": x.tolist(), "group": 0 if step is None else step.num_peers})
     return {"event": "gossip", "history": history}
