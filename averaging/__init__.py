@@ -74,7 +74,15 @@ from averaging.compression import (
     choose_codec,
     decode_tensor,
 )
-from averaging.gossip import MoshpitConfig, MoshpitGrid, RandomGroups, gossip_round
+from averaging.gossip import (
+    GossipRound,
+    GossipSchedule,
+    MoshpitConfig,
+    MoshpitGrid,
+    RandomGroups,
+    gossip,
+    gossip_round,
+)
 from averaging.matchmaking import Matchmaker, MatchmakingStatistics
 from averaging.matchmaking_records import (
     MAX_GROUP_SIZE,
@@ -135,6 +143,8 @@ __all__ = [
     "ErrorFeedbackConfig",
     "ErrorFeedbackStatistics",
     "Float16Codec",
+    "GossipRound",
+    "GossipSchedule",
     "Group",
     "LoadedState",
     "Manifest",
@@ -186,6 +196,7 @@ __all__ = [
     "chunk_ranges",
     "decode_tensor",
     "flatten",
+    "gossip",
     "gossip_round",
     "load_state_from_peers",
     "plan_reassignment",

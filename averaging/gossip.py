@@ -11,17 +11,23 @@ Two ways to pick a peer's group key for round ``t`` (pure, STYLE.md 1):
 - :class:`RandomGroups`: each round a peer picks one of ``num_groups`` keys at random;
   the spread shrinks geometrically in expectation.
 
-:func:`gossip_round` runs one round with an :class:`~averaging.averager.Averager`.
+:func:`gossip_round` runs one round with an :class:`~averaging.averager.Averager`;
+:func:`gossip` runs many on a :class:`GossipSchedule`, a clock every peer shares, so that
+a peer whose round ran long (or that was alone) does not fall behind the others for good.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import math
 import random
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from averaging.averager import Averager, AveragingStep
 from averaging.matchmaking_records import Group, MatchmakingError
+from peers.dht import dht_time
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,3 +115,70 @@ async def gossip_round(
         return None
     topology.after_round(round_index, step.group, step.group.index(averager.peer.peer_id))
     return step
+
+
+@dataclass(frozen=True, kw_only=True)
+class GossipSchedule:
+    """Rounds on a clock all peers share (:func:`~peers.dht.dht_time`): round ``r`` opens
+    at ``start + r * period``, and its group search closes ``search_fraction`` of a
+    period later, leaving the rest of the period for the all-reduce."""
+
+    start: float
+    """Wall-clock time of round 0, agreed out of band (a config value, a DHT record)."""
+    period: float
+    """Seconds per round."""
+    search_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.start):
+            raise ValueError("start must be a finite time")
+        if not math.isfinite(self.period) or self.period <= 0:
+            raise ValueError("period must be a positive number of seconds")
+        if not 0 < self.search_fraction <= 1:
+            raise ValueError("search_fraction must be in (0, 1]")
+
+    def opens(self, round_index: int) -> float:
+        return self.start + round_index * self.period
+
+    def search_closes(self, round_index: int) -> float:
+        return self.opens(round_index) + self.search_fraction * self.period
+
+    def current_round(self, now: float) -> int:
+        """The round whose period contains ``now`` (0 before the start)."""
+        return max(0, math.floor((now - self.start) / self.period))
+
+
+@dataclass(frozen=True)
+class GossipRound:
+    """One round of :func:`gossip`: ``step`` is ``None`` when no group formed in the
+    round's search window, or when the round had closed before this peer reached it
+    (``skipped``); the tensors are then unchanged."""
+
+    index: int
+    step: AveragingStep | None
+    skipped: bool = False
+
+
+async def gossip(
+    averager: Averager,
+    topology: Topology,
+    schedule: GossipSchedule,
+    rounds: int,
+    *,
+    weight: float = 1.0,
+    clock: Callable[[], float] = dht_time,
+) -> AsyncIterator[GossipRound]:
+    """Rounds ``0 .. rounds - 1`` on ``schedule``, one :class:`GossipRound` each. A peer
+    waits for each round to open and searches for its group only until the round's
+    search window closes; a round that closed while the previous one ran is skipped, not
+    run late under a key nobody else uses any more."""
+    if not isinstance(rounds, int) or rounds < 0:
+        raise ValueError("rounds must be a non-negative int")
+    for r in range(rounds):
+        await asyncio.sleep(max(0.0, schedule.opens(r) - clock()))
+        timeout = schedule.search_closes(r) - clock()
+        if timeout <= 0:
+            yield GossipRound(r, None, skipped=True)
+            continue
+        step = await gossip_round(averager, topology, r, weight=weight, timeout=timeout)
+        yield GossipRound(r, step)

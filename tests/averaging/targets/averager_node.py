@@ -4,8 +4,8 @@ Options: ``initial_peers``. Commands, each answered by one report:
 
 - ``{"op": "gossip", "kind": "moshpit"|"random", "rounds": R, "elements": n, "seed": s,
   "rank": r, "start_at": unix time, "period": s}``: averages ``randn(n)`` (from ``seed``
-  and ``rank``) for R rounds, round r starting at ``start_at + r * period``, and
-  reports ``gossip`` with the vector after each round (``history``).
+  and ``rank``) for R rounds on a :class:`GossipSchedule` (round r opens at
+  ``start_at + r * period``), and reports ``gossip`` with the vector after each round (``history``).
 - ``{"op": "clip", "key": k, "elements": n, "seed": s, "rank": r, "scale": x,
   "tau": t}``: one CenteredClip round of ``x * honest(n, seed, rank)``, reports
   ``clipped`` with the result.
@@ -13,8 +13,6 @@ Options: ``initial_peers``. Commands, each answered by one report:
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import torch
@@ -24,11 +22,12 @@ from averaging import (
     Averager,
     AveragerConfig,
     CenteredClipConfig,
+    GossipSchedule,
     MatchmakingConfig,
     MoshpitConfig,
     MoshpitGrid,
     RandomGroups,
-    gossip_round,
+    gossip,
 )
 from peers.dht import DHT, DHTConfig
 from peers.testing import Node
@@ -69,14 +68,11 @@ async def _gossip(dht: DHT, command: dict[str, Any]) -> dict[str, Any]:
     else:
         topology = RandomGroups(int(command.get("num_groups", 4)), seed=seed + rank)
     history = []
+    schedule = GossipSchedule(start=float(command["start_at"]), period=float(command["period"]))
     async with Averager(dht, {"x": x}, config) as averager:
-        start, period = float(command["start_at"]), float(command["period"])
-        for r in range(int(command["rounds"])):
-            # Rounds follow a shared clock (round r starts at start + r * period): a peer
-            # whose round ran long does not drift into other rounds' keys for good.
-            await asyncio.sleep(max(0.0, start + r * period - time.time()))
-            step = await gossip_round(averager, topology, r)
-            history.append({"x": x.tolist(), "group": 0 if step is None else step.num_peers})
+        async for done in gossip(averager, topology, schedule, int(command["rounds"])):
+            group = 0 if done.step is None else done.step.num_peers
+            history.append({"x": x.tolist(), "group": group, "skipped": done.skipped})
     return {"event": "gossip", "history": history}
 
 
