@@ -174,7 +174,7 @@ class Stream:
             return data
         while not self._buffered_bytes:
             if self._error is not None:
-                raise self._error
+                raise self._error.fresh()
             if self._eof:
                 return b""
             self._readable.clear()
@@ -238,7 +238,7 @@ class Stream:
             view = memoryview(data).cast("B")
             while view.nbytes:
                 if self._error is not None:
-                    raise self._error
+                    raise self._error.fresh()
                 if self._write_closed:
                     raise ConnectionClosed("stream was closed for writing", by_us=True)
                 sent = self.connection._send(self.stream_id, view[:SEND_PIECE_BYTES])
@@ -448,7 +448,7 @@ class Connection:
 
     async def _drain(self) -> None:
         if self._closed is not None:
-            raise self._closed
+            raise self._closed.fresh()
         try:
             await self._writer.drain()
         except (ConnectionError, OSError) as e:
@@ -456,7 +456,7 @@ class Connection:
 
     def _check_open(self) -> None:
         if self._closed is not None:
-            raise self._closed
+            raise self._closed.fresh()
 
     def open_stream_raw(self) -> Stream:
         """A new outbound stream (no protocol negotiated yet)."""

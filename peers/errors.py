@@ -52,6 +52,14 @@ class ConnectionClosed(PeersError):
         super().__init__(message)
         self.by_us = by_us
 
+    def fresh(self) -> ConnectionClosed:
+        """A copy to raise. A stream or connection keeps its closing error and raises it
+        on every later call; raising the kept instance would attach each raiser's frames
+        to it, a reference cycle (error -> traceback -> frame -> stream -> error) that
+        keeps whatever those frames hold (an all-reduce round's tensors) alive until the
+        cyclic garbage collector runs."""
+        return type(self)(str(self), by_us=self.by_us)
+
 
 class StreamReset(ConnectionClosed):
     """The remote reset the stream (or the connection under it went away)."""

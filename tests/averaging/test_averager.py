@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -152,3 +153,32 @@ def test_the_blocking_averager_from_plain_threads() -> None:
         assert all(r is not None and r.num_peers == 2 for r in results)
         for a in averagers:
             assert torch.allclose(a.tensors["x"], torch.full((100,), 0.5))
+
+
+def test_a_round_leaves_no_reference_cycles_holding_its_tensors(arun: Run) -> None:
+    """Everything a round held is freed when it returns, without the cyclic garbage
+    collector. (Between collections a long-lived peer averaging 64 MiB grew from 0.45 to
+    1.5 GB when rounds were kept in cycles; the one found, a stream's kept closing error
+    raised again in each reader, is covered in tests/peers/test_hostile.py, since in one
+    process the links close in an order that does not raise it.)"""
+    from averaging.allreduce import RoundRunner
+    from averaging.butterfly import ButterflyRound
+
+    def alive() -> int:
+        return sum(type(o) in (RoundRunner, ButterflyRound) for o in gc.get_objects())
+
+    async def main() -> None:
+        async with averagers(3) as avgs:
+            await asyncio.gather(*(a.step("warm-up") for a in avgs))
+            gc.collect()
+            gc.disable()
+            try:
+                steps = await asyncio.gather(*(a.step("measured") for a in avgs))
+                assert all(s.outcome.transfer.agreed for s in steps)
+                del steps
+                await asyncio.sleep(0.2)  # the links' reader tasks finish
+                assert alive() == 0
+            finally:
+                gc.enable()
+
+    arun(main())
