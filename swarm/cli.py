@@ -1,14 +1,15 @@
 """The ``swarm`` command.
 
 ``swarm bootstrap`` hosts a peer and prints its multiaddrs; ``swarm ping`` checks that
-a peer is reachable and who it is; ``swarm serve`` hosts experts; ``swarm train`` and
+a peer is reachable and who it is; ``swarm serve`` hosts experts and ``swarm
+serve-stage`` a pipeline stage; ``swarm train`` and
 ``swarm join`` train a built-in task with a swarm (:mod:`swarm.train_command`); ``swarm
 demo`` (also plain ``swarm``) runs a whole local swarm and compares it with one process
 (:mod:`swarm.demo`). The commands are thin: options map onto config dataclasses
 (:class:`peers.PeerConfig`, :class:`swarm.experts.serve.ServeConfig`,
 :class:`swarm.trainer.TrainerConfig`, :class:`swarm.demo.DemoConfig`), logic lives in
 packages. Only ``peers`` is imported at start, so the command starts fast; ``serve``,
-``train``, ``join`` and ``demo`` import torch when they run.
+``serve-stage``, ``train``, ``join`` and ``demo`` import torch when they run.
 """
 
 from __future__ import annotations
@@ -42,17 +43,8 @@ DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 
 
 async def _bootstrap(args: argparse.Namespace) -> int:
-    identity = KeyPair.load_or_create(args.identity) if args.identity else None
-    config = PeerConfig(
-        identity=identity,
-        listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
-        announce_addrs=tuple(args.announce or []),
-    )
-    dht_config = DHTConfig(initial_peers=tuple(args.initial_peers or ()), client_mode=False)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    config, dht_config = _server_peer_config(args)
+    stop = _stop_on_signals()
     async with Peer(config) as peer, DHT(peer, dht_config) as dht, asyncio.TaskGroup() as group:
         install_echo(peer)
         for addr in peer.listen_addrs:
@@ -90,17 +82,8 @@ async def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    identity = KeyPair.load_or_create(args.identity) if args.identity else None
-    peer_config = PeerConfig(
-        identity=identity,
-        listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
-        announce_addrs=tuple(args.announce or []),
-    )
-    dht_config = DHTConfig(initial_peers=tuple(args.initial_peers or ()), client_mode=False)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    peer_config, dht_config = _server_peer_config(args)
+    stop = _stop_on_signals()
 
     def ready(server: object) -> None:
         for addr in peer.listen_addrs:
@@ -109,6 +92,70 @@ async def _serve(args: argparse.Namespace) -> int:
 
     async with Peer(peer_config) as peer, DHT(peer, dht_config) as dht:
         await serve(peer, dht, config, stop, ready)
+    return 0
+
+
+def _server_peer_config(args: argparse.Namespace) -> tuple[PeerConfig, DHTConfig]:
+    identity = KeyPair.load_or_create(args.identity) if args.identity else None
+    peer_config = PeerConfig(
+        identity=identity,
+        listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
+        announce_addrs=tuple(args.announce or []),
+    )
+    dht_config = DHTConfig(initial_peers=tuple(args.initial_peers or ()), client_mode=False)
+    return peer_config, dht_config
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _serve_stage(args: argparse.Namespace) -> int:
+    """Host one stage of a pipeline (chosen, or the most under-served one) until stopped."""
+    from swarm.experts.server_config import ServerConfig
+    from swarm.optim_spec import OptimizerSpec
+    from swarm.pipeline import ReplicaConfig, StageServer, StageServerConfig, pipeline_model
+
+    try:
+        model = pipeline_model(args.model)
+        optimizer = None
+        if args.optimizer != "none":
+            optimizer = OptimizerSpec(kind=args.optimizer, lr=args.lr)
+        config = StageServerConfig(
+            model=model,
+            stage=args.stage,
+            uid_prefix=args.uid_prefix,
+            optimizer=optimizer,
+            max_batch_size=args.max_batch_size,
+            server=ServerConfig(
+                announce_interval=args.announce_interval,
+                announce_ttl=3 * args.announce_interval,
+            ),
+            replicas=ReplicaConfig(run_id=args.run_id, interval_seconds=args.average_interval),
+            rebalance_interval_seconds=args.rebalance_interval,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    peer_config, dht_config = _server_peer_config(args)
+    stop = _stop_on_signals()
+    announced = False
+
+    def ready(server: StageServer) -> None:
+        nonlocal announced
+        if not announced:
+            for addr in peer.listen_addrs:
+                print(addr, flush=True)
+            announced = True
+        stage = server.statistics().stage
+        print(f"serving {args.uid_prefix}.{stage} of {model.num_stages} stages", flush=True)
+
+    async with Peer(peer_config) as peer, DHT(peer, dht_config) as dht:
+        await StageServer(dht, config).run(stop, ready)
     return 0
 
 
@@ -358,6 +405,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _stage(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a stage index or auto, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a stage index (>= 0) or auto, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -396,6 +455,57 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument("--announce", action="append", metavar="MADDR", help="address to announce")
     serve.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers to join through")
     serve.add_argument("--identity", metavar="PATH", help="key file; created if missing")
+
+
+def _add_serve_stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    stage = sub.add_parser(
+        "serve-stage", help="serve one stage of a pipeline (SWARM parallelism) for others"
+    )
+    stage.add_argument(
+        "--model",
+        default="digits",
+        help="built-in pipeline model (digits) or package.module:attribute (default digits)",
+    )
+    stage.add_argument(
+        "--stage",
+        type=_stage,
+        default=None,
+        help="stage index, or auto: the most under-served stage when it starts (auto)",
+    )
+    stage.add_argument(
+        "--rebalance-interval",
+        type=_positive_float,
+        help="seconds between checks whether to move to a more under-served stage (never)",
+    )
+    stage.add_argument(
+        "--average-interval",
+        type=_positive_float,
+        default=30.0,
+        help="seconds between parameter averaging rounds with the stage's other servers (30)",
+    )
+    stage.add_argument(
+        "--run-id",
+        default="pipeline",
+        help="names the training run; replicas of other runs never average together (pipeline)",
+    )
+    stage.add_argument("--uid-prefix", default="stage", help="stage uids are PREFIX.i (stage)")
+    stage.add_argument(
+        "--max-batch-size", type=_positive_int, default=1024, help="samples per request (1024)"
+    )
+    stage.add_argument(
+        "--optimizer", choices=["adam", "adamw", "sgd", "none"], default="adam", help="(adam)"
+    )
+    stage.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (1e-3)")
+    stage.add_argument(
+        "--announce-interval",
+        type=_positive_float,
+        default=30.0,
+        help="seconds between DHT announcements; they live 3x this (default 30)",
+    )
+    stage.add_argument("--listen", action="append", metavar="MADDR", help="listen address")
+    stage.add_argument("--announce", action="append", metavar="MADDR", help="address to announce")
+    stage.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers to join through")
+    stage.add_argument("--identity", metavar="PATH", help="key file; created if missing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -443,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _add_serve_parser(sub)
+    _add_serve_stage_parser(sub)
     _add_train_parsers(sub)
     _add_demo_parser(sub)
     return parser
@@ -464,6 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(_status(args))
         if command == "serve":
             return run(_serve(args))
+        if command == "serve-stage":
+            return run(_serve_stage(args))
         if command in ("train", "join"):
             return _train(args)
         return _demo(args)

@@ -29,10 +29,17 @@ from swarm.pipeline.rebalance import StageLoad, pressures, stage_to_join, stage_
 from swarm.pipeline.remote import RemoteSequential
 from swarm.pipeline.replicas import ReplicaConfig, ReplicaStatistics, StageReplica
 from swarm.pipeline.server import StageServer, StageServerConfig, StageServerStatistics
-from swarm.pipeline.stages import DIGITS_STAGES, MLPStages, PipelineModel
+from swarm.pipeline.stages import (
+    BUILTIN_MODELS,
+    DIGITS_STAGES,
+    MLPStages,
+    PipelineModel,
+    pipeline_model,
+)
 from swarm.pipeline.wiring import ServerRecord, Wiring, WiringConfig
 
 __all__ = [
+    "BUILTIN_MODELS",
     "DIGITS_STAGES",
     "BlockingStageServer",
     "MLPStages",
@@ -57,6 +64,7 @@ __all__ = [
     "Trace",
     "Wiring",
     "WiringConfig",
+    "pipeline_model",
     "pressures",
     "stage_to_join",
     "stage_to_move",

@@ -11,6 +11,7 @@ initialised from ``seed + i`` alone, whoever builds it.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from dataclasses import dataclass
 from typing import Protocol
@@ -97,3 +98,34 @@ class MLPStages:
 DIGITS_STAGES = MLPStages(widths=((64, 128), (128, 256, 128), (128, 10)))
 """A 3-stage MLP for the ``digits`` task (64 pixels -> 10 classes); the middle stage is
 the heaviest, so it is the one a lost server hurts most."""
+
+
+#: Pipeline models known by name (``swarm serve-stage --model digits``).
+BUILTIN_MODELS: dict[str, PipelineModel] = {"digits": DIGITS_STAGES}
+
+
+def pipeline_model(name: str) -> PipelineModel:
+    """A built-in model name, or ``package.module:attribute`` naming a
+    :class:`PipelineModel` (or a function of no arguments returning one; imported: it is
+    the operator's own code). ValueError, saying why, if it cannot be found."""
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name]
+    location, _, attribute = name.partition(":")
+    if not location or not attribute:
+        raise ValueError(
+            f"model {name!r} is neither built in {sorted(BUILTIN_MODELS)} nor MODULE:ATTRIBUTE"
+        )
+    try:
+        found = getattr(importlib.import_module(location), attribute)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load pipeline model {name!r}: {e}") from e
+    model = found
+    if not hasattr(found, "build_stage") and callable(found):
+        try:
+            model = found()
+        except Exception as e:  # the operator's code: say whose failure it is
+            raise ValueError(f"building pipeline model {name!r} failed: {e!r}") from e
+    if not all(hasattr(model, a) for a in ("num_stages", "build_stage", "build_local")):
+        raise ValueError(f"{name!r} is not a pipeline model (num_stages, build_stage, build_local)")
+    result: PipelineModel = model
+    return result

@@ -1,0 +1,103 @@
+"""``swarm serve-stage``: pipeline stage servers started from the command line, as an
+operator runs them, and a client training through them."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peers.dht import BlockingDHT, DHTConfig
+from swarm.pipeline import DIGITS_STAGES, PipelineConfig, RemoteSequential, pipeline_model
+from swarm.tasks import get_task
+
+SWARM = [sys.executable, "-m", "swarm.cli"]
+LISTEN = ("--listen", "/ip4/127.0.0.1/tcp/0")
+
+
+def _start(*args: str) -> tuple[subprocess.Popen[str], str, str]:
+    """A serve-stage process, its first multiaddr and its 'serving' line."""
+    proc = subprocess.Popen(
+        [*SWARM, "serve-stage", *LISTEN, "--announce-interval", "1", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    maddr = proc.stdout.readline().strip()  # bounded by the pytest timeout
+    if not maddr.startswith("/ip4/127.0.0.1/tcp/"):
+        proc.kill()
+        raise AssertionError(proc.communicate(timeout=10))
+    serving = proc.stdout.readline().strip()
+    return proc, maddr, serving
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+def test_three_stage_servers_from_the_cli_take_every_stage_and_train(
+    processes: list[subprocess.Popen[str]],
+) -> None:
+    torch.set_num_threads(1)
+    first, maddr, serving = _start("--stage", "1", "--lr", "3e-3")
+    processes.append(first)
+    assert serving == "serving stage.1 of 3 stages"
+    stages = {1}
+    for _ in range(2):  # each newcomer takes a stage nobody serves yet
+        proc, _, serving = _start("--initial-peers", maddr, "--lr", "3e-3")
+        processes.append(proc)
+        stages.add(int(serving.split()[1].split(".")[1]))
+    assert stages == {0, 1, 2}
+
+    task = get_task("digits")
+    with BlockingDHT(config=DHTConfig(initial_peers=(maddr,))) as dht:
+        model = RemoteSequential(dht, PipelineConfig(num_stages=3))
+        batches = task.batches(rank=0, num_peers=1, batch_size=32, seed=0)
+        with torch.no_grad():
+            before = float(F.cross_entropy(model(task.test_inputs), task.test_targets))
+        for _ in range(25):
+            model.train_step([next(batches) for _ in range(4)], F.cross_entropy)
+        with torch.no_grad():
+            after = float(F.cross_entropy(model(task.test_inputs), task.test_targets))
+        print("test loss before and after", before, after)
+    assert after < 0.5 * before, (before, after)
+
+    for proc in processes:
+        proc.send_signal(signal.SIGTERM)
+    assert [proc.wait(timeout=30) for proc in processes] == [0, 0, 0]
+
+
+def test_serve_stage_refuses_bad_models_and_stages_with_clear_errors() -> None:
+    for args, message in (
+        (("--model", "nosuchmodel"), "neither built in ['digits'] nor MODULE:ATTRIBUTE"),
+        (("--model", "swarm.pipeline:NOPE"), "cannot load pipeline model"),
+        (("--model", "swarm.pipeline:pressures"), "building pipeline model"),
+        (("--stage", "7"), "stage 7 is outside [0, 3)"),
+        (("--stage", "first"), "must be a stage index or auto"),
+    ):
+        out = subprocess.run(
+            [*SWARM, "serve-stage", *LISTEN, *args], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 2, (args, out.stderr)
+        assert message in out.stderr, (args, out.stderr)
+
+
+def test_pipeline_models_resolve_by_name_or_import_path() -> None:
+    assert pipeline_model("digits") is DIGITS_STAGES
+    assert pipeline_model("swarm.pipeline:DIGITS_STAGES") is DIGITS_STAGES
+    with pytest.raises(ValueError, match="not a pipeline model"):
+        pipeline_model(
+            "swarm.pipeline:PIPELINE_NOT_A_MODEL".replace("PIPELINE_NOT_A_MODEL", "__name__")
+        )
