@@ -424,6 +424,27 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    """What every hosting command takes: batching, training, announcing, addresses."""
+    parser.add_argument(
+        "--max-batch-size", type=_positive_int, default=1024, help="samples per request (1024)"
+    )
+    parser.add_argument(
+        "--optimizer", choices=["adam", "adamw", "sgd", "none"], default="adam", help="(adam)"
+    )
+    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (1e-3)")
+    parser.add_argument(
+        "--announce-interval",
+        type=_positive_float,
+        default=30.0,
+        help="seconds between DHT announcements; they live 3x this (default 30)",
+    )
+    parser.add_argument("--listen", action="append", metavar="MADDR", help="listen address")
+    parser.add_argument("--announce", action="append", metavar="MADDR", help="address to announce")
+    parser.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers to join through")
+    parser.add_argument("--identity", metavar="PATH", help="key file; created if missing")
+
+
 def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="host experts (torch modules) for others to call")
     serve.add_argument("--uids", nargs="+", metavar="UID", help="uids to host, e.g. ffn.0.3")
@@ -437,24 +458,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--module", default="ffn", help="built-in module (ffn, linear) or package.module:function"
     )
     serve.add_argument("--hidden-dim", type=_positive_int, default=1024, help="(default 1024)")
-    serve.add_argument(
-        "--max-batch-size", type=_positive_int, default=1024, help="samples per batch (1024)"
-    )
-    serve.add_argument(
-        "--optimizer", choices=["adam", "adamw", "sgd", "none"], default="adam", help="(adam)"
-    )
-    serve.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (1e-3)")
     serve.add_argument("--seed", type=int, help="seed module initialisation")
-    serve.add_argument(
-        "--announce-interval",
-        type=_positive_float,
-        default=30.0,
-        help="seconds between DHT announcements; they live 3x this (default 30)",
-    )
-    serve.add_argument("--listen", action="append", metavar="MADDR", help="listen address")
-    serve.add_argument("--announce", action="append", metavar="MADDR", help="address to announce")
-    serve.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers to join through")
-    serve.add_argument("--identity", metavar="PATH", help="key file; created if missing")
+    _add_server_options(serve)
 
 
 def _add_serve_stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -489,23 +494,7 @@ def _add_serve_stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
         help="names the training run; replicas of other runs never average together (pipeline)",
     )
     stage.add_argument("--uid-prefix", default="stage", help="stage uids are PREFIX.i (stage)")
-    stage.add_argument(
-        "--max-batch-size", type=_positive_int, default=1024, help="samples per request (1024)"
-    )
-    stage.add_argument(
-        "--optimizer", choices=["adam", "adamw", "sgd", "none"], default="adam", help="(adam)"
-    )
-    stage.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (1e-3)")
-    stage.add_argument(
-        "--announce-interval",
-        type=_positive_float,
-        default=30.0,
-        help="seconds between DHT announcements; they live 3x this (default 30)",
-    )
-    stage.add_argument("--listen", action="append", metavar="MADDR", help="listen address")
-    stage.add_argument("--announce", action="append", metavar="MADDR", help="address to announce")
-    stage.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers to join through")
-    stage.add_argument("--identity", metavar="PATH", help="key file; created if missing")
+    _add_server_options(stage)
 
 
 def build_parser() -> argparse.ArgumentParser:

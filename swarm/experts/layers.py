@@ -9,13 +9,13 @@ size and returns ``(module, input_specs)``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from swarm.experts.schema import TensorSpec
+from swarm.named import find_named
 
 ModuleFactory = Callable[[int], tuple[nn.Module, list[TensorSpec]]]
 
@@ -53,19 +53,9 @@ BUILTIN: dict[str, ModuleFactory] = {"ffn": ffn, "linear": linear}
 
 
 def module_factory(name: str) -> ModuleFactory:
-    """A built-in name, or ``package.module:function`` (imported: it is the operator's
-    own code, named in their own config). ValueError if it cannot be found."""
-    if name in BUILTIN:
-        return BUILTIN[name]
-    location, _, function = name.partition(":")
-    if not location or not function:
-        raise ValueError(
-            f"module {name!r} is neither built in {sorted(BUILTIN)} nor MODULE:FUNCTION"
-        )
-    try:
-        factory = getattr(importlib.import_module(location), function)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load module factory {name!r}: {e}") from e
+    """A built-in name, or ``package.module:function`` (:func:`swarm.named.find_named`).
+    ValueError if it cannot be found or is not callable."""
+    factory = find_named(name, BUILTIN, "module factory")
     if not callable(factory):
         raise ValueError(f"{name!r} is not callable")
     result: ModuleFactory = factory

@@ -11,15 +11,15 @@ initialised from ``seed + i`` alone, whoever builds it.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
 from swarm.experts.schema import TensorSpec
+from swarm.named import find_named
 
 #: Most stages of a pipeline: a client reads one DHT key per stage on every refresh,
 #: and a pipeline past this many stages is past anything one client drives.
@@ -108,17 +108,7 @@ def pipeline_model(name: str) -> PipelineModel:
     """A built-in model name, or ``package.module:attribute`` naming a
     :class:`PipelineModel` (or a function of no arguments returning one; imported: it is
     the operator's own code). ValueError, saying why, if it cannot be found."""
-    if name in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name]
-    location, _, attribute = name.partition(":")
-    if not location or not attribute:
-        raise ValueError(
-            f"model {name!r} is neither built in {sorted(BUILTIN_MODELS)} nor MODULE:ATTRIBUTE"
-        )
-    try:
-        found = getattr(importlib.import_module(location), attribute)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load pipeline model {name!r}: {e}") from e
+    found = find_named(name, BUILTIN_MODELS, "pipeline model")
     model = found
     if not hasattr(found, "build_stage") and callable(found):
         try:
@@ -127,5 +117,4 @@ def pipeline_model(name: str) -> PipelineModel:
             raise ValueError(f"building pipeline model {name!r} failed: {e!r}") from e
     if not all(hasattr(model, a) for a in ("num_stages", "build_stage", "build_local")):
         raise ValueError(f"{name!r} is not a pipeline model (num_stages, build_stage, build_local)")
-    result: PipelineModel = model
-    return result
+    return cast(PipelineModel, model)
