@@ -103,6 +103,7 @@ class ButterflyRound:
         self._me = spec.me
         self._members = spec.members
         self._local = local.detach()
+        self._averaged = torch.empty_like(self._local)  # the result, filled as parts arrive
         self._weight = float(local_weight)
         self._parts = spec.parts()
         self._chunks = [chunk_ranges(s, e, spec.chunk_elements) for s, e in self._parts]
@@ -275,7 +276,11 @@ class ButterflyRound:
             if member not in contributors and member not in self._failed:
                 events += self._exclude(member, f"excluded by reducer {reducer}")
         receipt.contributors = contributors
-        receipt.chunks[chunk_index] = values.to(self._local.device)
+        receipt.chunks.add(chunk_index)
+        # Into the result now, while the values are hot in cache (they were just
+        # decoded); result() then copies nothing for received parts.
+        start, end = self._chunks[part_index][chunk_index]
+        self._averaged[start:end].copy_(values)
         self._counts["num_averaged_chunks_accepted"] += 1
         return events
 
@@ -398,13 +403,14 @@ class ButterflyRound:
         return frozenset(self._excluded_by)
 
     def result(self) -> RoundResult:
-        """The averaged flat vector (a new tensor) and the report; my own vector if I
-        withdrew. Raises :class:`RoundError` unless :meth:`is_done`."""
+        """The averaged flat vector and the report; my own vector if I withdrew. The
+        vector is the round's own result buffer, the same tensor on every call (it does
+        not alias my local vector). Raises :class:`RoundError` unless :meth:`is_done`."""
         if not self.is_done():
             raise RoundError("the round is not done: some parts are unresolved")
-        # Every coordinate is written once: averaged parts from where they are held,
-        # the rest from my own vector (no full copy first).
-        averaged = torch.empty_like(self._local)
+        # Every coordinate is written once: received parts as they arrived, my own
+        # averaged parts from where they are held, the rest from my own vector.
+        averaged = self._averaged
         reports: list[PartReport] = []
         for i, (start, end) in enumerate(self._parts):
             reducer: PeerID | None = None if self._excluded_by else self._assignee[i]
@@ -416,10 +422,8 @@ class ButterflyRound:
             elif i in self._finals:
                 contributors = self._finals[i].contributors
                 averaged[start:end] = self._published.get(i, self._finals[i].values)
-            elif receipt is not None:
+            elif receipt is not None:  # written as its chunks arrived
                 contributors = receipt.contributors or frozenset()
-                for c, (s, e) in enumerate(self._chunks[i]):
-                    averaged[s:e] = receipt.chunks[c]
             else:
                 averaged[start:end] = self._local[start:end]
             reports.append(PartReport(i, start, end, reducer, contributors, reducer is not None))

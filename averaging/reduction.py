@@ -82,19 +82,16 @@ class PartReduction:
 
 
 class PartReceipt:
-    """The averaged chunks of one part, as they arrive from its reducer."""
+    """Which averaged chunks of one part have arrived from its reducer (the values go
+    straight into the round's result as they arrive)."""
 
     def __init__(self, reducer: PeerID, num_chunks: int) -> None:
         self.reducer = reducer
         self.num_chunks = num_chunks
-        self.chunks: dict[int, torch.Tensor] = {}
+        self.chunks: set[int] = set()
         self.contributors: frozenset[PeerID] | None = None
         """The set every chunk of the part must carry (fixed by the first one)."""
 
     @property
     def complete(self) -> bool:
         return len(self.chunks) == self.num_chunks
-
-    def values(self) -> torch.Tensor:
-        """The whole part (only when :attr:`complete`)."""
-        return torch.cat([self.chunks[c] for c in range(self.num_chunks)])
