@@ -37,7 +37,9 @@ def _spread(vectors: list[torch.Tensor]) -> float:
 def test_moshpit_gossip_reaches_the_global_mean(swarm16: list[PeerProcess]) -> None:
     seed = random.randrange(1 << 20)
     print("seed", seed)
-    rounds = 12
+    # Simulated from random starts with ideal groups, 200 seeds need at most 11 rounds
+    # (MoshpitGrid.after_round); real matchmaking sometimes splits a line: slack.
+    rounds = 14
     start_at = time.time() + 2.0  # every peer has the command by then
     for rank, p in enumerate(swarm16):
         p.send(
