@@ -156,7 +156,9 @@ class RoundRunner:
                 agreed = await self._drive(deadline)
             finally:
                 await self._close_links()
-        if self._result is None or not self.round.is_done():
+        if not agreed or self._result is None:
+            # What was announced may predate a late exclusion that reopened the round
+            # (then settled at the deadline): report the round as it ended.
             self._result = self.round.result()
         # Drop what the round held (chunks, encodings, links) now rather than when the
         # cyclic garbage collector gets to it: a 64M-element round holds gigabytes.
@@ -384,6 +386,8 @@ class RoundRunner:
         try:
             while not link.finished.is_set():
                 frame = await link.framed.read_frame()
+                if link.finished.is_set():
+                    break  # the round is over: nothing may change it now
                 if frame is None:
                     raise EOFError("the member closed the link")
                 if link.ignored:

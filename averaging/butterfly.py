@@ -104,6 +104,7 @@ class ButterflyRound:
         self._members = spec.members
         self._local = local.detach()
         self._averaged = torch.empty_like(self._local)  # the result, filled as parts arrive
+        self._handed_out = False  # a RoundResult holds self._averaged: copy before writing
         self._weight = float(local_weight)
         self._parts = spec.parts()
         self._chunks = [chunk_ranges(s, e, spec.chunk_elements) for s, e in self._parts]
@@ -280,7 +281,7 @@ class ButterflyRound:
         # Into the result now, while the values are hot in cache (they were just
         # decoded); result() then copies nothing for received parts.
         start, end = self._chunks[part_index][chunk_index]
-        self._averaged[start:end].copy_(values)
+        self._result_buffer()[start:end].copy_(values)
         self._counts["num_averaged_chunks_accepted"] += 1
         return events
 
@@ -403,14 +404,15 @@ class ButterflyRound:
         return frozenset(self._excluded_by)
 
     def result(self) -> RoundResult:
-        """The averaged flat vector and the report; my own vector if I withdrew. The
-        vector is the round's own result buffer, the same tensor on every call (it does
-        not alias my local vector). Raises :class:`RoundError` unless :meth:`is_done`."""
+        """The averaged flat vector (never my local vector itself) and the report; my own
+        values if I withdrew. A result handed out is never changed afterwards. Raises
+        :class:`RoundError` unless :meth:`is_done`."""
         if not self.is_done():
             raise RoundError("the round is not done: some parts are unresolved")
         # Every coordinate is written once: received parts as they arrived, my own
         # averaged parts from where they are held, the rest from my own vector.
-        averaged = self._averaged
+        averaged = self._result_buffer()
+        self._handed_out = True
         reports: list[PartReport] = []
         for i, (start, end) in enumerate(self._parts):
             reducer: PeerID | None = None if self._excluded_by else self._assignee[i]
@@ -439,6 +441,14 @@ class ButterflyRound:
             fraction_averaged=num_averaged / total if total else float(not self._excluded_by),
         )
         return RoundResult(averaged, report)
+
+    def _result_buffer(self) -> torch.Tensor:
+        """The result being filled; a copy of it once a result was handed out (a round
+        reopened by a late exclusion must not change what a caller already holds)."""
+        if self._handed_out:
+            self._averaged = self._averaged.clone()
+            self._handed_out = False
+        return self._averaged
 
     def statistics(self) -> RoundStatistics:
         return RoundStatistics(**self._counts)

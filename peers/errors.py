@@ -8,6 +8,8 @@ remote handler raised.
 
 from __future__ import annotations
 
+import copy
+
 
 class PeersError(Exception):
     """Base class of every error raised by ``peers``."""
@@ -76,3 +78,14 @@ class RemoteError(PeersError):
         super().__init__(f"{remote_type}: {message}")
         self.remote_type = remote_type
         self.remote_message = message
+
+
+def raisable_copy(error: BaseException) -> BaseException:
+    """A copy of ``error`` (same type, arguments and attributes, no traceback) to raise
+    where ``error`` itself is kept by something else (a future, a task): raising the kept
+    instance attaches the raiser's frames to it, a reference cycle that keeps whatever
+    those frames hold alive until the cyclic garbage collector runs."""
+    try:
+        return copy.copy(error)
+    except Exception:  # an exception type that cannot be rebuilt from its arguments
+        return PeersError(f"{type(error).__name__}: {error}")

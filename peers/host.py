@@ -43,6 +43,7 @@ from peers.errors import (
     PeersError,
     ProtocolNotSupported,
     RemoteProtocolError,
+    raisable_copy,
 )
 from peers.identity import KeyPair, PeerID
 from peers.multistream import MultistreamDialer, MultistreamListener
@@ -367,7 +368,10 @@ class Peer:
             # cancelled (their caller gave up), loop and dial ourselves.
             await asyncio.wait([pending])
             if not pending.cancelled():
-                return pending.result()
+                error = pending.exception()
+                if error is None:
+                    return pending.result()
+                raise raisable_copy(error) from None  # the future keeps the original
         future: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
         self._dialing[peer_id] = future
         try:
@@ -382,6 +386,7 @@ class Peer:
             del self._dialing[peer_id]
             if not future.done():
                 future.cancel()
+            del future  # the raised error's frames must not keep the future (and it)
 
     async def _dial_known(self, peer_id: PeerID) -> Connection:
         addrs = self.known_addresses(peer_id)

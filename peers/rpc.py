@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from multiaddr import Multiaddr
 
 from peers.connection import Stream
-from peers.errors import ConnectionClosed, RemoteError, RemoteProtocolError, StreamReset
+from peers.errors import (
+    ConnectionClosed,
+    RemoteError,
+    RemoteProtocolError,
+    StreamReset,
+    raisable_copy,
+)
 from peers.identity import PeerID
 from peers.serialization import MAX_FRAME_BYTES, FrameDecoder, frame_buffers, unpack
 from peers.wire import from_wire, to_wire
@@ -321,8 +327,10 @@ async def call_stream(
                 finished = True
                 break
             yield from_wire(response_type, _message_body(frame))
-        if sender.done() and not sender.cancelled() and sender.exception() is not None:
-            raise sender.exception()  # type: ignore[misc]
+        if sender.done() and not sender.cancelled():
+            error = sender.exception()
+            if error is not None:
+                raise raisable_copy(error) from None  # the task keeps the original
     finally:
         if not finished:
             stream.reset()

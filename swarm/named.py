@@ -19,5 +19,5 @@ def find_named(name: str, builtin: Mapping[str, object], what: str) -> object:
         )
     try:
         return getattr(importlib.import_module(location), attribute)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load {what} {name!r}: {e}") from e
+    except Exception as e:  # the operator's module may raise anything on import
+        raise ValueError(f"cannot load {what} {name!r}: {e!r}") from e

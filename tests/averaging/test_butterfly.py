@@ -685,3 +685,64 @@ def test_round_spec_and_local_are_validated() -> None:
         machine.on_sender_failed(_IDS[0])  # not myself
     with pytest.raises(RoundError):
         machine.reassign_part(1, _IDS[0])  # its reducer is alive
+
+
+def test_a_result_handed_out_never_changes_when_a_late_exclusion_reopens_the_round() -> None:
+    """Done, result taken, then a notice excludes a reducer whose part I hold: the part
+    is reassigned to a survivor, which sends it again. The result already handed out
+    keeps its values and its fingerprint."""
+    a, b, c = _IDS[:3]
+    spec = RoundSpec(
+        round_id=ROUND_ID,
+        members=(a, b, c),
+        weights=(1.0, 1.0, 1.0),
+        total_elements=30,
+        chunk_elements=5,
+        me=a,
+    )
+    for excluded, reporter in ((b, c), (c, b)):
+        rounds = {
+            p: ButterflyRound(dataclasses.replace(spec, me=p), torch.full((30,), float(i)), 1.0)
+            for i, p in enumerate((a, b, c))
+        }
+        queue: list[tuple[PeerID, object]] = [
+            (p, item) for p in rounds for item in rounds[p].outgoing_chunks()
+        ]
+        while queue:
+            sender, item = queue.pop(0)
+            if isinstance(item, Outgoing):
+                events = rounds[item.to].on_chunk(
+                    sender, ROUND_ID, item.part_index, item.chunk_index, item.values, item.weight
+                )
+            else:
+                assert isinstance(item, OutgoingAveraged)
+                events = rounds[item.to].on_averaged_chunk(
+                    sender,
+                    ROUND_ID,
+                    item.part_index,
+                    item.chunk_index,
+                    item.values,
+                    item.contributors,
+                )
+            for event in events:
+                if isinstance(event, PartReady):
+                    receiver = item.to
+                    queue += [
+                        (receiver, o) for o in rounds[receiver].published_chunks(event.part_index)
+                    ]
+        me = rounds[a]
+        assert me.is_done()
+        first = me.result()
+        values, fingerprint = first.averaged.clone(), first.fingerprint()
+        events = me.on_exclusion_notice(reporter, ROUND_ID, frozenset({excluded}))
+        reassigned = [e for e in events if isinstance(e, PartReassigned)]
+        assert reassigned and not me.is_done()
+        part = reassigned[0].part_index
+        assert reassigned[0].new_reducer == reporter  # it sends the part again
+        start, end = spec.parts()[part]
+        chunk = torch.full((min(5, end - start),), 123.0)
+        accepted = me.statistics().num_averaged_chunks_accepted
+        me.on_averaged_chunk(reporter, ROUND_ID, part, 0, chunk, frozenset({a, reporter}))
+        assert me.statistics().num_averaged_chunks_accepted == accepted + 1  # written
+        assert torch.equal(first.averaged, values)
+        assert first.fingerprint() == fingerprint

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -308,5 +310,42 @@ def test_listener_answers_a_dialer_that_waits_for_its_header(arun: Run) -> None:
                 await stream.write(encode_message(ECHO_PROTOCOL_ID))
                 echoed = encode_message(ECHO_PROTOCOL_ID)
                 assert await stream.readexactly(len(echoed)) == echoed
+
+    arun(main())
+
+
+def test_callers_sharing_a_failed_dial_get_their_own_error_and_no_cycles(arun: Run) -> None:
+    """Concurrent callers share one dial; when it fails each raises its own copy of the
+    error. Raising the one kept by the shared future tied every caller's frames (and
+    what they held: an all-reduce round's tensors) into a cycle until a gc run."""
+
+    class Held:
+        pass
+
+    async def main() -> None:
+        async with Peer() as b:
+            unknown = KeyPair.generate().peer_id
+            b.add_addresses(unknown, ["/ip4/127.0.0.1/tcp/1"])  # refused, after an await
+            refs: list[weakref.ref[Held]] = []
+            errors: list[DialError] = []
+
+            async def caller() -> None:
+                held = Held()
+                refs.append(weakref.ref(held))
+                try:  # not pytest.raises: its ExceptionInfo would itself make a cycle
+                    await b.ping(unknown)
+                except DialError as e:
+                    errors.append(e)
+
+            gc.collect()
+            gc.disable()
+            try:
+                await asyncio.gather(*(caller() for _ in range(3)))
+                assert len({id(e) for e in errors}) == 3
+                assert all("cannot connect" in str(e) for e in errors)
+                errors.clear()
+                assert [r() for r in refs] == [None, None, None]
+            finally:
+                gc.enable()
 
     arun(main())

@@ -7,13 +7,20 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from peers.dht import BlockingDHT, DHTConfig
-from swarm.pipeline import DIGITS_STAGES, PipelineConfig, RemoteSequential, pipeline_model
+from swarm.pipeline import (
+    DIGITS_STAGES,
+    MLPStages,
+    PipelineConfig,
+    RemoteSequential,
+    pipeline_model,
+)
 from swarm.tasks import get_task
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
@@ -94,10 +101,40 @@ def test_serve_stage_refuses_bad_models_and_stages_with_clear_errors() -> None:
         assert message in out.stderr, (args, out.stderr)
 
 
-def test_pipeline_models_resolve_by_name_or_import_path() -> None:
+class SmallStages(MLPStages):
+    """A model class an operator might name (built with no arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__(widths=((4, 8), (8, 2)))
+
+
+class NoStages:
+    num_stages = 0
+
+    def build_stage(self, stage: int) -> None:
+        del stage
+
+    def build_local(self) -> None:
+        pass
+
+
+NO_STAGES = NoStages()
+
+
+def test_pipeline_models_resolve_by_name_or_import_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert pipeline_model("digits") is DIGITS_STAGES
     assert pipeline_model("swarm.pipeline:DIGITS_STAGES") is DIGITS_STAGES
+    built = pipeline_model(f"{__name__}:SmallStages")  # a class is instantiated
+    assert isinstance(built, SmallStages) and built.num_stages == 2
     with pytest.raises(ValueError, match="not a pipeline model"):
-        pipeline_model(
-            "swarm.pipeline:PIPELINE_NOT_A_MODEL".replace("PIPELINE_NOT_A_MODEL", "__name__")
-        )
+        pipeline_model("swarm.pipeline:__name__")
+    with pytest.raises(ValueError, match=r"num_stages=0, not an int in \[1, 256\]"):
+        pipeline_model(f"{__name__}:NO_STAGES")
+    (tmp_path / "broken_models.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"cannot load pipeline model.*boom at import"):
+        pipeline_model("broken_models:MODEL")
+    with pytest.raises(ValueError, match="cannot load pipeline model"):
+        pipeline_model(".relative:MODEL")
