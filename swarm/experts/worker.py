@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import torch
 
+from peers.errors import raisable_copy
 from swarm.experts.backend import KeptForward, ModuleBackend
 from swarm.experts.batching import Batch, Batcher, Kind
 from swarm.experts.kept import KeptStore
@@ -147,8 +148,8 @@ class ModuleWorker:
         except Exception as e:  # the module's own failure: every caller of this batch hears it
             logger.info("%s %s failed: %r", self.backend.uid, batch.kind, e)
             for job in jobs:
-                if not job.future.done():
-                    job.future.set_exception(e)
+                if not job.future.done():  # each its own copy: no shared traceback cycles
+                    job.future.set_exception(raisable_copy(e))
             return
         finally:
             seconds = time.perf_counter() - started

@@ -357,3 +357,43 @@ def test_a_kept_forward_spares_the_recomputation_unless_a_step_made_it_stale(aru
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
     arun(main())
+
+
+class Fragile(nn.Module):
+    """Raises on a batch holding a sample whose first value is 42."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x[:, 0] == 42).any()):
+            raise RuntimeError("module broke on a 42")
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def test_a_failing_module_fails_every_caller_of_its_batch_and_keeps_serving(
+    arun: Arun,
+) -> None:
+    async def main() -> None:
+        spec = [TensorSpec(shape=[4], dtype="float32")]
+        backend = ModuleBackend("fragile.0", Fragile(), inputs=spec, max_batch_size=16)
+        async with _served([backend]) as (client, server):
+            loc = _location(server.peer, "fragile.0")
+            config = ExpertCallConfig(forward_timeout=10)
+            bad = torch.zeros(2, 4)
+            bad[0, 0] = 42
+            outcomes = await asyncio.gather(
+                *(call_forward(client, loc, [bad], config=config) for _ in range(3)),
+                return_exceptions=True,
+            )
+            for outcome in outcomes:
+                assert isinstance(outcome, RemoteError), outcome
+                assert outcome.remote_type == "RuntimeError"
+                assert "module broke on a 42" in str(outcome)
+            assert len({id(o) for o in outcomes}) == 3
+            out = await call_forward(client, loc, [torch.ones(3, 4)], config=config)
+            assert out.outputs[0].shape == (3, 4)
+
+    arun(main())
