@@ -22,7 +22,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -343,3 +344,19 @@ def receive_from(child: PipeChild, timeout: float) -> Any:
             return body
         if not child.process.is_alive() and not child.conn.poll(0):
             raise BenchError(f"{child.name} exited (code {child.process.exitcode})")
+
+
+def run_role(
+    roles: dict[str, Callable[[Connection, dict[str, Any]], None]],
+    role: str,
+    conn: Connection,
+    options: dict[str, Any],
+) -> None:
+    """Run a spawned child's ``role``; a failure goes to the parent on the pipe as
+    ``("error", traceback)`` and the child exits with status 1."""
+    try:
+        roles[role](conn, options)
+    except Exception:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from _common import run_role
+
 HIDDEN = 1024
 UID = "ffn.0.0"
 HIVEMIND_UID = "expert.0"
@@ -40,12 +42,7 @@ def child_entry(role: str, conn: Connection, options: dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(1)
-    try:
-        ROLES[role](conn, options)
-    except Exception:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-        raise SystemExit(1) from None
+    run_role(ROLES, role, conn, options)
 
 
 def _serve_commands(
