@@ -117,6 +117,10 @@ async def gossip_round(
     return step
 
 
+#: Longest sleep between readings of the shared clock while waiting for a round.
+CLOCK_CHECK_SECONDS = 1.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class GossipSchedule:
     """Rounds on a clock all peers share (:func:`~peers.dht.dht_time`): round ``r`` opens
@@ -175,10 +179,21 @@ async def gossip(
     if not isinstance(rounds, int) or rounds < 0:
         raise ValueError("rounds must be a non-negative int")
     for r in range(rounds):
-        await asyncio.sleep(max(0.0, schedule.opens(r) - clock()))
+        await _wait_until(schedule.opens(r), clock)
         timeout = schedule.search_closes(r) - clock()
         if timeout <= 0:
             yield GossipRound(r, None, skipped=True)
             continue
         step = await gossip_round(averager, topology, r, weight=weight, timeout=timeout)
         yield GossipRound(r, step)
+
+
+async def _wait_until(when: float, clock: Callable[[], float]) -> None:
+    """Sleep until ``clock()`` reaches ``when``, in slices that re-read the clock: a
+    laptop that slept through part of the wait (monotonic sleeps stop, the wall clock
+    does not) is not late for the round. A clock is polled: nothing signals it."""
+    while True:
+        wait = when - clock()
+        if wait <= 0:
+            return
+        await asyncio.sleep(min(wait, CLOCK_CHECK_SECONDS))

@@ -94,3 +94,22 @@ def test_a_late_peer_skips_closed_rounds_and_meets_the_others_in_the_current_one
             (1, True, True),
             (2, False, False),
         ]
+
+
+def test_a_clock_jump_during_the_wait_is_noticed(arun: Run) -> None:
+    """The wall clock jumps past round 0's window while the peer waits for it (a laptop
+    that slept): the peer notices at its next reading, not after the whole wait."""
+    schedule = GossipSchedule(start=1000.0, period=8.0)
+    readings = iter([0.0, schedule.search_closes(0) + 0.1])
+
+    def clock() -> float:  # far before round 0, then (after one slice) past its window
+        return next(readings, schedule.search_closes(0) + 0.1)
+
+    async def main() -> list[GossipRound]:
+        async with averagers(1) as (averager,):
+            grid = MoshpitGrid(MoshpitConfig(), seed=0)
+            async with asyncio.timeout(10):  # the first reading alone would wait ~1000 s
+                return [r async for r in gossip(averager, grid, schedule, 1, clock=clock)]
+
+    (only,) = arun(main())
+    assert only.skipped and only.step is None
