@@ -22,10 +22,12 @@ from peers.errors import (
     ProtocolNotSupported,
     RemoteProtocolError,
     StreamReset,
+    raisable_copy,
 )
 from peers.identity import PeerID, PublicKey
 from peers.multistream import MultistreamDialer
 from peers.noise import NoiseError, NoiseTransport
+from peers.socket_reader import SocketReader
 from peers.yamux import (
     DataReceived,
     GoAwayReceived,
@@ -40,9 +42,6 @@ from peers.yamux import StreamReset as YamuxStreamReset
 
 logger = logging.getLogger(__name__)
 
-#: Bytes asked of the socket per read: large enough that a bulk transfer costs few
-#: Python-level iterations, small enough to keep a connection's buffer modest.
-READ_CHUNK_BYTES = 256 * 1024
 #: Most bytes handed to yamux and Noise at once when writing. Their output is built
 #: per call; pieces this size stay in cache and in the allocator's free lists, where
 #: multi-MiB temporaries cost page faults on every chunk of a bulk transfer.
@@ -292,7 +291,7 @@ class Connection:
     def __init__(
         self,
         *,
-        reader: asyncio.StreamReader,
+        reader: SocketReader,
         writer: asyncio.StreamWriter,
         transport: NoiseTransport,
         session: YamuxSession,
@@ -342,15 +341,32 @@ class Connection:
                     if self._initial_plaintext:
                         self._handle_plaintext(self._initial_plaintext)
                         self._flush()
-                    while self._closed is None:
-                        data = await self._reader.read(READ_CHUNK_BYTES)
-                        if not data:
-                            break
-                        for plaintext in self._transport.receive_frames(data):
-                            self._handle_plaintext(plaintext)
-                        # Soon, not now: acks and window updates then leave together with
-                        # what the streams woken by this data answer in the meantime.
+                    ended: asyncio.Future[BaseException | None] = (
+                        asyncio.get_running_loop().create_future()
+                    )
+
+                    def receive(data: bytes) -> None:
+                        if ended.done():
+                            return
+                        try:
+                            for plaintext in self._transport.receive_frames(data):
+                                self._handle_plaintext(plaintext)
+                        except Exception as e:  # judged in run(), below
+                            ended.set_result(e)
+                            return
+                        # Soon, not now: acks and window updates then leave together
+                        # with what the streams woken by this data answer meanwhile.
                         self._flush_soon()
+
+                    def end(error: BaseException | None) -> None:
+                        if not ended.done():
+                            ended.set_result(error)
+
+                    if self._closed is None:
+                        self._reader.divert(receive, end)
+                        error = await ended
+                        if error is not None:  # the future keeps the original
+                            raise raisable_copy(error) from None
                 except (NoiseError, YamuxError, RemoteProtocolError) as e:
                     logger.info("closing connection to %s: %s", self.remote_peer_id, e)
                     reason = ConnectionClosed(f"remote broke the protocol: {e}")

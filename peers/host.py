@@ -48,6 +48,7 @@ from peers.errors import (
 from peers.identity import KeyPair, PeerID
 from peers.multistream import MultistreamDialer, MultistreamListener
 from peers.rpc import CallContext
+from peers.socket_reader import SocketReader, open_connection, start_server
 from peers.upgrade import upgrade
 from peers.yamux import YamuxSession
 
@@ -57,6 +58,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+#: A socket reader's buffer limit during the handshake (afterwards it buffers nothing).
+STREAM_LIMIT_BYTES = 2**20
 
 StreamHandler = Callable[[Stream], Awaitable[None]]
 
@@ -132,8 +136,8 @@ class Peer:
     async def _listen(self, addr: Multiaddr) -> None:
         target = tcp_target(addr)
         try:
-            server = await asyncio.start_server(
-                self._on_tcp_connection, host=target.host, port=target.port, limit=2**20
+            server = await start_server(
+                self._on_tcp_connection, target.host, target.port, limit=STREAM_LIMIT_BYTES
             )
         except OSError as e:
             raise AddressError(f"cannot listen on {addr}: {e.strerror or e}") from e
@@ -174,9 +178,7 @@ class Peer:
 
     # --- inbound -----------------------------------------------------------------
 
-    async def _on_tcp_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _on_tcp_connection(self, reader: SocketReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername") or ("0.0.0.0", 0)
         ip = str(peername[0])
         if (
@@ -193,7 +195,7 @@ class Peer:
         self._spawn(self._serve_inbound_tcp(reader, writer, ip, int(peername[1])))
 
     async def _serve_inbound_tcp(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ip: str, port: int
+        self, reader: SocketReader, writer: asyncio.StreamWriter, ip: str, port: int
     ) -> None:
         try:
             await self._accept(reader, writer, tcp_multiaddr(ip, port))
@@ -211,7 +213,7 @@ class Peer:
         task.add_done_callback(self._tasks.discard)
 
     async def _accept(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, remote: Multiaddr
+        self, reader: SocketReader, writer: asyncio.StreamWriter, remote: Multiaddr
     ) -> None:
         self._num_connections += 1
         try:
@@ -233,7 +235,7 @@ class Peer:
 
     def _make_connection(
         self,
-        reader: asyncio.StreamReader,
+        reader: SocketReader,
         writer: asyncio.StreamWriter,
         upgraded: object,
         remote: Multiaddr,
@@ -411,8 +413,8 @@ class Peer:
         try:
             try:
                 async with asyncio.timeout(self.config.dial_timeout):
-                    reader, writer = await asyncio.open_connection(
-                        target.host, target.port, limit=2**20
+                    reader, writer = await open_connection(
+                        target.host, target.port, limit=STREAM_LIMIT_BYTES
                     )
             except TimeoutError as e:
                 raise DialError(f"timed out connecting to {addr}") from e
