@@ -10,7 +10,6 @@ step = averager.step(round_key=epoch, weight=num_samples)   # blocks; tensors up
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -18,9 +17,10 @@ import torch
 from averaging.averager import Averager, AveragerConfig, AveragingStep
 from averaging.state_records import LoadedState
 from peers.dht import BlockingDHT
+from peers.facade import ClosesOnExit
 
 
-class BlockingAverager:
+class BlockingAverager(ClosesOnExit):
     """An :class:`Averager` running on a :class:`BlockingDHT`'s event loop; every call
     blocks until done (and raises what the async call raises)."""
 
@@ -69,14 +69,3 @@ class BlockingAverager:
         if not self._closed:
             self._closed = True
             self.dht.peer.run(self.averager.__aexit__(None, None, None))
-
-    def __enter__(self) -> BlockingAverager:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

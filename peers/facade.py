@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from multiaddr import Multiaddr
 
@@ -41,7 +41,25 @@ def _close_all() -> None:
         peer.close()
 
 
-class BlockingPeer:
+class ClosesOnExit:
+    """``with`` support for the blocking facades: leaving the block calls ``close()``."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class BlockingPeer(ClosesOnExit):
     """A :class:`Peer` usable from plain Python; starts listening on construction."""
 
     def __init__(self, config: PeerConfig | None = None) -> None:
@@ -208,17 +226,49 @@ class BlockingPeer:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(CLOSE_TIMEOUT_SECONDS)
 
-    def __enter__(self) -> BlockingPeer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 async def _call_soon(fn: Callable[[], None]) -> None:
     fn()
+
+
+Body = Callable[[asyncio.Event, Callable[[], None]], Coroutine[Any, Any, None]]
+
+
+class BackgroundService(ClosesOnExit):
+    """A long-lived coroutine on a :class:`BlockingPeer`'s loop, for the blocking server
+    facades. ``body(stop, ready)`` serves until ``stop`` is set and calls ``ready()``
+    once serving (again later is harmless). The constructor returns once it is ready,
+    raises why it failed to start, or TimeoutError after ``start_timeout`` seconds;
+    ``close()`` (idempotent) stops it, waiting up to ``close_timeout`` seconds."""
+
+    def __init__(
+        self, peer: BlockingPeer, body: Body, *, start_timeout: float, close_timeout: float
+    ) -> None:
+        self._peer = peer
+        self._body = body
+        self._close_timeout = close_timeout
+        self._stop: asyncio.Event | None = None
+        self._done: asyncio.Future[None] | None = None
+        peer.run(self._begin(), timeout=start_timeout)
+
+    async def _begin(self) -> None:
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def on_ready() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        self._stop = asyncio.Event()
+        self._done = asyncio.ensure_future(self._body(self._stop, on_ready))
+        await asyncio.wait([ready, self._done], return_when=asyncio.FIRST_COMPLETED)
+        if self._done.done():
+            self._done.result()  # it failed to start: raise why
+
+    async def _end(self) -> None:
+        assert self._stop is not None and self._done is not None
+        self._stop.set()
+        await self._done
+
+    def close(self) -> None:
+        if self._done is not None and not self._done.done():
+            self._peer.run(self._end(), timeout=self._close_timeout)

@@ -11,18 +11,17 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Sequence
-from types import TracebackType
 
 from peers.config import PeerConfig
 from peers.dht.node import DHT, DHTConfig, DHTStatistics, ValueWithExpiration, dht_time
-from peers.facade import BlockingPeer
+from peers.facade import BlockingPeer, ClosesOnExit
 
 logger = logging.getLogger(__name__)
 #: Seconds ``close`` waits for the node to leave before closing the peer under it.
 CLOSE_TIMEOUT_SECONDS = 10.0
 
 
-class BlockingDHT:
+class BlockingDHT(ClosesOnExit):
     """A DHT node on its own :class:`BlockingPeer`; every call blocks until done."""
 
     def __init__(
@@ -103,14 +102,3 @@ class BlockingDHT:
     async def _request_stop(self) -> None:
         assert self._stop is not None
         self._stop.set()
-
-    def __enter__(self) -> BlockingDHT:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -10,11 +10,10 @@ open: its owner closes it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from types import TracebackType
+from collections.abc import Callable, Sequence
 
 from peers.dht import BlockingDHT
-from peers.facade import BlockingPeer
+from peers.facade import BackgroundService, BlockingPeer, ClosesOnExit
 from swarm.experts.backend import ModuleBackend
 from swarm.experts.server import ExpertServer, ServerStatistics
 from swarm.experts.server_config import ServerConfig
@@ -23,7 +22,7 @@ from swarm.experts.server_config import ServerConfig
 CLOSE_TIMEOUT_SECONDS = 10.0
 
 
-class BlockingExpertServer:
+class BlockingExpertServer(ClosesOnExit):
     """Serves ``backends`` until closed. Raises what :class:`ExpertServer` raises on
     entry, and TimeoutError if it does not start within ``start_timeout`` seconds."""
 
@@ -44,45 +43,18 @@ class BlockingExpertServer:
         self.server = ExpertServer(
             self._peer.peer, backends, config, dht=None if dht is None else dht.node
         )
-        self._stop: asyncio.Event | None = None
-        self._done: asyncio.Future[None] | None = None
-        self._peer.run(self._begin(), timeout=start_timeout)
+        self._service = BackgroundService(
+            self._peer, self._host, start_timeout=start_timeout, close_timeout=CLOSE_TIMEOUT_SECONDS
+        )
 
-    async def _begin(self) -> None:
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
-        self._stop = asyncio.Event()
-        self._done = asyncio.ensure_future(self._host(ready))
-        await asyncio.wait([ready, self._done], return_when=asyncio.FIRST_COMPLETED)
-        if self._done.done():
-            self._done.result()  # it failed to start: raise why
-
-    async def _host(self, ready: asyncio.Future[None]) -> None:
-        assert self._stop is not None
+    async def _host(self, stop: asyncio.Event, ready: Callable[[], None]) -> None:
         async with self.server:
-            ready.set_result(None)
-            await self._stop.wait()
-
-    async def _end(self) -> None:
-        assert self._stop is not None and self._done is not None
-        self._stop.set()
-        await self._done
+            ready()
+            await stop.wait()
 
     def statistics(self) -> ServerStatistics:
         return self.server.statistics()
 
     def close(self) -> None:
         """Stop serving (idempotent)."""
-        if self._done is not None and not self._done.done():
-            self._peer.run(self._end(), timeout=CLOSE_TIMEOUT_SECONDS)
-
-    def __enter__(self) -> BlockingExpertServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        self._service.close()
