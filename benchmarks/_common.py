@@ -11,6 +11,8 @@ finds them while the parent is still alive, so they can be stopped by PID too.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import multiprocessing.process
 import os
@@ -360,3 +362,35 @@ def run_role(
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
+
+
+def importable_hivemind(modules: str, timeout: float) -> tuple[str | None, str]:
+    """hivemind's version, or ``None`` and why it cannot be used. Checked in a child
+    that imports ``modules`` (e.g. ``"hivemind.p2p"``), so this process never imports
+    torch or hivemind."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", f"import {modules}, hivemind; print(hivemind.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"importing hivemind took over {timeout:.0f} s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["unknown error"])[-1]
+        return None, f"hivemind is not importable ({last}); install the 'bench' extra"
+    return done.stdout.strip(), ""
+
+
+def installed_hivemind() -> tuple[str | None, str]:
+    """hivemind's installed version, or ``None`` and why it cannot be used. Looked up
+    without importing it (that takes seconds: it imports torch); if it is installed but
+    broken, its first peer fails with hivemind's own error and the run goes on without it."""
+    if importlib.util.find_spec("hivemind") is None:
+        return None, "hivemind is not installed; install the 'bench' extra"
+    try:
+        return importlib.metadata.version("hivemind"), ""
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown", ""

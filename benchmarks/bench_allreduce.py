@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -63,6 +61,7 @@ from _common import (
     BenchError,
     JsonChild,
     emit_result,
+    installed_hivemind,
     median,
     print_table,
     stop_pids,
@@ -541,17 +540,6 @@ def sizes_that_fit(plan: Plan, notes: list[str]) -> tuple[str, ...]:
     return tuple(fit)
 
 
-def probe_hivemind() -> tuple[str | None, str]:
-    """hivemind's installed version, or ``None`` and why it cannot be used (looked up
-    without importing it: that takes seconds)."""
-    if importlib.util.find_spec("hivemind") is None:
-        return None, "hivemind is not installed; install the 'bench' extra"
-    try:
-        return importlib.metadata.version("hivemind"), ""
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown", ""
-
-
 def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
@@ -772,7 +760,9 @@ def main(argv: list[str] | None = None) -> int:
         if not plan.sizes:
             print("no size fits in the memory available", file=sys.stderr)
             return 1
-    version, why = (None, "disabled with --no-hivemind") if args.no_hivemind else probe_hivemind()
+    version, why = (
+        (None, "disabled with --no-hivemind") if args.no_hivemind else installed_hivemind()
+    )
     if version is None:
         notes.append(f"hivemind not measured: {why}")
         print(f"hivemind: not measured: {why}", file=sys.stderr)

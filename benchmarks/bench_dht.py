@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
-import importlib.util
 import json
 import os
 import subprocess
@@ -55,6 +53,7 @@ from _common import (
     JsonChild,
     descendants,
     emit_result,
+    installed_hivemind,
     median,
     memory_bytes,
     percentile,
@@ -363,18 +362,6 @@ def run_rep(system: str, plan: Plan, rep: int) -> RepResult:
 # --- main -----------------------------------------------------------------------------
 
 
-def probe_hivemind() -> tuple[str | None, str]:
-    """hivemind's installed version, or ``None`` and why it cannot be used. Looked up
-    without importing it (that takes seconds: it imports torch); if it is installed but
-    broken, its first peer fails with hivemind's own error and the run goes on without it."""
-    if importlib.util.find_spec("hivemind") is None:
-        return None, "hivemind is not installed; install the 'bench' extra"
-    try:
-        return importlib.metadata.version("hivemind"), ""
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown", ""
-
-
 def summarize(results: list[RepResult]) -> dict[str, float]:
     """Medians over repetitions, keyed ``<figure>_<unit>`` (no system suffix yet)."""
     out: dict[str, float] = {
@@ -448,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, num_reps=args.reps)
 
     notes: list[str] = []
-    version, why = (None, "disabled with --no-hivemind") if args.no_hivemind else probe_hivemind()
+    version, why = (
+        (None, "disabled with --no-hivemind") if args.no_hivemind else installed_hivemind()
+    )
     if version is None:
         notes.append(f"hivemind not measured: {why}")
         print(f"hivemind: not measured: {why}", file=sys.stderr)

@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -47,6 +46,7 @@ from _common import (
     BenchError,
     descendants,
     emit_result,
+    importable_hivemind,
     median,
     print_table,
     receive_from,
@@ -230,24 +230,6 @@ def measure(plan: Plan, systems: list[str], notes: list[str]) -> Results:
     return results
 
 
-def probe_hivemind() -> tuple[str | None, str]:
-    """hivemind's version, or ``None`` and why it cannot be used (checked in a child)."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", "import hivemind.moe, hivemind; print(hivemind.__version__)"],
-            capture_output=True,
-            text=True,
-            timeout=STARTUP_TIMEOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        return None, f"importing hivemind took over {STARTUP_TIMEOUT:.0f} s"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["unknown error"])[-1]
-        return None, f"hivemind is not importable ({last}); install the 'bench' extra"
-    return done.stdout.strip(), ""
-
-
 # --- pipelines: a 3-stage model on 3 stage servers vs the same model in one process -----
 
 PIPELINE_MODELS: dict[str, tuple[tuple[int, ...], ...]] = {
@@ -386,7 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     notes: list[str] = []
-    version, why = (None, "disabled with --no-hivemind") if args.no_hivemind else probe_hivemind()
+    version, why = (
+        (None, "disabled with --no-hivemind")
+        if args.no_hivemind
+        else importable_hivemind("hivemind.moe", STARTUP_TIMEOUT)
+    )
     if version is None:
         notes.append(why)
         print(f"hivemind: not measured: {why}", file=sys.stderr)

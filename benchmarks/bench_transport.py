@@ -49,6 +49,7 @@ from _common import (
     LineReader,
     descendants,
     emit_result,
+    importable_hivemind,
     median,
     percentile,
     print_table,
@@ -376,25 +377,6 @@ def measure_startups(plan: Plan, hivemind: bool, notes: list[str]) -> dict[str, 
 # --- main -----------------------------------------------------------------------------
 
 
-def probe_hivemind() -> tuple[str | None, str]:
-    """hivemind's version, or ``None`` and why it cannot be used (checked in a child, so
-    this process never imports torch)."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", "import hivemind.p2p, hivemind; print(hivemind.__version__)"],
-            capture_output=True,
-            text=True,
-            timeout=CHILD_STARTUP_TIMEOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        return None, f"importing hivemind took over {CHILD_STARTUP_TIMEOUT:.0f} s"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["unknown error"])[-1]
-        return None, f"hivemind is not importable ({last}); install the 'bench' extra"
-    return done.stdout.strip(), ""
-
-
 def _ms(values: list[float] | None) -> str:
     return f"{median(values) * 1e3:.3f}" if values else "-"
 
@@ -417,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, chunk_bytes=int(args.chunk_mib * MIB) // 4 * 4)
 
     notes: list[str] = []
-    version, why = (None, "disabled with --no-hivemind") if args.no_hivemind else probe_hivemind()
+    version, why = (
+        (None, "disabled with --no-hivemind")
+        if args.no_hivemind
+        else importable_hivemind("hivemind.p2p", CHILD_STARTUP_TIMEOUT)
+    )
     if version is None:
         notes.append(why)
         print(f"hivemind: not measured: {why}", file=sys.stderr)
