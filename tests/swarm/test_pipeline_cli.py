@@ -93,6 +93,9 @@ def test_serve_stage_refuses_bad_models_and_stages_with_clear_errors() -> None:
         (("--model", "swarm.pipeline:pressures"), "building pipeline model"),
         (("--stage", "7"), "stage 7 is outside [0, 3)"),
         (("--stage", "first"), "must be a stage index or auto"),
+        (("--run-id", "a/b"), "run_id must be a non-empty string without '/'"),
+        (("--average-interval", "-1"), "must be positive"),
+        (("--uid-prefix", "bad prefix!"), "invalid expert name 'bad prefix!'"),
     ):
         out = subprocess.run(
             [*SWARM, "serve-stage", *LISTEN, *args], capture_output=True, text=True, timeout=60
