@@ -39,6 +39,7 @@ from types import MappingProxyType
 
 import torch
 
+from averaging.buffers import empty_float32
 from averaging.butterfly_records import (
     AveragedPart,
     ChunkDeferred,
@@ -67,9 +68,10 @@ from averaging.reduction import PartReceipt, PartReduction
 from averaging.robust import CenteredClipReduction
 from peers.identity import PeerID
 
-#: Largest weight (sample count) a sender may claim. Sums are float64, where
-#: 2**64 * (float32 max ~ 2**128) * any group size stays far below float64's 2**1024,
-#: so no weighted sum can overflow; no batch has 2**64 samples.
+#: Largest weight (sample count) a sender may claim. A float32 sum that overflows is
+#: recomputed in float64 (``PartReduction.finalize``), where 2**64 * (float32 max ~
+#: 2**128) * any group size stays far below float64's 2**1024, so no weighted mean is
+#: lost to overflow; no batch has 2**64 samples.
 MAX_SAMPLE_WEIGHT = 2.0**64
 
 #: Failed parts whose chunks I hold (as a reducer that may inherit them) before I learn
@@ -103,7 +105,8 @@ class ButterflyRound:
         self._me = spec.me
         self._members = spec.members
         self._local = local.detach()
-        self._averaged = torch.empty_like(self._local)  # the result, filled as parts arrive
+        # The result, filled as parts arrive (huge pages: see averaging.buffers).
+        self._averaged = empty_float32(self._local.numel(), self._local.device)
         self._handed_out = False  # a RoundResult holds self._averaged: copy before writing
         self._weight = float(local_weight)
         self._parts = spec.parts()
@@ -446,7 +449,9 @@ class ButterflyRound:
         """The result being filled; a copy of it once a result was handed out (a round
         reopened by a late exclusion must not change what a caller already holds)."""
         if self._handed_out:
-            self._averaged = self._averaged.clone()
+            self._averaged = empty_float32(self._local.numel(), self._local.device).copy_(
+                self._averaged
+            )
             self._handed_out = False
         return self._averaged
 

@@ -22,6 +22,7 @@ from fractions import Fraction
 
 import torch
 
+from averaging.buffers import empty_float32
 from peers.errors import LocalProtocolError
 
 
@@ -108,7 +109,9 @@ def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         pieces.append(tensor.detach().reshape(-1).to(torch.float32))
     if not pieces:
         return torch.zeros(0, dtype=torch.float32)
-    return torch.cat(pieces)
+    if pieces[0].device.type != "cpu":
+        return torch.cat(pieces)
+    return torch.cat(pieces, out=empty_float32(sum(p.numel() for p in pieces)))
 
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -108,6 +108,6 @@ async def identify(peer: Peer, remote: PeerID | Multiaddr | str) -> IdentifyInfo
         if frames:
             break
     await stream.close()
-    info = decode_identify(frames[0], stream.remote_peer_id)
+    info = decode_identify(bytes(frames[0]), stream.remote_peer_id)
     peer.add_addresses(info.peer_id, info.listen_addrs)
     return info

@@ -153,15 +153,18 @@ class _Unpacker:
             return array
         import torch  # only reached when a peer sent a torch tensor, i.e. torch is in use
 
-        # frombuffer views are read-only; torch wants writable memory, so copy once here.
-        tensor = torch.from_numpy(array.copy())
+        # torch wants writable memory: a view of a read-only buffer is copied once here;
+        # one of a frame the caller owns (``FrameDecoder``'s bytearray) is used as it is.
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
-def unpack(data: bytes | memoryview) -> Any:
+def unpack(data: bytes | bytearray | memoryview) -> Any:
     """Deserialize a value from a remote; raises :class:`SerializationError` on garbage.
 
-    Arrays in the result are read-only views of ``data`` (no copy).
+    Arrays in the result are views of ``data`` (no copy): read-only if ``data`` is, else
+    writable, sharing its memory, and so are torch tensors (copied only from read-only
+    ``data``). Pass a buffer nothing else will change.
     """
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
     try:
@@ -200,7 +203,9 @@ class FrameDecoder:
     """Splits a byte stream into length-prefixed frames, bounded by ``max_frame_bytes``.
 
     A body is collected as the pieces it arrived in and joined once when complete (one
-    copy). Raises :class:`LimitExceeded` as soon as a prefix announces a larger frame
+    copy), into a ``bytearray`` the caller owns: :func:`unpack` of it gives writable
+    arrays, which need no second copy to become tensors. Raises :class:`LimitExceeded`
+    as soon as a prefix announces a larger frame
     (nothing of it is buffered) and :class:`SerializationError` for a malformed prefix.
     """
 
@@ -215,9 +220,10 @@ class FrameDecoder:
     def buffered_bytes(self) -> int:
         return len(self._head) + self._have
 
-    def feed(self, data: bytes | memoryview) -> list[bytes]:
-        """Add bytes; return every frame body now complete."""
-        frames: list[bytes] = []
+    def feed(self, data: bytes | memoryview) -> list[bytearray]:
+        """Add bytes; return every frame body now complete. ``data`` must not change
+        afterwards: pieces of a frame still incomplete are kept as views of it."""
+        frames: list[bytearray] = []
         view = memoryview(data)
         while view:
             if self._needed is None:
@@ -243,7 +249,7 @@ class FrameDecoder:
                 self._have += take
                 view = view[take:]
             if self._have == self._needed:
-                frames.append(b"".join(self._parts))
+                frames.append(bytearray().join(self._parts))
                 self._parts.clear()
                 self._have = 0
                 self._needed = None

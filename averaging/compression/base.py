@@ -202,10 +202,15 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor; bfloat16 (which numpy lacks) as its uint16 bits."""
+    """A read-only numpy view of a CPU tensor (a payload is sent, never written); bfloat16
+    (which numpy lacks) as its uint16 bits. Read-only also makes a local decode of the
+    payload copy it rather than share memory with the encoded tensor."""
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    return tensor.numpy()
+        array = tensor.view(torch.int16).numpy().view(np.uint16)
+    else:
+        array = tensor.numpy()
+    array.flags.writeable = False
+    return array
 
 
 # ---------------------------------------------------------------------------------------

@@ -50,10 +50,14 @@ def _max_abs(flat: torch.Tensor) -> float:
 
 
 def _from_wire_array(array: np.ndarray, dtype: str) -> torch.Tensor:
-    """A writable tensor copy of a received (read-only) array of wire dtype ``dtype``."""
+    """A writable tensor of a received array of wire dtype ``dtype``: the array itself if
+    it is writable (a view of a frame the receiver owns, see
+    :func:`peers.serialization.unpack`), else a copy."""
+    if not array.flags.writeable:
+        array = array.copy()
     if dtype == "bfloat16":
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(array.copy())
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def decode_raw_values(encoded: EncodedTensor, codec: str, dtype: str, numel: int) -> torch.Tensor:

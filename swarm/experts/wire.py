@@ -28,6 +28,7 @@ from averaging.compression import (
     Float16Codec,
     Uniform8BitCodec,
 )
+from averaging.compression.base import all_finite
 from swarm.experts.schema import ExpertInfo
 
 INFO_PROTOCOL = "/swarmtrain/experts/info/1.0.0"
@@ -125,7 +126,8 @@ def decode(item: WireTensor) -> torch.Tensor:
 
 def check_finite(what: str, tensors: Sequence[torch.Tensor | None]) -> None:
     """ValueError if a floating tensor holds NaN or infinity: one such value in a
-    backward would poison the module's parameters for everyone."""
+    backward would poison the module's parameters for everyone. (A finite sum proves a
+    tensor finite: one pass, no mask; ``isfinite().all()`` took 0.4 ms per 256 x 1024.)"""
     for i, t in enumerate(tensors):
-        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t is not None and t.is_floating_point() and not all_finite(t):
             raise ValueError(f"{what}[{i}] holds NaN or infinite values")
