@@ -62,7 +62,7 @@ from averaging.butterfly_records import (
     RoundSpec,
     Withdrawn,
 )
-from averaging.compression import EncodedTensor, decode_tensor
+from averaging.compression import EncodedTensor, NoneCodec, decode_tensor
 from averaging.partition import chunk_ranges
 from peers.errors import PeersError, RemoteProtocolError
 from peers.host import Peer
@@ -305,7 +305,7 @@ class RoundRunner:
     def _receive(self, sender: PeerID, message: Message) -> None:
         round_id = self.spec.round_id
         if isinstance(message, ChunkMessage):
-            values = decode_tensor(message.tensor)
+            values = _decode(message.tensor)
             self._handle(
                 self.round.on_chunk(
                     sender,
@@ -317,7 +317,7 @@ class RoundRunner:
                 )
             )
         elif isinstance(message, AveragedMessage):
-            values = decode_tensor(message.tensor)
+            values = _decode(message.tensor)
             contributors = peer_ids(message.contributors)
             self._handle(
                 self.round.on_averaged_chunk(
@@ -467,3 +467,14 @@ class RoundRunner:
         for link in self.links.values():
             if link.framed is not None:
                 self._bytes_received += link.framed.bytes_read
+
+
+_NONE = NoneCodec()
+
+
+def _decode(encoded: EncodedTensor) -> torch.Tensor:
+    """A received chunk's values. Uncompressed ones skip the codec's finiteness pass:
+    ``ButterflyRound`` checks every value it is given (one pass, not two)."""
+    if isinstance(encoded, EncodedTensor) and encoded.codec == _NONE.name:
+        return _NONE.decode(encoded, check_finite=False)
+    return decode_tensor(encoded)

@@ -60,11 +60,15 @@ def _from_wire_array(array: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def decode_raw_values(encoded: EncodedTensor, codec: str, dtype: str, numel: int) -> torch.Tensor:
-    """The flat tensor under payload ``"values"`` sent as is (checked: size, dtype, finite)."""
+def decode_raw_values(
+    encoded: EncodedTensor, codec: str, dtype: str, numel: int, *, check_finite: bool = True
+) -> torch.Tensor:
+    """The flat tensor under payload ``"values"`` sent as is (checked: size, dtype, and
+    finite unless the caller checks that itself)."""
     array = payload_array(encoded, codec, "values", [_WIRE_DTYPE[dtype]], (numel,))
     values = _from_wire_array(array, dtype)
-    check_finite_output(codec, values)
+    if check_finite:
+        check_finite_output(codec, values)
     return values
 
 
@@ -86,12 +90,15 @@ class NoneCodec(Codec):
             payload={"values": to_numpy(flat.clone())},  # a snapshot, not a view of the input
         )
 
-    def decode(self, encoded: EncodedTensor) -> torch.Tensor:
+    def decode(self, encoded: EncodedTensor, *, check_finite: bool = True) -> torch.Tensor:
+        """The values; ``check_finite=False`` skips the NaN/infinity check, for a caller
+        that checks every value itself (the all-reduce round does), saving a pass."""
         dtype, shape, numel = check_header(
             encoded, self.name, frozenset(FLOAT_DTYPES), self.max_decoded_elements
         )
         check_keys(encoded, self.name, _VALUES)
-        return decode_raw_values(encoded, self.name, dtype, numel).reshape(shape)
+        values = decode_raw_values(encoded, self.name, dtype, numel, check_finite=check_finite)
+        return values.reshape(shape)
 
     def error_bound(self, tensor: torch.Tensor, *, key: str | None = None) -> float:
         return 0.0

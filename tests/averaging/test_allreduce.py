@@ -8,12 +8,18 @@ import os
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
-from averaging.allreduce_wire import ALLREDUCE_PROTOCOL, encode_hello
-from averaging.compression import Float16Codec, Uniform8BitCodec
+from averaging.allreduce_wire import (
+    ALLREDUCE_PROTOCOL,
+    ChunkMessage,
+    encode_hello,
+    encode_message,
+)
+from averaging.compression import EncodedTensor, Float16Codec, Uniform8BitCodec
 from peers import Peer, PeersError
 from peers.rpc import FramedStream
 
@@ -234,3 +240,54 @@ def test_a_member_sending_garbage_on_its_link_is_excluded_and_the_rest_agree(aru
         assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
         assert torch.equal(r.result.averaged, first)
     assert torch.allclose(first, torch.full((3000,), 0.5))
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "dtype", "shape"])
+def test_a_member_sending_a_bad_chunk_is_excluded_and_the_rest_agree(arun: Run, bad: str) -> None:
+    """Well-formed chunk messages with bad values (NaN, infinity, float64, a wrong
+    length), sent by a member that reduces nothing to the two that reduce a part each."""
+    values = {
+        "nan": np.full(1000, np.nan, dtype=np.float32),
+        "inf": np.full(1000, np.inf, dtype=np.float32),
+        "dtype": np.zeros(1000, dtype=np.float64),
+        "shape": np.zeros(999, dtype=np.float32),
+    }[bad]
+
+    async def main() -> list[Any]:
+        config = AllReduceConfig(
+            sender_timeout=2.0, reducer_timeout=4.0, round_timeout=8.0, chunk_elements=1000
+        )
+        async with contextlib.AsyncExitStack() as stack:
+            honest = [await stack.enter_async_context(Peer()) for _ in range(2)]
+            liar = await stack.enter_async_context(Peer())
+            services = [
+                await stack.enter_async_context(AllReduceService(p, config)) for p in honest
+            ]
+            await _meet([*honest, liar])
+            specs = _specs([*honest, liar], 3000, [1.0, 1.0, 0.0], chunk=1000)
+            rounds = [
+                asyncio.ensure_future(s.run_round(spec, torch.full((3000,), float(i)), 1.0))
+                for i, (s, spec) in enumerate(zip(services, specs, strict=False))
+            ]
+            for part, target in enumerate(honest):
+                stream = await liar.new_stream(target.peer_id, ALLREDUCE_PROTOCOL)
+                framed = FramedStream(stream)
+                await framed.write_frame(encode_hello(specs[0].round_id))
+                dtype = "float64" if bad == "dtype" else "float32"
+                tensor = EncodedTensor("none", dtype, [len(values)], {"values": values})
+                await framed.write_frame(encode_message(ChunkMessage(part, 0, 1.0, tensor)))
+            return list(await asyncio.gather(*rounds))
+
+    results = arun(main())
+    first = results[0].result.averaged
+    reasons = []
+    for r in results:
+        assert len(r.result.report.failed) == 1  # the liar, and only it
+        assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
+        assert torch.equal(r.result.averaged, first)
+        reasons += r.result.report.failed.values()
+    assert torch.allclose(first, torch.full((3000,), 0.5))
+    # Excluded for what it sent (a member may learn of it from the other's notice), not
+    # for falling silent: its other chunks never come, which would exclude it too, later.
+    expected = "non-finite values" if bad in ("nan", "inf") else "not a float32 tensor"
+    assert any(expected in reason for reason in reasons), reasons
