@@ -746,3 +746,59 @@ def test_a_result_handed_out_never_changes_when_a_late_exclusion_reopens_the_rou
         assert me.statistics().num_averaged_chunks_accepted == accepted + 1  # written
         assert torch.equal(first.averaged, values)
         assert first.fingerprint() == fingerprint
+
+
+def test_the_fingerprint_sees_any_changed_bit_of_an_averaged_part_only() -> None:
+    """One flipped bit anywhere in an averaged part, or a different contributor set,
+    changes the fingerprint; values of a part left at the peer's own value do not."""
+    a, b, c = _IDS[:3]
+    spec = RoundSpec(
+        round_id=ROUND_ID,
+        members=(a, b, c),
+        weights=(1.0, 1.0, 1.0),
+        total_elements=3000,
+        chunk_elements=500,
+        me=a,
+    )
+    rounds = {
+        p: ButterflyRound(dataclasses.replace(spec, me=p), torch.randn(3000), 1.0)
+        for p in (a, b, c)
+    }
+    queue: list[tuple[PeerID, object]] = [
+        (p, item) for p in rounds for item in rounds[p].outgoing_chunks()
+    ]
+    while queue:
+        sender, item = queue.pop(0)
+        if isinstance(item, Outgoing):
+            events = rounds[item.to].on_chunk(
+                sender, ROUND_ID, item.part_index, item.chunk_index, item.values, item.weight
+            )
+        else:
+            assert isinstance(item, OutgoingAveraged)
+            events = rounds[item.to].on_averaged_chunk(
+                sender, ROUND_ID, item.part_index, item.chunk_index, item.values, item.contributors
+            )
+        for event in events:
+            if isinstance(event, PartReady):
+                queue += [(item.to, o) for o in rounds[item.to].published_chunks(event.part_index)]
+    result = rounds[a].result()
+    fingerprint = result.fingerprint()
+    gen = random.Random(7)
+    for _ in range(20):
+        flipped = result.averaged.clone()
+        bits = flipped.view(torch.int32)
+        index, bit = gen.randrange(3000), gen.randrange(32)
+        bits[index] ^= 1 << bit if bit < 31 else -(2**31)
+        assert dataclasses.replace(result, averaged=flipped).fingerprint() != fingerprint
+    first, *rest = result.report.parts
+    fewer = dataclasses.replace(first, contributors=first.contributors - {c})
+    report = dataclasses.replace(result.report, parts=(fewer, *rest))
+    assert dataclasses.replace(result, report=report).fingerprint() != fingerprint
+    own = dataclasses.replace(first, averaged=False, reducer=None, contributors=frozenset())
+    report = dataclasses.replace(result.report, parts=(own, *rest))
+    changed = result.averaged.clone()
+    changed[first.start : first.end] += 1.0
+    assert (
+        dataclasses.replace(result, report=report).fingerprint()
+        == dataclasses.replace(result, averaged=changed, report=report).fingerprint()
+    )
