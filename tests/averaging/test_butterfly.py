@@ -687,49 +687,52 @@ def test_round_spec_and_local_are_validated() -> None:
         machine.reassign_part(1, _IDS[0])  # its reducer is alive
 
 
+def _three_equal_members(total: int, chunk: int) -> RoundSpec:
+    """A round of the first three ids, equal weights, seen by the first."""
+    a, b, c = _IDS[:3]
+    return RoundSpec(
+        round_id=ROUND_ID,
+        members=(a, b, c),
+        weights=(1.0, 1.0, 1.0),
+        total_elements=total,
+        chunk_elements=chunk,
+        me=a,
+    )
+
+
+def _deliver_in_order(rounds: dict[PeerID, ButterflyRound]) -> None:
+    """Deliver every chunk and averaged chunk, first sent first, with no failures."""
+    queue: list[tuple[PeerID, object]] = [
+        (p, item) for p in rounds for item in rounds[p].outgoing_chunks()
+    ]
+    while queue:
+        sender, item = queue.pop(0)
+        if isinstance(item, Outgoing):
+            events = rounds[item.to].on_chunk(
+                sender, ROUND_ID, item.part_index, item.chunk_index, item.values, item.weight
+            )
+        else:
+            assert isinstance(item, OutgoingAveraged)
+            events = rounds[item.to].on_averaged_chunk(
+                sender, ROUND_ID, item.part_index, item.chunk_index, item.values, item.contributors
+            )
+        for event in events:
+            if isinstance(event, PartReady):
+                queue += [(item.to, o) for o in rounds[item.to].published_chunks(event.part_index)]
+
+
 def test_a_result_handed_out_never_changes_when_a_late_exclusion_reopens_the_round() -> None:
     """Done, result taken, then a notice excludes a reducer whose part I hold: the part
     is reassigned to a survivor, which sends it again. The result already handed out
     keeps its values and its fingerprint."""
     a, b, c = _IDS[:3]
-    spec = RoundSpec(
-        round_id=ROUND_ID,
-        members=(a, b, c),
-        weights=(1.0, 1.0, 1.0),
-        total_elements=30,
-        chunk_elements=5,
-        me=a,
-    )
+    spec = _three_equal_members(30, 5)
     for excluded, reporter in ((b, c), (c, b)):
         rounds = {
             p: ButterflyRound(dataclasses.replace(spec, me=p), torch.full((30,), float(i)), 1.0)
             for i, p in enumerate((a, b, c))
         }
-        queue: list[tuple[PeerID, object]] = [
-            (p, item) for p in rounds for item in rounds[p].outgoing_chunks()
-        ]
-        while queue:
-            sender, item = queue.pop(0)
-            if isinstance(item, Outgoing):
-                events = rounds[item.to].on_chunk(
-                    sender, ROUND_ID, item.part_index, item.chunk_index, item.values, item.weight
-                )
-            else:
-                assert isinstance(item, OutgoingAveraged)
-                events = rounds[item.to].on_averaged_chunk(
-                    sender,
-                    ROUND_ID,
-                    item.part_index,
-                    item.chunk_index,
-                    item.values,
-                    item.contributors,
-                )
-            for event in events:
-                if isinstance(event, PartReady):
-                    receiver = item.to
-                    queue += [
-                        (receiver, o) for o in rounds[receiver].published_chunks(event.part_index)
-                    ]
+        _deliver_in_order(rounds)
         me = rounds[a]
         assert me.is_done()
         first = me.result()
@@ -752,35 +755,12 @@ def test_the_fingerprint_sees_any_changed_bit_of_an_averaged_part_only() -> None
     """One flipped bit anywhere in an averaged part, or a different contributor set,
     changes the fingerprint; values of a part left at the peer's own value do not."""
     a, b, c = _IDS[:3]
-    spec = RoundSpec(
-        round_id=ROUND_ID,
-        members=(a, b, c),
-        weights=(1.0, 1.0, 1.0),
-        total_elements=3000,
-        chunk_elements=500,
-        me=a,
-    )
+    spec = _three_equal_members(3000, 500)
     rounds = {
         p: ButterflyRound(dataclasses.replace(spec, me=p), torch.randn(3000), 1.0)
         for p in (a, b, c)
     }
-    queue: list[tuple[PeerID, object]] = [
-        (p, item) for p in rounds for item in rounds[p].outgoing_chunks()
-    ]
-    while queue:
-        sender, item = queue.pop(0)
-        if isinstance(item, Outgoing):
-            events = rounds[item.to].on_chunk(
-                sender, ROUND_ID, item.part_index, item.chunk_index, item.values, item.weight
-            )
-        else:
-            assert isinstance(item, OutgoingAveraged)
-            events = rounds[item.to].on_averaged_chunk(
-                sender, ROUND_ID, item.part_index, item.chunk_index, item.values, item.contributors
-            )
-        for event in events:
-            if isinstance(event, PartReady):
-                queue += [(item.to, o) for o in rounds[item.to].published_chunks(event.part_index)]
+    _deliver_in_order(rounds)
     result = rounds[a].result()
     fingerprint = result.fingerprint()
     gen = random.Random(7)
