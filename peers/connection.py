@@ -166,18 +166,46 @@ class Stream:
         if dialer.leftover:
             self.unread(dialer.leftover)
 
+    async def read_chunks(self, max_bytes: int) -> list[bytes]:
+        """As :meth:`read`, but the pieces as they arrived, not joined: every whole
+        piece buffered up to ``max_bytes`` (at least one byte), acknowledged at once;
+        ``[]`` at EOF. For parsers that take pieces anyway (one wake-up and one window
+        update per batch of received frames instead of per frame)."""
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
+        if self._dialer is not None or self._unread:
+            data = await self.read(max_bytes)
+            return [data] if data else []
+        if not await self._wait_readable():
+            return []
+        chunks: list[bytes] = []
+        total = 0
+        while self._chunks and total < max_bytes:
+            data = self._take(max_bytes - total)
+            chunks.append(data)
+            total += len(data)
+        self.connection._consumed(self.stream_id, total)
+        return chunks
+
+    async def _wait_readable(self) -> bool:
+        """Wait until data is buffered (True) or the stream ended (False); raises the
+        stream's error once nothing buffered is left to deliver."""
+        while not self._buffered_bytes:
+            if self._error is not None:
+                raise self._error.fresh()
+            if self._eof:
+                return False
+            self._readable.clear()
+            await self._readable.wait()
+        return True
+
     async def _read_raw(self, max_bytes: int) -> bytes:
         if self._unread:
             cut = len(self._unread) if max_bytes < 0 else max_bytes
             data, self._unread = self._unread[:cut], self._unread[cut:]
             return data
-        while not self._buffered_bytes:
-            if self._error is not None:
-                raise self._error.fresh()
-            if self._eof:
-                return b""
-            self._readable.clear()
-            await self._readable.wait()
+        if not await self._wait_readable():
+            return b""
         # Data that arrived before a reset is still delivered (e.g. a multistream "na"
         # the remote sent just before resetting); the reset is raised once it is read.
         data = self._take(max_bytes)

@@ -50,8 +50,7 @@ _KIND_MESSAGE = 0
 _KIND_ERROR = 1
 #: Longest remote error text we keep: enough for a traceback's last line, not a flood.
 MAX_ERROR_MESSAGE_CHARS = 4096
-#: Frames a stream handler may have queued for sending before it waits for the remote
-#: to read: bounds memory while keeping the pipe full.
+#: Most bytes a framed stream takes from its stream at once.
 _READ_BYTES = 1 << 20
 
 
@@ -86,12 +85,13 @@ class FramedStream:
                 if not self._decoder.at_frame_boundary():
                     raise RemoteProtocolError("stream ended in the middle of a frame")
                 return None
-            data = await self.stream.read(_READ_BYTES)
-            if not data:
+            pieces = await self.stream.read_chunks(_READ_BYTES)
+            if not pieces:
                 self._eof = True
                 continue
-            self.bytes_read += len(data)
-            self._frames.extend(self._decoder.feed(data))
+            for data in pieces:
+                self.bytes_read += len(data)
+                self._frames.extend(self._decoder.feed(data))
         frame = unpack(self._frames.pop(0))
         if not isinstance(frame, list) or not frame or not isinstance(frame[0], int):
             raise RemoteProtocolError("an RPC frame must be an array starting with its kind")

@@ -29,6 +29,7 @@ import torch
 
 from peers.errors import LocalProtocolError, RemoteProtocolError
 from peers.serialization import MAX_ARRAY_DIMS
+from peers.serialization import dtype_name as np_dtype_name
 
 #: Most elements one decoded tensor may have (1 GiB as float32). The butterfly splits
 #: tensors into parts far smaller than this, and a model's largest single tensor (an
@@ -265,7 +266,7 @@ def payload_array(
     value = encoded.payload.get(key)
     if not isinstance(value, np.ndarray):
         raise CompressionError(f"{codec}: payload {key!r} is {type(value).__name__}, not an array")
-    if value.dtype.name not in dtypes:
+    if np_dtype_name(value.dtype) not in dtypes:
         raise CompressionError(
             f"{codec}: payload {key!r} has dtype {value.dtype.name}, expected one of {list(dtypes)}"
         )

@@ -18,6 +18,7 @@ from peers import (
     KeyPair,
     Peer,
     PeerIDMismatch,
+    PeersError,
     ProtocolNotSupported,
     RemoteError,
     with_peer_id,
@@ -347,5 +348,48 @@ def test_callers_sharing_a_failed_dial_get_their_own_error_and_no_cycles(arun: R
                 assert [r() for r in refs] == [None, None, None]
             finally:
                 gc.enable()
+
+    arun(main())
+
+
+def test_read_chunks_returns_the_pieces_as_they_arrived_within_the_bound(arun: Run) -> None:
+    """Bytes written in many pieces come back in order, in batches of whole received
+    pieces (sliced only at ``max_bytes``), then ``[]`` at the end; a reset is raised
+    once what arrived before it was read."""
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    received: asyncio.Queue[list[bytes]] = asyncio.Queue()
+
+    async def sink(stream: Any) -> None:
+        batches = []
+        while batch := await stream.read_chunks(100_000):
+            assert 0 < sum(len(piece) for piece in batch) <= 100_000
+            batches.append(batch)
+        await received.put([piece for batch in batches for piece in batch])
+
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            a.set_stream_handler("/test/sink/1", sink)
+            await b.connect(a.listen_addrs[0])
+            stream = await b.new_stream(a.peer_id, "/test/sink/1")
+            for start in range(0, len(payload), 70_000):
+                await stream.write(payload[start : start + 70_000])
+            await stream.close()
+            pieces = await asyncio.wait_for(received.get(), 10)
+            assert b"".join(pieces) == payload
+            assert len(pieces) > len(payload) // 100_000  # batches, not one joined blob
+
+            async def reset_after_data(stream: Any) -> None:
+                await stream.write(b"last words")
+                await asyncio.sleep(0.1)
+                stream.reset()
+
+            a.set_stream_handler("/test/reset/1", reset_after_data)
+            stream = await b.new_stream(a.peer_id, "/test/reset/1")
+            await stream.write(b"hello")
+            assert b"".join(await stream.read_chunks(1 << 20)) == b"last words"
+            with pytest.raises(PeersError):
+                await stream.read_chunks(1 << 20)
+            with pytest.raises(ValueError):
+                await stream.read_chunks(0)
 
     arun(main())

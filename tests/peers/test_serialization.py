@@ -46,6 +46,24 @@ def test_contiguous_arrays_are_not_copied_when_packed_or_unpacked() -> None:
     assert np.shares_memory(out["w"], np.frombuffer(wire, dtype=np.uint8))
 
 
+def test_big_endian_arrays_arrive_with_their_values() -> None:
+    array = (np.arange(10, dtype=np.float32) * 1.5).astype(">f4")
+    assert not array.dtype.isnative
+    out = unpack(pack(array))
+    assert out.dtype == np.float32 and np.array_equal(out, array)
+
+
+def test_a_frame_the_receiver_owns_unpacks_to_writable_views_of_it() -> None:
+    torch = pytest.importorskip("torch")
+    frame = bytearray(pack({"a": np.arange(8, dtype=np.float32), "t": torch.ones(4)}))
+    out = unpack(frame)
+    assert out["a"].flags.writeable and np.shares_memory(
+        out["a"], np.frombuffer(frame, dtype=np.uint8)
+    )
+    out["t"] += 1  # a tensor sharing the frame's memory: no copy was made for it
+    assert torch.equal(unpack(frame)["t"], torch.full((4,), 2.0))
+
+
 def test_non_contiguous_and_empty_arrays() -> None:
     base = np.arange(100, dtype=np.float32).reshape(10, 10)
     assert np.array_equal(unpack(pack(base[:, ::3])), base[:, ::3])
