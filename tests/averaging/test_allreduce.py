@@ -202,44 +202,49 @@ def test_a_link_for_an_unknown_round_is_refused_and_the_service_keeps_serving(
         assert torch.allclose(r.result.averaged, torch.full((3000,), 0.5))
 
 
-def test_a_member_sending_garbage_on_its_link_is_excluded_and_the_rest_agree(arun: Run) -> None:
-    """A member that cannot be dialed (bandwidth 0) opens its links itself; this one sends
-    a valid Hello, then a frame that is no message at all, then one with a bad tensor."""
+async def _liar_round(frames: Sequence[list[Any]]) -> list[Any]:
+    """Two honest members and a liar that cannot be dialed (bandwidth 0), so it opens
+    its links itself: to honest member i (who reduces part i) it sends a valid Hello,
+    then ``frames[i]``."""
+    config = AllReduceConfig(
+        sender_timeout=2.0, reducer_timeout=4.0, round_timeout=8.0, chunk_elements=1000
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        honest = [await stack.enter_async_context(Peer()) for _ in range(2)]
+        liar = await stack.enter_async_context(Peer())
+        services = [await stack.enter_async_context(AllReduceService(p, config)) for p in honest]
+        await _meet([*honest, liar])
+        specs = _specs([*honest, liar], 3000, [1.0, 1.0, 0.0], chunk=1000)
+        rounds = [
+            asyncio.ensure_future(s.run_round(spec, torch.full((3000,), float(i)), 1.0))
+            for i, (s, spec) in enumerate(zip(services, specs, strict=False))
+        ]
+        for target, frame in zip(honest, frames, strict=True):
+            stream = await liar.new_stream(target.peer_id, ALLREDUCE_PROTOCOL)
+            framed = FramedStream(stream)
+            await framed.write_frame(encode_hello(specs[0].round_id))
+            await framed.write_frame(frame)
+        return list(await asyncio.gather(*rounds))
 
-    async def main() -> list[Any]:
-        config = AllReduceConfig(
-            sender_timeout=2.0, reducer_timeout=4.0, round_timeout=8.0, chunk_elements=1000
-        )
-        async with contextlib.AsyncExitStack() as stack:
-            honest = [await stack.enter_async_context(Peer()) for _ in range(2)]
-            liar = await stack.enter_async_context(Peer())
-            services = [
-                await stack.enter_async_context(AllReduceService(p, config)) for p in honest
-            ]
-            await _meet([*honest, liar])
-            specs = _specs([*honest, liar], 3000, [1.0, 1.0, 0.0], chunk=1000)
-            rounds = [
-                asyncio.ensure_future(s.run_round(spec, torch.full((3000,), float(i)), 1.0))
-                for i, (s, spec) in enumerate(zip(services, specs, strict=False))
-            ]
-            for target, garbage in zip(
-                honest,
-                ([9, {"not": "a message"}], [1, [0, 0, 1.0, ["none", "float32"]]]),
-                strict=True,
-            ):
-                stream = await liar.new_stream(target.peer_id, ALLREDUCE_PROTOCOL)
-                framed = FramedStream(stream)
-                await framed.write_frame(encode_hello(specs[0].round_id))
-                await framed.write_frame(garbage)
-            return list(await asyncio.gather(*rounds))
 
-    results = arun(main())
+def _liar_excluded(results: list[Any]) -> list[str]:
+    """Checks the honest two agree on the exact mean without the liar; its exclusion
+    reasons as each of them recorded it."""
     first = results[0].result.averaged
+    reasons = []
     for r in results:
         assert len(r.result.report.failed) == 1  # the liar, and only it
         assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
         assert torch.equal(r.result.averaged, first)
+        reasons += r.result.report.failed.values()
     assert torch.allclose(first, torch.full((3000,), 0.5))
+    return reasons
+
+
+def test_a_member_sending_garbage_on_its_link_is_excluded_and_the_rest_agree(arun: Run) -> None:
+    """A frame that is no message at all, and one with a bad tensor."""
+    garbage = ([9, {"not": "a message"}], [1, [0, 0, 1.0, ["none", "float32"]]])
+    _liar_excluded(arun(_liar_round(garbage)))
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "dtype", "shape"])
@@ -252,41 +257,10 @@ def test_a_member_sending_a_bad_chunk_is_excluded_and_the_rest_agree(arun: Run, 
         "dtype": np.zeros(1000, dtype=np.float64),
         "shape": np.zeros(999, dtype=np.float32),
     }[bad]
-
-    async def main() -> list[Any]:
-        config = AllReduceConfig(
-            sender_timeout=2.0, reducer_timeout=4.0, round_timeout=8.0, chunk_elements=1000
-        )
-        async with contextlib.AsyncExitStack() as stack:
-            honest = [await stack.enter_async_context(Peer()) for _ in range(2)]
-            liar = await stack.enter_async_context(Peer())
-            services = [
-                await stack.enter_async_context(AllReduceService(p, config)) for p in honest
-            ]
-            await _meet([*honest, liar])
-            specs = _specs([*honest, liar], 3000, [1.0, 1.0, 0.0], chunk=1000)
-            rounds = [
-                asyncio.ensure_future(s.run_round(spec, torch.full((3000,), float(i)), 1.0))
-                for i, (s, spec) in enumerate(zip(services, specs, strict=False))
-            ]
-            for part, target in enumerate(honest):
-                stream = await liar.new_stream(target.peer_id, ALLREDUCE_PROTOCOL)
-                framed = FramedStream(stream)
-                await framed.write_frame(encode_hello(specs[0].round_id))
-                dtype = "float64" if bad == "dtype" else "float32"
-                tensor = EncodedTensor("none", dtype, [len(values)], {"values": values})
-                await framed.write_frame(encode_message(ChunkMessage(part, 0, 1.0, tensor)))
-            return list(await asyncio.gather(*rounds))
-
-    results = arun(main())
-    first = results[0].result.averaged
-    reasons = []
-    for r in results:
-        assert len(r.result.report.failed) == 1  # the liar, and only it
-        assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
-        assert torch.equal(r.result.averaged, first)
-        reasons += r.result.report.failed.values()
-    assert torch.allclose(first, torch.full((3000,), 0.5))
+    dtype = "float64" if bad == "dtype" else "float32"
+    tensor = EncodedTensor("none", dtype, [len(values)], {"values": values})
+    chunks = [encode_message(ChunkMessage(part, 0, 1.0, tensor)) for part in range(2)]
+    reasons = _liar_excluded(arun(_liar_round(chunks)))
     # Excluded for what it sent (a member may learn of it from the other's notice), not
     # for falling silent: its other chunks never come, which would exclude it too, later.
     expected = "non-finite values" if bad in ("nan", "inf") else "not a float32 tensor"
