@@ -16,8 +16,8 @@ import torch
 
 from averaging.averager import Averager, AveragerConfig, AveragingStep
 from averaging.state_records import LoadedState
+from peers.closing import ClosesOnExit
 from peers.dht import BlockingDHT
-from peers.facade import ClosesOnExit
 
 
 class BlockingAverager(ClosesOnExit):

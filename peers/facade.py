@@ -15,11 +15,11 @@ import inspect
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 from multiaddr import Multiaddr
 
+from peers.closing import ClosesOnExit
 from peers.config import PeerConfig
 from peers.errors import PeersError
 from peers.host import Peer
@@ -39,24 +39,6 @@ _live: weakref.WeakSet[BlockingPeer] = weakref.WeakSet()
 def _close_all() -> None:
     for peer in list(_live):
         peer.close()
-
-
-class ClosesOnExit:
-    """``with`` support for the blocking facades: leaving the block calls ``close()``."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class BlockingPeer(ClosesOnExit):

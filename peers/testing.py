@@ -29,8 +29,9 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
+
+from peers.closing import ClosesOnExit
 
 #: Seconds a process has to print its ``ready`` line; generous because a loaded 2-core
 #: CI machine may start 30 interpreters at once.
@@ -119,7 +120,7 @@ class PeerProcess:
         return self.popen.poll() is None
 
 
-class LocalSwarm:
+class LocalSwarm(ClosesOnExit):
     """Start, kill, pause and tear down local peer processes. Use as a context manager."""
 
     def __init__(self, *, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT) -> None:
@@ -216,17 +217,6 @@ class LocalSwarm:
                 if pipe is not None:
                     with contextlib.suppress(OSError):
                         pipe.close()
-
-    def __enter__(self) -> LocalSwarm:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _pump_stdout(proc: PeerProcess) -> None:

@@ -12,9 +12,10 @@ import concurrent.futures
 import logging
 from collections.abc import Sequence
 
+from peers.closing import ClosesOnExit
 from peers.config import PeerConfig
 from peers.dht.node import DHT, DHTConfig, DHTStatistics, ValueWithExpiration, dht_time
-from peers.facade import BlockingPeer, ClosesOnExit
+from peers.facade import BlockingPeer
 
 logger = logging.getLogger(__name__)
 #: Seconds ``close`` waits for the node to leave before closing the peer under it.

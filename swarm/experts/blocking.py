@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
+from peers.closing import ClosesOnExit
 from peers.dht import BlockingDHT
-from peers.facade import BackgroundService, BlockingPeer, ClosesOnExit
+from peers.facade import BackgroundService, BlockingPeer
 from swarm.experts.backend import ModuleBackend
 from swarm.experts.server import ExpertServer, ServerStatistics
 from swarm.experts.server_config import ServerConfig

@@ -8,8 +8,9 @@ open: its owner closes it.
 
 from __future__ import annotations
 
+from peers.closing import ClosesOnExit
 from peers.dht import BlockingDHT
-from peers.facade import BackgroundService, ClosesOnExit
+from peers.facade import BackgroundService
 from swarm.pipeline.server import StageServer, StageServerConfig, StageServerStatistics
 
 #: Seconds ``close`` waits for the server to stop (a replica round in progress ends).
