@@ -10,12 +10,14 @@ A measurement is ``calls`` timed calls after ``warmup`` untimed ones, on one bat
 ``forward`` runs the module under ``torch.no_grad()``; ``forward_backward`` runs it on an
 input that requires grad and backpropagates a fixed output gradient (the server then
 recomputes the forward, backpropagates and takes an Adam step; the local module does
-the same step, without the recomputation).
+the same step, without the recomputation). Servers and the local module take
+``{"fused_adam": bool}``: torch's fused Adam, or its plain one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import traceback
@@ -118,7 +120,7 @@ def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
         module,
         inputs=specs,
         max_batch_size=1024,
-        optimizer=torch.optim.Adam(module.parameters()),
+        optimizer=torch.optim.Adam(module.parameters(), fused=options["fused_adam"]),
     )
     peer = BlockingPeer(PeerConfig(listen_addrs=(LOOPBACK,)))
     stop = asyncio.Event()
@@ -128,20 +130,24 @@ def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
             ready.set_result(None)
             await stop.wait()
 
-    async def begin() -> None:
+    async def begin() -> asyncio.Task[None]:
         ready = asyncio.get_running_loop().create_future()
-        peer.submit(host(ready))
-        await ready
+        hosting = asyncio.create_task(host(ready))
+        await asyncio.wait([ready, hosting], return_when=asyncio.FIRST_COMPLETED)
+        if hosting.done():
+            hosting.result()  # it failed before it was ready: raise why
+        return hosting
 
-    async def end() -> None:
+    async def end(hosting: asyncio.Task[None]) -> None:
         stop.set()
+        await hosting  # the server has stopped before the peer closes under it
 
-    peer.run(begin(), timeout=60)
+    hosting = peer.run(begin(), timeout=60)
     conn.send(("ready", {"addrs": [str(a) for a in peer.listen_addrs]}))
     try:
         _serve_commands(conn, None)
     finally:
-        peer.run(end(), timeout=10)
+        peer.run(end(hosting), timeout=10)
         peer.close()
 
 
@@ -168,7 +174,7 @@ def _local(conn: Connection, options: dict[str, Any]) -> None:
     from swarm.experts.layers import ffn
 
     module, _ = ffn(HIDDEN)
-    optimizer = torch.optim.Adam(module.parameters())
+    optimizer = torch.optim.Adam(module.parameters(), fused=options["fused_adam"])
 
     def step() -> None:
         optimizer.step()
@@ -203,7 +209,7 @@ def _hivemind_server(conn: Connection, options: dict[str, Any]) -> None:
         expert_cls="ffn",
         hidden_dim=HIDDEN,
         max_batch_size=1024,
-        optim_cls=torch.optim.Adam,
+        optim_cls=functools.partial(torch.optim.Adam, fused=options["fused_adam"]),
         device="cpu",
         host_maddrs=[LOOPBACK],
         start=True,

@@ -1,11 +1,13 @@
 """Remote expert benchmark: ours (``swarm.experts``) against hivemind's MoE server.
 
 One expert, the same module on both sides: hivemind's "ffn" (Linear 1024 -> 4096, GELU,
-Linear 4096 -> 1024, residual LayerNorm) with Adam, one server process and one client
-process per system on 127.0.0.1 (started with multiprocessing's ``spawn``), torch on one
-thread in every process. Ours: ``ExpertServer`` + ``RemoteExpert``; hivemind:
-``hivemind.moe.Server.create(expert_cls="ffn")`` + its ``RemoteExpert``. The local module
-(the same FFN and Adam in one process, no network) is the zero-network limit.
+Linear 4096 -> 1024, residual LayerNorm) with Adam (torch's fused implementation, which
+``swarm serve`` builds, in all three systems; ``--plain-adam`` for the per-op one), one
+server process and one client process per system on 127.0.0.1 (started with
+multiprocessing's ``spawn``), torch on one thread in every process. Ours:
+``ExpertServer`` + ``RemoteExpert``; hivemind: ``hivemind.moe.Server.create(expert_cls=
+"ffn")`` + its ``RemoteExpert``. The local module (the same FFN and Adam in one process,
+no network) is the zero-network limit.
 
 For batch sizes 1, 16 and 256: median latency of a forward (``torch.no_grad()``) and of a
 forward+backward (the client backpropagates a fixed gradient; the server recomputes the
@@ -206,16 +208,17 @@ def _repetition(
             fleet.stop(client)
 
 
-def measure(plan: Plan, systems: list[str], notes: list[str]) -> Results:
+def measure(plan: Plan, systems: list[str], notes: list[str], *, fused: bool) -> Results:
+    """``fused``: every system steps torch's fused Adam (else its plain, per-op one)."""
     results: Results = {}
     fleet = Fleet()
     try:
-        servers: dict[str, Any] = {"local": {}}
+        servers: dict[str, Any] = {"local": {"fused_adam": fused}}
         for system in systems:
             if system == "local":
                 continue
             try:
-                _, servers[system] = fleet.start(f"{system}_server")
+                _, servers[system] = fleet.start(f"{system}_server", {"fused_adam": fused})
             except BenchError as e:
                 if system != "hivemind":
                     raise
@@ -365,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="reduced run, under a minute")
     parser.add_argument("--no-hivemind", action="store_true", help="measure ours only")
     parser.add_argument("--no-pipeline", action="store_true", help="skip the pipeline section")
+    parser.add_argument(
+        "--plain-adam",
+        action="store_true",
+        help="every system steps torch's plain Adam instead of the fused one (how runs "
+        "before 2026-11-30 measured)",
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     notes: list[str] = []
@@ -380,11 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"experts benchmark ({mode}): ffn {1024}x{4096}, loopback, 1 torch thread per process, "
-        f"{os.cpu_count()} CPUs, load average {load:.2f}; hivemind {version or 'absent'}"
+        f"{os.cpu_count()} CPUs, load average {load:.2f}; hivemind {version or 'absent'}; "
+        f"{'plain' if args.plain_adam else 'fused'} Adam in every system"
     )
     began = time.monotonic()
     systems = [s for s in SYSTEMS if s != "hivemind" or version]
-    results = measure(plan, systems, notes)
+    results = measure(plan, systems, notes, fused=not args.plain_adam)
     total_s = time.monotonic() - began
 
     def med(system: str, mode: str, batch: int) -> float | None:

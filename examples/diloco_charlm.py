@@ -35,7 +35,7 @@ task = CharLMTask()  # data, model, loss and evaluation of the built-in `charlm`
 def train_peer(
     rank: int, model: torch.nn.Module, dht: BlockingDHT, args: argparse.Namespace
 ) -> dict[str, float]:
-    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)  # one kernel per step
     config = CollaborativeConfig(
         run_id="charlm-diloco",
         target_batch_size=args.batch_size * NUM_PEERS,  # unused by DiLoCo; required

@@ -4,6 +4,15 @@ The baseline trainer, the built-in tasks' recipes and the demo all name an optim
 the same way, so the swarm and the single-process baseline it is compared with are
 built from one :class:`OptimizerSpec`. A spec round-trips through a plain dict
 (:meth:`OptimizerSpec.to_dict`), which is what a checkpoint's metadata stores.
+
+Adam and AdamW are built with torch's fused implementation (``fused=True``) wherever
+torch supports it for the parameters (floating point, on CPU or an accelerator): the
+same update in one pass over each tensor instead of a dozen element-wise kernels,
+5-10x faster on CPU (about 4 ms instead of 21-43 ms per step over 8.4 M parameters
+here), which is most of a small batch's time on an expert server. The results equal
+the plain implementation's up to float rounding. Parameters it does not support get
+the plain implementation. SGD keeps torch's default: its fused form gains little and
+does not take sparse gradients.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from swarm.errors import TaskError
 
 OptimizerKind = Literal["sgd", "adam", "adamw"]
 KINDS: tuple[OptimizerKind, ...] = ("sgd", "adam", "adamw")
+#: Devices with fused Adam kernels in torch (checked by torch only at the first step).
+FUSED_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,9 +78,14 @@ class OptimizerSpec:
                 weight_decay=self.weight_decay,
             )
         cls = torch.optim.Adam if self.kind == "adam" else torch.optim.AdamW
-        return cls(
-            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
-        )
+        params = list(params)
+        options: dict[str, Any] = {
+            "lr": self.lr,
+            "betas": self.betas,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        }
+        return cls(params, fused=_fused_supported(params), **options)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (msgpack- and JSON-friendly); inverse of :meth:`from_dict`."""
@@ -91,3 +107,16 @@ class OptimizerSpec:
             return cls(**fields)
         except TypeError as e:
             raise TaskError(f"invalid optimizer spec {dict(data)!r}: {e}") from e
+
+
+def _fused_supported(params: list[torch.nn.Parameter]) -> bool:
+    """Whether torch's fused Adam takes ``params``: real floating point, on one kind of
+    device that has the kernels (torch itself would only fail at the first step)."""
+    if not all(isinstance(p, torch.Tensor) for p in params):
+        return False  # parameter groups: leave the choice to torch
+    devices = {p.device.type for p in params}
+    return (
+        len(devices) == 1
+        and devices <= FUSED_DEVICES
+        and all(torch.is_floating_point(p) for p in params)
+    )
