@@ -37,6 +37,7 @@ from peers.yamux import (
     StreamRejected,
     YamuxError,
     YamuxSession,
+    YamuxStatistics,
 )
 from peers.yamux import StreamReset as YamuxStreamReset
 
@@ -75,7 +76,7 @@ class Stream:
         self._failed = asyncio.Event()
         self._fail_callbacks: list[Callable[[], None]] = []
         self._dialer: MultistreamDialer | None = None
-        self._prefix = b""  # a lazy protocol proposal not yet written
+        self._prefix = b""  # negotiation bytes of ours not yet written (see defer_write)
 
     @property
     def has_buffered_data(self) -> bool:
@@ -122,6 +123,13 @@ class Stream:
     def unread(self, data: bytes) -> None:
         """Put bytes back in front of the stream (read past a protocol negotiation)."""
         self._unread = data + self._unread
+
+    def defer_write(self, data: bytes) -> None:
+        """Send ``data`` ahead of the next write or close, or before a read has to wait
+        (so a remote waiting for it is never left waiting): a protocol answer rides
+        with the handler's reply instead of costing a frame, a syscall and a wake-up
+        of the remote of its own."""
+        self._prefix += data
 
     def _wake_writer(self) -> None:
         self._writable.set()
@@ -189,7 +197,11 @@ class Stream:
 
     async def _wait_readable(self) -> bool:
         """Wait until data is buffered (True) or the stream ended (False); raises the
-        stream's error once nothing buffered is left to deliver."""
+        stream's error once nothing buffered is left to deliver. Deferred bytes of ours
+        go out first: the remote may be waiting for them before it sends."""
+        if not self._buffered_bytes and self._prefix and self._error is None:
+            with contextlib.suppress(ConnectionClosed):  # raised below, as the read's error
+                await self.write_many(())
         while not self._buffered_bytes:
             if self._error is not None:
                 raise self._error.fresh()
@@ -353,6 +365,10 @@ class Connection:
     @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    def session_statistics(self) -> YamuxStatistics:
+        """Counters of the yamux session: streams, and bytes each way."""
+        return self._session.statistics()
 
     async def wait_closed(self) -> None:
         await self._closed_event.wait()

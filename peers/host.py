@@ -300,8 +300,15 @@ class Peer:
                             return
                     reply = listener.receive_data(data)
                     if reply or header:  # a header-only opening still gets our header
-                        await stream.write(header + reply)
-                        header = b""
+                        answer, header = header + reply, b""
+                        if listener.selected is not None and (
+                            listener.leftover or stream.has_buffered_data
+                        ):
+                            # The dialer sent its request without waiting for our answer
+                            # (lazy): the answer goes with the handler's first bytes.
+                            stream.defer_write(answer)
+                        else:
+                            await stream.write(answer)
         except (TimeoutError, RemoteProtocolError) as e:
             self._counters.streams_refused += 1
             logger.info("stream from %s failed to negotiate: %r", stream.remote_peer_id, e)

@@ -5,6 +5,11 @@ termination") and the behaviour of go-yamux as go-libp2p runs it under the proto
 ``/yamux/1.0.0``. Bytes from the wire go into :meth:`YamuxSession.receive_data`, which returns
 events; bytes for the wire come out of :meth:`YamuxSession.data_to_send`. The caller moves the
 bytes and enforces deadlines.
+
+A stream the remote opens is acknowledged (ACK) on the first frame we send on it, as
+spec.md allows ("may be sent with a data or window update message"), or with the next
+bytes the session sends at all, whichever comes first: a request that opens a stream
+and is answered by one reply costs one frame each way, not two.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ class YamuxStreamError(YamuxError, LocalProtocolError):
 
 
 @dataclass(frozen=True, slots=True)
-class StreamOpened:  # The remote opened a stream (SYN); we have already queued its ACK.
+class StreamOpened:  # The remote opened a stream (SYN); our ACK goes with our next bytes.
     stream_id: int
 
 
@@ -152,6 +157,7 @@ class _Stream:
     num_consumed_since_growth: int = 0
     local_closed: bool = False
     remote_closed: bool = False
+    ack_pending: bool = False  # opened by the remote, not yet acknowledged
 
 
 def _check_u32(name: str, value: int) -> None:
@@ -193,6 +199,7 @@ class YamuxSession:
         self._num_outbound = 0
         self._window_growth_bytes = 0
         self._out: list[bytes] = []
+        self._unacked: dict[int, _Stream] = {}  # remote-opened streams awaiting our ACK
         self._header_buf = bytearray()
         self._body_stream: _Stream | None = None  # None while a body is being discarded
         self._body_remaining = 0
@@ -324,7 +331,8 @@ class YamuxSession:
         stream = _Stream(stream_id, is_inbound=True)
         self._streams[stream_id] = stream
         self._num_inbound += 1
-        self._queue(_WINDOW_UPDATE, _ACK, stream_id, 0)  # go-yamux ACKs with a window update
+        stream.ack_pending = True
+        self._unacked[stream_id] = stream
         events.append(StreamOpened(stream_id))
         return stream
 
@@ -354,6 +362,16 @@ class YamuxSession:
         The same bytes as :meth:`data_to_send` without joining them: a bulk writer hands
         each frame to the encryption layer as it is, instead of building one big buffer.
         """
+        if self._unacked and self._out and not self._failed:
+            # The ACKs still owed go out now, ahead of whatever else does.
+            owed = [
+                _HEADER.pack(_VERSION, _WINDOW_UPDATE, _ACK, stream_id, 0)
+                for stream_id in self._unacked
+            ]
+            for stream in self._unacked.values():
+                stream.ack_pending = False
+            self._unacked.clear()
+            self._out[:0] = owed
         out = self._out
         self._out = []
         self._num_wire_bytes_sent += sum(len(frame) for frame in out)
@@ -390,9 +408,11 @@ class YamuxSession:
             raise YamuxStreamError(f"stream {stream_id} is closed for sending")
         view = memoryview(data).cast("B")
         num_bytes = min(len(view), stream.send_window)
+        flags = self._ack(stream) if num_bytes else 0
         for start in range(0, num_bytes, MAX_FRAME_PAYLOAD_BYTES):
             chunk = view[start : min(start + MAX_FRAME_PAYLOAD_BYTES, num_bytes)]
-            self._out.append(_HEADER.pack(_VERSION, _DATA, 0, stream_id, len(chunk)) + chunk)
+            self._out.append(_HEADER.pack(_VERSION, _DATA, flags, stream_id, len(chunk)) + chunk)
+            flags = 0
         stream.send_window -= num_bytes
         self._num_data_bytes_sent += num_bytes
         return num_bytes
@@ -439,7 +459,7 @@ class YamuxSession:
                 delta += growth
             stream.num_consumed_since_growth = 0
         stream.recv_credit += delta
-        self._queue(_WINDOW_UPDATE, 0, stream_id, delta)
+        self._queue(_WINDOW_UPDATE, self._ack(stream), stream_id, delta)
 
     def close_stream(self, stream_id: int) -> None:
         """Half-close: queue FIN. Idempotent. Raises YamuxStreamError if it is unknown."""
@@ -447,7 +467,7 @@ class YamuxSession:
         if stream.local_closed:
             return
         stream.local_closed = True
-        self._queue(_WINDOW_UPDATE, _FIN, stream_id, 0)
+        self._queue(_WINDOW_UPDATE, _FIN | self._ack(stream), stream_id, 0)
         if stream.remote_closed:
             self._forget(stream)
 
@@ -455,7 +475,7 @@ class YamuxSession:
         """Queue RST and forget the stream. A no-op if it is already forgotten."""
         stream = self._streams.get(stream_id)
         if stream is not None:
-            self._queue(_WINDOW_UPDATE, _RST, stream_id, 0)
+            self._queue(_WINDOW_UPDATE, _RST | self._ack(stream), stream_id, 0)
             self._forget(stream)
 
     def ping(self, opaque: int) -> None:
@@ -502,6 +522,14 @@ class YamuxSession:
     def _queue(self, kind: int, flags: int, stream_id: int, length: int) -> None:
         self._out.append(_HEADER.pack(_VERSION, kind, flags, stream_id, length))
 
+    def _ack(self, stream: _Stream) -> int:
+        """The ACK flag if ``stream`` still owes one (then no longer), else 0."""
+        if not stream.ack_pending:
+            return 0
+        stream.ack_pending = False
+        del self._unacked[stream.stream_id]
+        return _ACK
+
     def _get(self, stream_id: int) -> _Stream:
         self._check_alive()
         stream = self._streams.get(stream_id)
@@ -517,6 +545,8 @@ class YamuxSession:
 
     def _forget(self, stream: _Stream) -> None:
         del self._streams[stream.stream_id]
+        if stream.ack_pending:  # it ended before we sent anything: nothing to acknowledge
+            del self._unacked[stream.stream_id]
         if stream.is_inbound:
             self._num_inbound -= 1
             self._remember_closed(stream.stream_id)

@@ -315,6 +315,70 @@ def test_listener_answers_a_dialer_that_waits_for_its_header(arun: Run) -> None:
     arun(main())
 
 
+SLOW_PROTOCOL = "/test/slow-answer/1.0.0"
+
+
+def test_a_lazy_request_gets_its_answer_ack_and_reply_in_one_go(arun: Run) -> None:
+    """A dialer that sent its request with the proposal hears nothing (no protocol
+    answer, no yamux ACK) until the handler writes: all of it then arrives together."""
+
+    async def main() -> None:
+        go = asyncio.Event()
+
+        async def handler(stream: Any) -> None:
+            request = await stream.readexactly(4)  # came with the proposal
+            await go.wait()
+            await stream.write(request[::-1])
+            await stream.close()
+
+        async with Peer() as server, Peer() as client:
+            server.set_stream_handler(SLOW_PROTOCOL, handler)
+            remote = await client.connect(server.listen_addrs[0])
+            connection = client.connection_to(remote)
+            assert connection is not None
+            stream = await client.new_stream(remote, SLOW_PROTOCOL)
+            await stream.write(b"ping")
+            before = connection.session_statistics().num_wire_bytes_received
+            await asyncio.sleep(0.2)  # were anything sent early, loopback delivers it by now
+            assert connection.session_statistics().num_wire_bytes_received == before
+            go.set()
+            async with asyncio.timeout(5):
+                assert await stream.read() == b"gnip"
+
+    arun(main())
+
+
+def test_a_handler_waiting_for_more_sends_its_deferred_answer_first(arun: Run) -> None:
+    """A dialer may send part of its request lazily, then wait for the protocol answer
+    before sending the rest; the handler's read that has to wait sends the answer."""
+
+    async def main() -> None:
+        async def handler(stream: Any) -> None:
+            request = await stream.readexactly(8)  # 4 came with the proposal
+            await stream.write(request[::-1])
+            await stream.close()
+
+        async with Peer() as server, Peer() as client:
+            server.set_stream_handler(SLOW_PROTOCOL, handler)
+            remote = await client.connect(server.listen_addrs[0])
+            connection = client.connection_to(remote)
+            assert connection is not None
+            stream = await client.new_stream(remote, SLOW_PROTOCOL)
+            before = connection.session_statistics().num_wire_bytes_received
+            await stream.write(b"half")
+            for _ in range(500):  # up to 5 s: without the answer, the wait never ends
+                if connection.session_statistics().num_wire_bytes_received != before:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the handler never sent its protocol answer")
+            async with asyncio.timeout(5):
+                await stream.write(b"more")
+                assert await stream.read() == b"eromflah"
+
+    arun(main())
+
+
 def test_callers_sharing_a_failed_dial_get_their_own_error_and_no_cycles(arun: Run) -> None:
     """Concurrent callers share one dial; when it fails each raises its own copy of the
     error. Raising the one kept by the shared future tied every caller's frames (and

@@ -107,11 +107,42 @@ def test_open_streams_both_ways_with_data_both_directions() -> None:
     assert server_events == [DataReceived(b, b"reply to server")]
 
 
-def test_syn_is_acked_immediately_with_window_update() -> None:
+def test_syn_is_acked_on_the_first_frame_sent_on_the_stream() -> None:
     client, server = pair()
     client.open_stream()
     server.receive_data(client.data_to_send())
-    assert server.data_to_send() == frame(WINDOW_UPDATE, ACK, 1, 0)
+    assert server.data_to_send() == b""  # nothing goes out for the ACK alone
+    server.send_data(1, b"ab")
+    server.send_data(1, b"cd")
+    assert server.data_to_send() == frame(DATA, ACK, 1, 2, b"ab") + frame(DATA, 0, 1, 2, b"cd")
+    # A stream closed or reset before any data carries the ACK on that frame instead.
+    for stream_id, act, flag in ((3, server.close_stream, FIN), (5, server.reset_stream, RST)):
+        client.open_stream()
+        server.receive_data(client.data_to_send())
+        act(stream_id)
+        assert server.data_to_send() == frame(WINDOW_UPDATE, ACK | flag, stream_id, 0)
+
+
+def test_pending_acks_ride_with_any_other_output() -> None:
+    client, server = pair()
+    a, b = client.open_stream(), client.open_stream()
+    server.receive_data(client.data_to_send())
+    server.ping(7)  # unrelated output: the owed ACKs go ahead of it
+    assert server.data_to_send() == (
+        frame(WINDOW_UPDATE, ACK, a, 0) + frame(WINDOW_UPDATE, ACK, b, 0) + frame(PING, SYN, 0, 7)
+    )
+    server.send_data(a, b"x")  # acknowledged already: no second ACK
+    assert server.data_to_send() == frame(DATA, 0, a, 1, b"x")
+
+
+def test_a_stream_reset_before_our_ack_is_never_acked() -> None:
+    client, server = pair()
+    a = client.open_stream()
+    server.receive_data(client.data_to_send())
+    client.reset_stream(a)
+    server.receive_data(client.data_to_send())
+    server.ping(1)
+    assert server.data_to_send() == frame(PING, SYN, 0, 1)
 
 
 def test_syn_may_come_on_a_data_frame_with_payload() -> None:
