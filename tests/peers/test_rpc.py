@@ -318,65 +318,75 @@ def test_listener_answers_a_dialer_that_waits_for_its_header(arun: Run) -> None:
 SLOW_PROTOCOL = "/test/slow-answer/1.0.0"
 
 
-def test_a_lazy_request_gets_its_answer_ack_and_reply_in_one_go(arun: Run) -> None:
-    """A dialer that sent its request with the proposal hears nothing (no protocol
-    answer, no yamux ACK) until the handler writes: all of it then arrives together."""
+def _reverse_after(num_bytes: int, go: asyncio.Event) -> Callable[[Any], Coroutine[Any, Any, None]]:
+    """A stream handler: read ``num_bytes``, wait for ``go``, answer them reversed."""
+
+    async def handler(stream: Any) -> None:
+        request = await stream.readexactly(num_bytes)
+        await go.wait()
+        await stream.write(request[::-1])
+        await stream.close()
+
+    return handler
+
+
+def _run_slow_call(
+    arun: Run,
+    num_bytes: int,
+    go: asyncio.Event,
+    dialer: Callable[[Any, Any], Coroutine[Any, Any, None]],
+) -> None:
+    """``dialer(connection, stream)`` against a server running ``_reverse_after``, on a
+    lazily negotiated stream."""
 
     async def main() -> None:
-        go = asyncio.Event()
-
-        async def handler(stream: Any) -> None:
-            request = await stream.readexactly(4)  # came with the proposal
-            await go.wait()
-            await stream.write(request[::-1])
-            await stream.close()
-
         async with Peer() as server, Peer() as client:
-            server.set_stream_handler(SLOW_PROTOCOL, handler)
+            server.set_stream_handler(SLOW_PROTOCOL, _reverse_after(num_bytes, go))
             remote = await client.connect(server.listen_addrs[0])
             connection = client.connection_to(remote)
             assert connection is not None
-            stream = await client.new_stream(remote, SLOW_PROTOCOL)
-            await stream.write(b"ping")
-            before = connection.session_statistics().num_wire_bytes_received
-            await asyncio.sleep(0.2)  # were anything sent early, loopback delivers it by now
-            assert connection.session_statistics().num_wire_bytes_received == before
-            go.set()
-            async with asyncio.timeout(5):
-                assert await stream.read() == b"gnip"
+            await dialer(connection, await client.new_stream(remote, SLOW_PROTOCOL))
 
     arun(main())
+
+
+def test_a_lazy_request_gets_its_answer_ack_and_reply_in_one_go(arun: Run) -> None:
+    """A dialer that sent its request with the proposal hears nothing (no protocol
+    answer, no yamux ACK) until the handler writes: all of it then arrives together."""
+    go = asyncio.Event()
+
+    async def dialer(connection: Any, stream: Any) -> None:
+        await stream.write(b"ping")
+        before = connection.session_statistics().num_wire_bytes_received
+        await asyncio.sleep(0.2)  # were anything sent early, loopback delivers it by now
+        assert connection.session_statistics().num_wire_bytes_received == before
+        go.set()
+        async with asyncio.timeout(5):
+            assert await stream.read() == b"gnip"
+
+    _run_slow_call(arun, 4, go, dialer)
 
 
 def test_a_handler_waiting_for_more_sends_its_deferred_answer_first(arun: Run) -> None:
     """A dialer may send part of its request lazily, then wait for the protocol answer
     before sending the rest; the handler's read that has to wait sends the answer."""
+    go = asyncio.Event()
+    go.set()
 
-    async def main() -> None:
-        async def handler(stream: Any) -> None:
-            request = await stream.readexactly(8)  # 4 came with the proposal
-            await stream.write(request[::-1])
-            await stream.close()
+    async def dialer(connection: Any, stream: Any) -> None:
+        before = connection.session_statistics().num_wire_bytes_received
+        await stream.write(b"half")  # the handler wants 8 bytes
+        for _ in range(500):  # up to 5 s: without the answer, the wait never ends
+            if connection.session_statistics().num_wire_bytes_received != before:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the handler never sent its protocol answer")
+        async with asyncio.timeout(5):
+            await stream.write(b"more")
+            assert await stream.read() == b"eromflah"
 
-        async with Peer() as server, Peer() as client:
-            server.set_stream_handler(SLOW_PROTOCOL, handler)
-            remote = await client.connect(server.listen_addrs[0])
-            connection = client.connection_to(remote)
-            assert connection is not None
-            stream = await client.new_stream(remote, SLOW_PROTOCOL)
-            before = connection.session_statistics().num_wire_bytes_received
-            await stream.write(b"half")
-            for _ in range(500):  # up to 5 s: without the answer, the wait never ends
-                if connection.session_statistics().num_wire_bytes_received != before:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                pytest.fail("the handler never sent its protocol answer")
-            async with asyncio.timeout(5):
-                await stream.write(b"more")
-                assert await stream.read() == b"eromflah"
-
-    arun(main())
+    _run_slow_call(arun, 8, go, dialer)
 
 
 def test_callers_sharing_a_failed_dial_get_their_own_error_and_no_cycles(arun: Run) -> None:
