@@ -114,8 +114,30 @@ def pid_command(pid: int) -> str:
     return ""
 
 
+#: Where torch keeps the shared memory of tensors passed between processes, in files
+#: named ``torch_<creator's pid>_...``. hivemind's averager and MoE server pass tensors
+#: that way, and a process stopped by a signal never unlinks its files: each run leaked
+#: tens of files (one vector each) that held RAM until reboot (7.5 GB found here).
+SHARED_MEMORY_DIR = Path("/dev/shm")
+
+
+def remove_shared_memory_of(pids: Sequence[int]) -> int:
+    """Unlink torch's shared-memory files created by ``pids`` (ours, and no longer
+    running: a live PID is skipped, it may have been reused). Returns how many."""
+    removed = 0
+    for pid in pids:
+        if pid_alive(pid):
+            continue
+        for path in SHARED_MEMORY_DIR.glob(f"torch_{pid}_*"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+    return removed
+
+
 def stop_pids(pids: Sequence[int], *, expect_in_command: str = "") -> None:
-    """SIGTERM then SIGKILL each live PID (which we started, directly or not).
+    """SIGTERM then SIGKILL each live PID (which we started, directly or not), then
+    remove the shared memory they leave behind (:func:`remove_shared_memory_of`).
 
     With ``expect_in_command``, a PID whose command line no longer contains it is left
     alone: the process exited and the PID was reused by someone else's.
@@ -135,6 +157,11 @@ def stop_pids(pids: Sequence[int], *, expect_in_command: str = "") -> None:
     for p in live:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
+    deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+    while live and time.monotonic() < deadline:  # a killed process is gone in moments
+        live = [p for p in live if pid_alive(p)]
+        time.sleep(0.01)
+    remove_shared_memory_of(pids)
 
 
 def stop_popen_tree(popen: subprocess.Popen[Any], *, graceful: bool = True) -> None:
@@ -287,6 +314,9 @@ class JsonChild:
                 with contextlib.suppress(json.JSONDecodeError):
                     report: dict[str, Any] = json.loads(line)
                     if report.get("event") == event:
+                        # Children come and go (hivemind's averager, DHT, p2pd): note
+                        # them while they live, to stop them and clean up after them.
+                        self.remember_tree()
                         return report
         except BenchError as e:
             raise BenchError(f"{self.name} {self.pid}: {e}; {self.errors()}") from None

@@ -52,6 +52,7 @@ from _common import (
     median,
     print_table,
     receive_from,
+    remove_shared_memory_of,
     stop_pids,
 )
 from _common import PipeChild as Child
@@ -129,6 +130,8 @@ class Fleet:
             child.conn.close()
         stop_pids(tree)
         stop_pids(child.daemon_pids)
+        if child.process.pid:
+            remove_shared_memory_of([child.process.pid])
         self.children.remove(child)
 
     def close(self) -> None:
