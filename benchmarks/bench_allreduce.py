@@ -80,8 +80,8 @@ RMS_TOLERANCE = {"none": 1e-6, "float16": 2e-3, "uint8": 0.05, "blockwise8": 0.0
 #: Absolute slack on our declared error bounds (float32 rounding of the mean itself).
 BOUND_SLACK = 1e-5
 #: Memory a size needs, as a multiple of one vector's bytes per peer. Measured peaks at
-#: 64M elements (256 MiB vectors), rounds and full steps: ours 8.0x (2152 MB per peer),
-#: hivemind's 10.8-11.9x (2.9-3.2 GB); the systems run one at a time. A size that does
+#: 64M elements (256 MiB vectors), rounds and full steps: ours 8.0-8.9x (2.15-2.38 GB
+#: per peer), hivemind's 10.8-12.8x (2.9-3.4 GB); the systems run one at a time. A size that does
 #: not fit in MemAvailable is skipped with a note rather than risk the OOM killer.
 MEMORY_PER_VECTOR = 14
 #: Ratio targets from the issue: >= 3x hivemind's throughput; >= 30% of the bound.
