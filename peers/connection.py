@@ -200,8 +200,7 @@ class Stream:
         stream's error once nothing buffered is left to deliver. Deferred bytes of ours
         go out first: the remote may be waiting for them before it sends."""
         if not self._buffered_bytes and self._prefix and self._error is None:
-            with contextlib.suppress(ConnectionClosed):  # raised below, as the read's error
-                await self.write_many(())
+            await self.write_many(())  # ConnectionClosed if it cannot go: so could the read
         while not self._buffered_bytes:
             if self._error is not None:
                 raise self._error.fresh()

@@ -6,10 +6,12 @@ termination") and the behaviour of go-yamux as go-libp2p runs it under the proto
 events; bytes for the wire come out of :meth:`YamuxSession.data_to_send`. The caller moves the
 bytes and enforces deadlines.
 
-A stream the remote opens is acknowledged (ACK) on the first frame we send on it, as
-spec.md allows ("may be sent with a data or window update message"), or with the next
-bytes the session sends at all, whichever comes first: a request that opens a stream
-and is answered by one reply costs one frame each way, not two.
+A stream the remote opens is acknowledged (a Window Update with ACK) together with the
+first frame we send on it, or with the next bytes the session sends at all, whichever
+comes first, and at once if more than MAX_OWED_ACKS are owed: a request that opens a
+stream and is answered by one reply then costs one write each way, not two. The ACK
+stays a frame of its own rather than a flag on the data, FIN or RST frame (spec.md
+allows either): py-libp2p 0.8.1 reads a FIN or RST that carries ACK as a bare ACK.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ MAX_WINDOW_GROWTH_BYTES = 64 * 1024 * 1024
 # frames, and sized so header + payload fill exactly one Noise transport frame (65535 bytes
 # less its 16-byte tag): each Data frame is encrypted whole, with no re-slicing.
 MAX_FRAME_PAYLOAD_BYTES = 65535 - 16 - 12
+# Streams the remote opened that may wait for our ACK until we send something: go-yamux
+# lets a dialer have 256 unacknowledged streams, then blocks it until one is.
+MAX_OWED_ACKS = 128
 # Closed remote stream ids we remember to catch a reused id. go-yamux takes an id before it
 # sends the SYN, so two openers' SYNs may cross and "ids only grow" would misfire; an id
 # reused after this many closes is merely a new stream, which max_streams still bounds.
@@ -333,6 +338,8 @@ class YamuxSession:
         self._num_inbound += 1
         stream.ack_pending = True
         self._unacked[stream_id] = stream
+        if len(self._unacked) > MAX_OWED_ACKS:
+            self._out += self._owed_acks()
         events.append(StreamOpened(stream_id))
         return stream
 
@@ -362,16 +369,8 @@ class YamuxSession:
         The same bytes as :meth:`data_to_send` without joining them: a bulk writer hands
         each frame to the encryption layer as it is, instead of building one big buffer.
         """
-        if self._unacked and self._out and not self._failed:
-            # The ACKs still owed go out now, ahead of whatever else does.
-            owed = [
-                _HEADER.pack(_VERSION, _WINDOW_UPDATE, _ACK, stream_id, 0)
-                for stream_id in self._unacked
-            ]
-            for stream in self._unacked.values():
-                stream.ack_pending = False
-            self._unacked.clear()
-            self._out[:0] = owed
+        if self._unacked and self._out:  # the ACKs still owed go out now, ahead of it
+            self._out[:0] = self._owed_acks()
         out = self._out
         self._out = []
         self._num_wire_bytes_sent += sum(len(frame) for frame in out)
@@ -408,11 +407,11 @@ class YamuxSession:
             raise YamuxStreamError(f"stream {stream_id} is closed for sending")
         view = memoryview(data).cast("B")
         num_bytes = min(len(view), stream.send_window)
-        flags = self._ack(stream) if num_bytes else 0
+        if num_bytes and stream.ack_pending:
+            self._ack(stream)
         for start in range(0, num_bytes, MAX_FRAME_PAYLOAD_BYTES):
             chunk = view[start : min(start + MAX_FRAME_PAYLOAD_BYTES, num_bytes)]
-            self._out.append(_HEADER.pack(_VERSION, _DATA, flags, stream_id, len(chunk)) + chunk)
-            flags = 0
+            self._out.append(_HEADER.pack(_VERSION, _DATA, 0, stream_id, len(chunk)) + chunk)
         stream.send_window -= num_bytes
         self._num_data_bytes_sent += num_bytes
         return num_bytes
@@ -459,7 +458,8 @@ class YamuxSession:
                 delta += growth
             stream.num_consumed_since_growth = 0
         stream.recv_credit += delta
-        self._queue(_WINDOW_UPDATE, self._ack(stream), stream_id, delta)
+        self._ack(stream)
+        self._queue(_WINDOW_UPDATE, 0, stream_id, delta)
 
     def close_stream(self, stream_id: int) -> None:
         """Half-close: queue FIN. Idempotent. Raises YamuxStreamError if it is unknown."""
@@ -467,7 +467,8 @@ class YamuxSession:
         if stream.local_closed:
             return
         stream.local_closed = True
-        self._queue(_WINDOW_UPDATE, _FIN | self._ack(stream), stream_id, 0)
+        self._ack(stream)
+        self._queue(_WINDOW_UPDATE, _FIN, stream_id, 0)
         if stream.remote_closed:
             self._forget(stream)
 
@@ -475,7 +476,8 @@ class YamuxSession:
         """Queue RST and forget the stream. A no-op if it is already forgotten."""
         stream = self._streams.get(stream_id)
         if stream is not None:
-            self._queue(_WINDOW_UPDATE, _RST | self._ack(stream), stream_id, 0)
+            self._ack(stream)
+            self._queue(_WINDOW_UPDATE, _RST, stream_id, 0)
             self._forget(stream)
 
     def ping(self, opaque: int) -> None:
@@ -522,13 +524,27 @@ class YamuxSession:
     def _queue(self, kind: int, flags: int, stream_id: int, length: int) -> None:
         self._out.append(_HEADER.pack(_VERSION, kind, flags, stream_id, length))
 
-    def _ack(self, stream: _Stream) -> int:
-        """The ACK flag if ``stream`` still owes one (then no longer), else 0."""
-        if not stream.ack_pending:
-            return 0
-        stream.ack_pending = False
-        del self._unacked[stream.stream_id]
-        return _ACK
+    def _ack(self, stream: _Stream) -> None:
+        """Queue ``stream``'s ACK if it still owes one."""
+        if stream.ack_pending:
+            stream.ack_pending = False
+            del self._unacked[stream.stream_id]
+            self._queue(_WINDOW_UPDATE, _ACK, stream.stream_id, 0)
+
+    def _owed_acks(self) -> list[bytes]:
+        """The frames of every ACK still owed (none after a failure); none owed after."""
+        frames = (
+            []
+            if self._failed
+            else [
+                _HEADER.pack(_VERSION, _WINDOW_UPDATE, _ACK, stream_id, 0)
+                for stream_id in self._unacked
+            ]
+        )
+        for stream in self._unacked.values():
+            stream.ack_pending = False
+        self._unacked.clear()
+        return frames
 
     def _get(self, stream_id: int) -> _Stream:
         self._check_alive()
@@ -564,6 +580,7 @@ class YamuxSession:
 
     def _fail(self) -> None:
         self._failed = True
+        self._unacked.clear()
         self._local_go_away = True
         self._queue(_GO_AWAY, 0, 0, GO_AWAY_PROTOCOL_ERROR)
         self._streams.clear()

@@ -55,6 +55,7 @@ from swarm.checkpoint_format import (
     encode_state,
 )
 from swarm.errors import CheckpointError
+from swarm.optim_spec import load_optimizer_state
 
 __all__ = [
     "DTYPES",
@@ -166,7 +167,7 @@ class Checkpoint:
         try:
             model.load_state_dict(self.model)
             if optimizer is not None and self.optimizer is not None:
-                optimizer.load_state_dict(self.optimizer)
+                load_optimizer_state(optimizer, self.optimizer)
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"the checkpoint does not fit: {e}") from e
 

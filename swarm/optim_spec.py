@@ -30,6 +30,9 @@ OptimizerKind = Literal["sgd", "adam", "adamw"]
 KINDS: tuple[OptimizerKind, ...] = ("sgd", "adam", "adamw")
 #: Devices with fused Adam kernels in torch (checked by torch only at the first step).
 FUSED_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
+#: Entries of a torch param group that choose how a step is computed, not what it
+#: computes: they stay out of shared state, and loading keeps the loader's own.
+IMPLEMENTATION_KEYS = ("fused", "foreach")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,3 +123,21 @@ def _fused_supported(params: list[torch.nn.Parameter]) -> bool:
         and devices <= FUSED_DEVICES
         and all(torch.is_floating_point(p) for p in params)
     )
+
+
+def portable_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` (a ``state_dict``'s) without the entries that pick torch's
+    implementation: what peers running different implementations still agree on."""
+    return [{k: v for k, v in g.items() if k not in IMPLEMENTATION_KEYS} for g in groups]
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, except that ``optimizer`` keeps its own
+    implementation (fused or not): torch would take the saved one's, so state saved by
+    a plain Adam would silently turn a fused one plain, and fused state could turn an
+    optimizer fused over parameters its kernels do not take. Raises what
+    ``load_state_dict`` raises."""
+    own = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(dict(state))
+    for group, keys in zip(optimizer.param_groups, own, strict=True):
+        group.update(keys)

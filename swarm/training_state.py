@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from swarm.errors import SwarmError
+from swarm.optim_spec import load_optimizer_state, portable_param_groups
 
 
 def pack_state(
@@ -33,7 +34,8 @@ def pack_state(
                     tensors[f"optimizer/{name}/{index}/{key}"] = value.detach()
                 else:
                     plain.setdefault(str(index), {})[key] = value
-        metadata["optimizers"][name] = {"param_groups": state["param_groups"], "plain": plain}
+        groups = portable_param_groups(state["param_groups"])
+        metadata["optimizers"][name] = {"param_groups": groups, "plain": plain}
     return tensors, metadata
 
 
@@ -71,7 +73,7 @@ def unpack_state(
             p.copy_(t)
     for name, optimizer in optimizers.items():
         try:
-            optimizer.load_state_dict(states[name])
+            load_optimizer_state(optimizer, states[name])
         except (KeyError, ValueError, RuntimeError) as e:
             raise SwarmError(f"shared optimizer state {name!r} does not fit: {e}") from e
     return counters

@@ -99,6 +99,34 @@ def test_round_trip_is_exact_and_training_continues_identically(
     _assert_same(optimizer.state_dict(), fresh_optimizer.state_dict())
 
 
+@pytest.mark.parametrize("saved_fused", [False, True])
+def test_a_restored_optimizer_keeps_its_own_implementation(
+    saved_fused: bool, tmp_path: Path
+) -> None:
+    """Adam state saved by the plain implementation restores into a fused Adam that
+    stays fused, and the other way round; both then take the same step."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=saved_fused)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        optimizer.step()
+    save_checkpoint(tmp_path / "run.ckpt", model, optimizer)
+    loaded = load_checkpoint(tmp_path / "run.ckpt")
+    fresh = nn.Linear(6, 3)
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2, fused=not saved_fused)
+    loaded.restore(fresh, fresh_optimizer)
+    assert bool(fresh_optimizer.param_groups[0]["fused"]) is not saved_fused
+    batch = torch.randn(4, 6)
+    for m, o in ((model, optimizer), (fresh, fresh_optimizer)):
+        o.zero_grad()
+        m(batch).square().mean().backward()
+        o.step()
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_every_supported_value_round_trips(tmp_path: Path) -> None:
     state = {
         "tensors": [
