@@ -105,7 +105,7 @@ class ButterflyRound:
         self._me = spec.me
         self._members = spec.members
         self._local = local.detach()
-        # The result, filled as parts arrive (huge pages: see averaging.buffers).
+        # The result, filled as parts arrive (a pooled buffer: see averaging.buffers).
         self._averaged = empty_float32(self._local.numel(), self._local.device)
         self._handed_out = False  # a RoundResult holds self._averaged: copy before writing
         self._weight = float(local_weight)

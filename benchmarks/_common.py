@@ -147,20 +147,14 @@ def stop_pids(pids: Sequence[int], *, expect_in_command: str = "") -> None:
         for p in pids
         if pid_alive(p) and (not expect_in_command or expect_in_command in pid_command(p))
     ]
-    for p in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGTERM)
-    deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-    while live and time.monotonic() < deadline:
-        live = [p for p in live if pid_alive(p)]
-        time.sleep(0.05)
-    for p in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-    deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-    while live and time.monotonic() < deadline:  # a killed process is gone in moments
-        live = [p for p in live if pid_alive(p)]
-        time.sleep(0.01)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, sig)
+        deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+        while live and time.monotonic() < deadline:
+            live = [p for p in live if pid_alive(p)]
+            time.sleep(0.02)
     remove_shared_memory_of(pids)
 
 

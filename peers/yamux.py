@@ -532,15 +532,12 @@ class YamuxSession:
             self._queue(_WINDOW_UPDATE, _ACK, stream.stream_id, 0)
 
     def _owed_acks(self) -> list[bytes]:
-        """The frames of every ACK still owed (none after a failure); none owed after."""
-        frames = (
-            []
-            if self._failed
-            else [
-                _HEADER.pack(_VERSION, _WINDOW_UPDATE, _ACK, stream_id, 0)
-                for stream_id in self._unacked
-            ]
-        )
+        """The frames of every ACK still owed; none is owed after. (A failed session owes
+        none: ``_fail`` forgets them.)"""
+        frames = [
+            _HEADER.pack(_VERSION, _WINDOW_UPDATE, _ACK, stream_id, 0)
+            for stream_id in self._unacked
+        ]
         for stream in self._unacked.values():
             stream.ack_pending = False
         self._unacked.clear()
