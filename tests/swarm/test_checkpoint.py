@@ -321,6 +321,15 @@ def test_a_state_file_that_is_not_a_checkpoint_and_a_misfit_are_refused(
         load_checkpoint(path).restore(model, optimizer)
     with pytest.raises(CheckpointError, match="does not fit"):
         load_checkpoint(path).restore(nn.Linear(6, 3))
+    # Optimizer state for other parameter groups: refused, the optimizer left as it was.
+    save_checkpoint(path, model, optimizer)
+    layers = list(model.children())
+    split = torch.optim.SGD(
+        [{"params": layers[0].parameters()}, {"params": layers[2].parameters()}], lr=0.1
+    )
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_checkpoint(path).restore(model, split)
+    assert len(split.param_groups) == 2 and not split.state
 
 
 # -- atomicity ----------------------------------------------------------------------------
