@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from peers import limits
 from peers.addresses import parse_multiaddr
 from peers.identity import KeyPair
+from peers.noise import NOISE_CIPHERS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +36,11 @@ class PeerConfig:
     """Concurrent yamux streams on one connection."""
     agent_version: str = "swarmtrain/0.1.0"
     """What identify reports as our agent."""
+    noise_ciphers: tuple[str, ...] = tuple(NOISE_CIPHERS)
+    """Noise ciphers we accept, in our order of preference when dialing: ``"AESGCM"``
+    (ours, ``/swarmtrain/noise-aesgcm/1.0.0``; a fifth of ChaChaPoly's CPU per byte where
+    the CPU has AES instructions) and ``"ChaChaPoly"`` (libp2p's ``/noise``, which other
+    libp2p implementations speak; faster on CPUs without AES instructions)."""
 
     def __post_init__(self) -> None:
         for name in ("dial_timeout", "handshake_timeout", "stream_negotiation_timeout"):
@@ -50,6 +56,14 @@ class PeerConfig:
                 raise ValueError(f"{name} must be at least 1")
         for addr in (*self.listen_addrs, *self.announce_addrs):
             parse_multiaddr(addr)
+        if not self.noise_ciphers:
+            raise ValueError("noise_ciphers needs at least one cipher")
+        unknown = [name for name in self.noise_ciphers if name not in NOISE_CIPHERS]
+        if unknown or len(set(self.noise_ciphers)) != len(self.noise_ciphers):
+            raise ValueError(
+                f"noise_ciphers must name distinct ciphers among {', '.join(NOISE_CIPHERS)};"
+                f" got {', '.join(self.noise_ciphers)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

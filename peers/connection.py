@@ -333,6 +333,7 @@ class Connection:
         reader: SocketReader,
         writer: asyncio.StreamWriter,
         transport: NoiseTransport,
+        security_protocol: str,
         session: YamuxSession,
         remote_peer_id: PeerID,
         remote_public_key: PublicKey,
@@ -344,6 +345,8 @@ class Connection:
         self._reader = reader
         self._writer = writer
         self._transport = transport
+        #: The secure channel's multistream id: which Noise cipher the two sides agreed on.
+        self.security_protocol = security_protocol
         self._session = session
         self.remote_peer_id = remote_peer_id
         self.remote_public_key = remote_public_key

@@ -47,6 +47,7 @@ from peers.errors import (
 )
 from peers.identity import KeyPair, PeerID
 from peers.multistream import MultistreamDialer, MultistreamListener
+from peers.noise import NOISE_CIPHERS
 from peers.rpc import CallContext
 from peers.socket_reader import SocketReader, open_connection, start_server
 from peers.upgrade import upgrade
@@ -78,6 +79,7 @@ class Peer:
     def __init__(self, config: PeerConfig | None = None) -> None:
         self.config = config or PeerConfig()
         self.identity = self.config.identity or KeyPair.generate()
+        self._noise_ciphers = tuple(NOISE_CIPHERS[name] for name in self.config.noise_ciphers)
         self.peer_id = self.identity.peer_id
         self._handlers: dict[str, StreamHandler] = {}
         self._connections: dict[PeerID, list[Connection]] = defaultdict(list)
@@ -219,7 +221,13 @@ class Peer:
         try:
             try:
                 async with asyncio.timeout(self.config.handshake_timeout):
-                    upgraded = await upgrade(reader, writer, identity=self.identity, outbound=False)
+                    upgraded = await upgrade(
+                        reader,
+                        writer,
+                        identity=self.identity,
+                        outbound=False,
+                        ciphers=self._noise_ciphers,
+                    )
             except (TimeoutError, PeersError, ConnectionError, OSError) as e:
                 self._counters.handshake_failures += 1
                 logger.info("inbound handshake from %s failed: %r", remote, e)
@@ -249,6 +257,7 @@ class Peer:
             reader=reader,
             writer=writer,
             transport=upgraded.transport,
+            security_protocol=upgraded.cipher.protocol_id,
             session=YamuxSession(
                 is_client=outbound, max_streams=self.config.max_streams_per_connection
             ),
@@ -436,6 +445,7 @@ class Peer:
                         identity=self.identity,
                         outbound=True,
                         expected_peer_id=expected,
+                        ciphers=self._noise_ciphers,
                     )
             except TimeoutError as e:
                 raise HandshakeError(f"{addr} did not complete the handshake in time") from e

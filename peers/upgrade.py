@@ -2,17 +2,21 @@
 
 As the libp2p connections spec describes it. The pure machines (multistream, Noise)
 decide; this module only reads and writes the socket, inside the caller's deadline.
+The first multistream-select picks the Noise cipher: the dialer proposes its ciphers in
+its order of preference (ours first, libp2p's ``/noise`` after it), the listener takes
+the first it also speaks.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from peers.errors import HandshakeError, ProtocolNotSupported
 from peers.identity import KeyPair, PeerID, PublicKey
 from peers.multistream import MultistreamDialer, MultistreamListener
-from peers.noise import NOISE_PROTOCOL_ID, NoiseHandshake, NoiseTransport
+from peers.noise import NOISE_CIPHERS, NoiseCipher, NoiseHandshake, NoiseTransport
 from peers.yamux import YAMUX_PROTOCOL_ID
 
 #: Bytes read from the socket per step of the handshake.
@@ -22,6 +26,8 @@ _HANDSHAKE_READ_BYTES = 64 * 1024
 @dataclass(slots=True)
 class UpgradedConnection:
     transport: NoiseTransport
+    #: The Noise cipher the two sides agreed on.
+    cipher: NoiseCipher
     remote_peer_id: PeerID
     remote_public_key: PublicKey
     #: yamux bytes the remote sent right behind the muxer negotiation.
@@ -63,25 +69,18 @@ class _Source:
 
 
 async def _negotiate_plain(
-    source: _Source, writer: asyncio.StreamWriter, outbound: bool, protocol: str
-) -> None:
-    if outbound:
-        dialer = MultistreamDialer([protocol])
-        writer.write(dialer.initial_bytes())
-        while dialer.selected is None:
-            reply = dialer.receive_data(await source.read_some())
-            if reply:
-                writer.write(reply)
-        source.push_back(dialer.leftover)
-    else:
-        listener = MultistreamListener({protocol})
-        writer.write(listener.initial_bytes())
-        while listener.selected is None:
-            reply = listener.receive_data(await source.read_some())
-            if reply:
-                writer.write(reply)
-        source.push_back(listener.leftover)
+    source: _Source, writer: asyncio.StreamWriter, outbound: bool, protocols: list[str]
+) -> str:
+    """The protocol agreed on: the first of ``protocols`` the listener speaks."""
+    machine = MultistreamDialer(protocols) if outbound else MultistreamListener(set(protocols))
+    writer.write(machine.initial_bytes())
+    while machine.selected is None:
+        reply = machine.receive_data(await source.read_some())
+        if reply:
+            writer.write(reply)
+    source.push_back(machine.leftover)
     await writer.drain()
+    return machine.selected
 
 
 async def _noise_handshake(
@@ -90,9 +89,10 @@ async def _noise_handshake(
     identity: KeyPair,
     outbound: bool,
     expected_peer_id: PeerID | None,
+    cipher: NoiseCipher,
 ) -> NoiseHandshake:
     handshake = NoiseHandshake(
-        initiator=outbound, identity=identity, expected_peer_id=expected_peer_id
+        initiator=outbound, identity=identity, expected_peer_id=expected_peer_id, cipher=cipher
     )
     while not handshake.is_complete:
         if handshake.our_turn:
@@ -111,18 +111,24 @@ async def upgrade(
     identity: KeyPair,
     outbound: bool,
     expected_peer_id: PeerID | None = None,
+    ciphers: Sequence[NoiseCipher] = tuple(NOISE_CIPHERS.values()),
 ) -> UpgradedConnection:
-    """Run the whole upgrade; the caller bounds it with a timeout.
+    """Run the whole upgrade; the caller bounds it with a timeout. ``ciphers``: the Noise
+    ciphers we speak, in our order of preference (it decides when we dial).
 
     Raises :class:`HandshakeError` (or its subclass ``PeerIDMismatch``) when the remote
     misbehaves, is someone else, or offers neither Noise nor yamux.
     """
+    by_id = {cipher.protocol_id: cipher for cipher in ciphers}
+    if not by_id:
+        raise ValueError("upgrade needs at least one Noise cipher")
     source = _Source(reader)
     try:
-        await _negotiate_plain(source, writer, outbound, NOISE_PROTOCOL_ID)
+        selected = await _negotiate_plain(source, writer, outbound, list(by_id))
     except ProtocolNotSupported as e:
         raise HandshakeError(f"remote does not speak Noise: {e}") from e
-    handshake = await _noise_handshake(source, writer, identity, outbound, expected_peer_id)
+    cipher = by_id[selected]
+    handshake = await _noise_handshake(source, writer, identity, outbound, expected_peer_id, cipher)
     transport = handshake.to_transport()
     # Bytes the remote sent right after its last handshake message are transport frames.
     pending = source.take_pending()
@@ -133,6 +139,7 @@ async def upgrade(
         raise HandshakeError(f"remote does not speak yamux: {e}") from e
     return UpgradedConnection(
         transport=transport,
+        cipher=cipher,
         remote_peer_id=handshake.remote_peer_id,
         remote_public_key=handshake.remote_public_key,
         leftover_plaintext=leftover,

@@ -57,6 +57,8 @@ def test_go_libp2p_dials_us_and_uses_our_protocol() -> None:
                 daemon_id = (await daemon.get_visible_maddrs())[0]
                 assert str(daemon.peer_id) in str(daemon_id)
                 assert any(str(p) == str(daemon.peer_id) for p in ours.connected_peers())
+                [conn] = [c for p in ours.connected_peers() if (c := ours.connection_to(p))]
+                assert conn.security_protocol == "/noise"  # go-libp2p does not know ours
         finally:
             await daemon.shutdown()
 
@@ -72,6 +74,9 @@ def test_we_dial_go_libp2p_ping_and_identify() -> None:
                 async with asyncio.timeout(20):
                     remote = await ours.connect(maddr)
                     assert str(remote) == str(daemon.peer_id)
+                    # we proposed our AESGCM Noise first; go-libp2p said na, then /noise
+                    conn = ours.connection_to(remote)
+                    assert conn is not None and conn.security_protocol == "/noise"
                     rtts = [await ours.ping(remote) for _ in range(3)]
                     info = await ours.identify(remote)
                 assert all(0 < r < 5 for r in rtts)

@@ -146,6 +146,9 @@ def test_we_dial_py_libp2p(tmp_path: Path) -> None:
             data = payload()
             async with asyncio.timeout(EXCHANGE_TIMEOUT_SECONDS):
                 remote = await ours.connect(addr)
+                # our AESGCM Noise proposed first, refused, then libp2p's /noise
+                conn = ours.connection_to(remote)
+                assert conn is not None and conn.security_protocol == "/noise"
                 info = await ours.identify(remote)
                 rtts = [await ours.ping(remote) for _ in range(3)]
                 reply = await echo_over(ours, remote, data)
@@ -196,6 +199,8 @@ def test_py_libp2p_dials_us(tmp_path: Path) -> None:
                     events = await node.events_until("done")
                 node_id = PeerID.from_base58(listening["peer_id"])
                 assert node_id in ours.connected_peers()
+                conn = ours.connection_to(node_id)
+                assert conn is not None and conn.security_protocol == "/noise"
                 stderr = node.stderr_tail()
             errors = [e for e in events if e["event"] == "error"]
             assert not errors, f"{errors}\nnode stderr:\n{stderr}"
