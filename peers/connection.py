@@ -64,7 +64,7 @@ class Stream:
         self.stream_id = stream_id
         self.outbound = outbound
         self.protocol: str | None = None
-        self._chunks: list[bytes] = []
+        self._chunks: list[bytes | memoryview] = []
         self._unread: bytes = b""  # pushed back after negotiation; already acknowledged
         self._chunk_offset = 0
         self._buffered_bytes = 0
@@ -89,7 +89,7 @@ class Stream:
 
     # --- called by the connection ------------------------------------------------
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes | memoryview) -> None:
         self._chunks.append(data)
         self._buffered_bytes += len(data)
         self._readable.set()
@@ -174,11 +174,12 @@ class Stream:
         if dialer.leftover:
             self.unread(dialer.leftover)
 
-    async def read_chunks(self, max_bytes: int) -> list[bytes]:
+    async def read_chunks(self, max_bytes: int) -> list[bytes | memoryview]:
         """As :meth:`read`, but the pieces as they arrived, not joined: every whole
         piece buffered up to ``max_bytes`` (at least one byte), acknowledged at once;
         ``[]`` at EOF. For parsers that take pieces anyway (one wake-up and one window
-        update per batch of received frames instead of per frame)."""
+        update per batch of received frames instead of per frame). Large pieces are
+        read-only views of received frames, not copies."""
         if max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
         if self._dialer is not None or self._unread:
@@ -186,12 +187,12 @@ class Stream:
             return [data] if data else []
         if not await self._wait_readable():
             return []
-        chunks: list[bytes] = []
+        chunks: list[bytes | memoryview] = []
         total = 0
         while self._chunks and total < max_bytes:
-            data = self._take(max_bytes - total)
-            chunks.append(data)
-            total += len(data)
+            piece = self._take(max_bytes - total)
+            chunks.append(piece)
+            total += len(piece)
         self.connection._consumed(self.stream_id, total)
         return chunks
 
@@ -219,12 +220,13 @@ class Stream:
             return b""
         # Data that arrived before a reset is still delivered (e.g. a multistream "na"
         # the remote sent just before resetting); the reset is raised once it is read.
-        data = self._take(max_bytes)
-        self.connection._consumed(self.stream_id, len(data))
-        return data
+        piece = self._take(max_bytes)
+        self.connection._consumed(self.stream_id, len(piece))
+        return piece if isinstance(piece, bytes) else piece.tobytes()
 
-    def _take(self, max_bytes: int) -> bytes:
+    def _take(self, max_bytes: int) -> bytes | memoryview:
         first = self._chunks[0]
+        data: bytes | memoryview
         if self._chunk_offset == 0 and (max_bytes < 0 or max_bytes >= len(first)):
             if max_bytes < 0 and len(self._chunks) > 1:
                 data = b"".join(self._chunks)

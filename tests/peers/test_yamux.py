@@ -510,3 +510,37 @@ def test_errors_say_whose_fault_it_is() -> None:
     assert issubclass(YamuxStreamError, YamuxError) and issubclass(
         YamuxStreamError, LocalProtocolError
     )
+
+
+def test_large_payloads_are_views_of_immutable_input_and_small_ones_copies() -> None:
+    """A payload that is most of the ``bytes`` it arrived in is handed on as a view (no
+    copy); a small one is copied, so it cannot pin the rest of its frame; input that may
+    change later (a bytearray) is always copied."""
+    server = YamuxSession(is_client=False)
+    big, small = bytes(range(256)) * 200, b"tiny"
+    syn = frame(WINDOW_UPDATE, SYN, 1, 0) + frame(WINDOW_UPDATE, SYN, 3, 0)
+    server.receive_data(syn)
+    # one immutable piece: a 51200-byte payload (shared) and a 4-byte one (copied)
+    wire = frame(DATA, 0, 1, len(big), big) + frame(DATA, 0, 3, len(small), small)
+    events = [e for e in server.receive_data(wire) if isinstance(e, DataReceived)]
+    assert [type(e.data) for e in events] == [memoryview, bytes]
+    assert [bytes(e.data) for e in events] == [big, small]
+    view = events[0].data
+    assert isinstance(view, memoryview) and view.readonly and view.obj is wire
+    # the same payload from a mutable buffer is copied: changing the buffer changes nothing
+    buffer = bytearray(frame(DATA, 0, 1, len(big), big))
+    (event,) = [e for e in server.receive_data(buffer) if isinstance(e, DataReceived)]
+    assert isinstance(event.data, bytes)
+    buffer[20:30] = bytes(10)
+    assert event.data == big
+    # a payload split across two feeds: each part is judged against its own piece
+    wire = frame(DATA, 0, 3, len(big), big)
+    first = [e for e in server.receive_data(wire[:1000]) if isinstance(e, DataReceived)]
+    rest = [e for e in server.receive_data(wire[1000:]) if isinstance(e, DataReceived)]
+    assert [type(e.data) for e in first + rest] == [memoryview, memoryview]
+    assert b"".join(bytes(e.data) for e in first + rest) == big
+    # a small payload at the end of a large, mostly non-data piece is copied
+    pings = b"".join(frame(PING, SYN, 0, n) for n in range(1000))
+    wire = pings + frame(DATA, 0, 1, len(small), small)
+    (event,) = [e for e in server.receive_data(wire) if isinstance(e, DataReceived)]
+    assert isinstance(event.data, bytes) and event.data == small
