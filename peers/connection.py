@@ -393,7 +393,7 @@ class Connection:
                         asyncio.get_running_loop().create_future()
                     )
 
-                    def receive(data: bytes) -> None:
+                    def receive(data: bytes | memoryview) -> None:
                         if ended.done():
                             return
                         try:
