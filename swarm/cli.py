@@ -197,6 +197,9 @@ async def _ping(args: argparse.Namespace) -> int:
             print(f"peer:      {remote}")
             print(f"agent:     {info.agent_version}")
             print(f"protocols: {', '.join(info.protocols)}")
+            connection = peer.connection_to(remote)
+            if connection is not None:
+                print(f"security:  {connection.security_protocol}")
             for i in range(args.count):
                 rtt = await asyncio.wait_for(peer.ping(remote), args.timeout)
                 print(f"ping {i + 1}: {rtt * 1000:.3f} ms", flush=True)
