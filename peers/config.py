@@ -56,13 +56,16 @@ class PeerConfig:
                 raise ValueError(f"{name} must be at least 1")
         for addr in (*self.listen_addrs, *self.announce_addrs):
             parse_multiaddr(addr)
-        if not self.noise_ciphers:
-            raise ValueError("noise_ciphers needs at least one cipher")
-        unknown = [name for name in self.noise_ciphers if name not in NOISE_CIPHERS]
-        if unknown or len(set(self.noise_ciphers)) != len(self.noise_ciphers):
+        ciphers: object = self.noise_ciphers
+        if (
+            not isinstance(ciphers, tuple)
+            or not ciphers
+            or any(name not in NOISE_CIPHERS for name in ciphers)
+            or len(set(ciphers)) != len(ciphers)
+        ):
             raise ValueError(
-                f"noise_ciphers must name distinct ciphers among {', '.join(NOISE_CIPHERS)};"
-                f" got {', '.join(self.noise_ciphers)}"
+                "noise_ciphers must be a non-empty tuple of distinct names among"
+                f" {', '.join(map(repr, NOISE_CIPHERS))}; got {ciphers!r}"
             )
 
 

@@ -9,7 +9,11 @@ empty prologue, every message behind a 2-byte big-endian length. Messages 2 and 
 The same handshake with the AESGCM cipher function (Noise §12.4,
 ``Noise_XX_25519_AESGCM_SHA256``) is offered under our own protocol id, ``AESGCM_NOISE``:
 on CPUs with AES instructions it costs a fifth of ChaChaPoly's CPU per byte, and bulk
-transfers between our peers are bound by that CPU. Everything else is the libp2p spec.
+transfers between our peers are bound by that CPU. Everything else is the libp2p spec,
+plus one rule our id adds: each direction rekeys (Noise §11.3, with Noise's default
+REKEY) after every 2^20 transport messages, at most 64 GiB per key, so a long-lived
+connection stays far inside AES-GCM's per-key data limits (RFC 8446 §5.5 puts the
+2^-57 safety margin at about 2^38 bytes). libp2p's ``/noise`` never rekeys.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class NoiseCipher:
     """The AEAD, from a 32-byte key."""
     nonce: struct.Struct
     """How a 64-bit nonce becomes the AEAD's 96-bit one."""
+    rekey_every: int | None = None
+    """Messages after which each direction's key is replaced by REKEY(key); None: never."""
 
 
 #: libp2p's ``/noise``: ChaChaPoly, nonce = 32 bits of zeros, then 64 bits little-endian
@@ -80,6 +86,7 @@ AESGCM_NOISE = NoiseCipher(
     protocol_name=b"Noise_XX_25519_AESGCM_SHA256",
     aead=AESGCM,
     nonce=struct.Struct(">4xQ"),
+    rekey_every=1 << 20,
 )
 #: By name, in the default order of preference.
 NOISE_CIPHERS = {cipher.name: cipher for cipher in (AESGCM_NOISE, CHACHAPOLY_NOISE)}
@@ -106,12 +113,14 @@ def _dh(private_key: X25519PrivateKey, public_key: bytes) -> bytes:
 class CipherState:
     """Noise §5.1, always keyed: keyless is ``None`` in SymmetricState, never a transport."""
 
-    __slots__ = ("_aead", "_pack_nonce", "nonce")
+    __slots__ = ("_aead", "_cipher", "_pack_nonce", "_rekey_at", "nonce")
 
     def __init__(self, key: bytes, cipher: NoiseCipher = CHACHAPOLY_NOISE) -> None:
+        self._cipher = cipher
         self._aead = cipher.aead(key)
         self._pack_nonce = cipher.nonce.pack
         self.nonce = 0
+        self._rekey_at = cipher.rekey_every or _MAX_NONCE  # the nonce that gets a new key
 
     def encrypt_with_ad(self, ad: bytes | None, plaintext: _Bytes) -> bytes:
         """Encrypt, advance the nonce; LocalProtocolError when the nonces run out."""
@@ -119,8 +128,17 @@ class CipherState:
         if n >= _MAX_NONCE:
             raise LocalProtocolError("Noise nonce space exhausted; close the connection")
         ciphertext = self._aead.encrypt(self._pack_nonce(n), plaintext, ad)
-        self.nonce = n + 1
+        self.nonce = n = n + 1
+        if n == self._rekey_at:
+            self._rekey()
         return ciphertext
+
+    def _rekey(self) -> None:
+        """Noise §4.2's default REKEY(k): the first 32 bytes of ENCRYPT(k, maxnonce,
+        zerolen, zeros). The nonce runs on (Noise §11.3)."""
+        key = self._aead.encrypt(self._pack_nonce(_MAX_NONCE), bytes(32), b"")[:32]
+        self._aead = self._cipher.aead(key)
+        self._rekey_at += self._cipher.rekey_every or _MAX_NONCE
 
     def decrypt_with_ad(self, ad: bytes | None, ciphertext: _Bytes) -> bytes:
         """Decrypt, advance the nonce; on failure NoiseError, nonce unchanged (Noise §5.1)."""
@@ -131,7 +149,9 @@ class CipherState:
             plaintext = self._aead.decrypt(self._pack_nonce(n), ciphertext, ad)
         except InvalidTag as e:
             raise NoiseError("MAC check failed: tampered, replayed or reordered message") from e
-        self.nonce = n + 1
+        self.nonce = n = n + 1
+        if n == self._rekey_at:
+            self._rekey()
         return plaintext
 
 

@@ -126,7 +126,7 @@ async def upgrade(
     try:
         selected = await _negotiate_plain(source, writer, outbound, list(by_id))
     except ProtocolNotSupported as e:
-        raise HandshakeError(f"remote does not speak Noise: {e}") from e
+        raise HandshakeError(f"remote speaks none of our Noise ciphers: {e}") from e
     cipher = by_id[selected]
     handshake = await _noise_handshake(source, writer, identity, outbound, expected_peer_id, cipher)
     transport = handshake.to_transport()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import array
+import dataclasses
 import os
 import random
 from collections.abc import Callable
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from peers.errors import HandshakeError, IdentityError, LocalProtocolError, PeerIDMismatch
 from peers.identity import KeyPair, PeerID
@@ -521,3 +523,38 @@ def test_cipher_constants() -> None:
     # Noise §12.3 / §12.4: the same 64-bit counter, little- vs big-endian after 4 zeros.
     assert CHACHAPOLY_NOISE.nonce.pack(1) == bytes(4) + (1).to_bytes(8, "little")
     assert AESGCM_NOISE.nonce.pack(1) == bytes(4) + (1).to_bytes(8, "big")
+
+
+def test_aesgcm_rekeys_each_direction_on_schedule_and_chachapoly_never() -> None:
+    """Our AESGCM id replaces each direction's key with Noise's REKEY(k) every
+    ``rekey_every`` messages; both sides count, so they stay in step. libp2p's /noise
+    keeps its key (other implementations would not follow)."""
+    assert CHACHAPOLY_NOISE.rekey_every is None
+    assert AESGCM_NOISE.rekey_every == 1 << 20
+    cipher = dataclasses.replace(AESGCM_NOISE, rekey_every=3)
+    key = os.urandom(32)
+    sender, receiver = CipherState(key, cipher), CipherState(key, cipher)
+    plain = CipherState(key, dataclasses.replace(cipher, rekey_every=None))
+    # REKEY(k) as Noise §4.2 defines it: ENCRYPT(k, 2^64 - 1, zerolen, zeros)[:32]
+    max_nonce = bytes(4) + (2**64 - 1).to_bytes(8, "big")
+    rekeyed = AESGCM(key).encrypt(max_nonce, bytes(32), b"")[:32]
+    expected = CipherState(rekeyed, dataclasses.replace(cipher, rekey_every=None))
+    expected.nonce = 3
+    for n in range(8):
+        message = os.urandom(100)
+        ciphertext = sender.encrypt_with_ad(None, message)
+        assert receiver.decrypt_with_ad(None, ciphertext) == message
+        unchanged = plain.encrypt_with_ad(None, message)
+        if n < 3:
+            assert ciphertext == unchanged  # the first key, nonces 0-2
+        else:
+            assert ciphertext != unchanged
+            if n < 6:  # nonces 3-5: the key after one REKEY; the nonce ran on
+                assert ciphertext == expected.encrypt_with_ad(None, message)
+    # a side that does not rekey cannot read the other past the first interval
+    no_rekey = dataclasses.replace(cipher, rekey_every=None)
+    sender, stale = CipherState(key, cipher), CipherState(key, no_rekey)
+    for _ in range(3):
+        stale.decrypt_with_ad(None, sender.encrypt_with_ad(None, b"x"))
+    with pytest.raises(NoiseError, match="MAC"):
+        stale.decrypt_with_ad(None, sender.encrypt_with_ad(None, b"x"))
