@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from peers import DialError, Peer, PeerConfig
 from peers.echo import ECHO_PROTOCOL_ID, ECHO_STREAM_PROTOCOL_ID, install_echo
-from peers.noise import AESGCM_NOISE, CHACHAPOLY_NOISE
+from peers.noise import AESGCM_NOISE, CHACHAPOLY_NOISE, NOISE_CIPHERS
 
 WAIT_SECONDS = 10.0
 
@@ -107,7 +109,31 @@ def test_no_common_cipher_is_a_clear_error_and_the_listener_keeps_serving() -> N
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("ciphers", [(), ("AES",), ("AESGCM", "AESGCM"), ("chachapoly",)], ids=repr)
-def test_config_refuses_bad_cipher_lists(ciphers: tuple[str, ...]) -> None:
-    with pytest.raises(ValueError, match="noise_ciphers"):
-        PeerConfig(noise_ciphers=ciphers)
+@pytest.mark.parametrize(
+    "ciphers",
+    [(), ("AES",), ("AESGCM", "AESGCM"), ("chachapoly",), "ChaChaPoly", ["AESGCM"], (1,)],
+    ids=repr,
+)
+def test_config_refuses_bad_cipher_lists(ciphers: object) -> None:
+    with pytest.raises(ValueError, match="noise_ciphers must be a non-empty tuple"):
+        PeerConfig(noise_ciphers=ciphers)  # type: ignore[arg-type]
+
+
+def test_traffic_crosses_many_rekeys_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both directions of a real connection rekey in step (every 8 messages here,
+    2^20 normally), through the handshake, unary calls and a multi-frame stream."""
+    fast = dataclasses.replace(AESGCM_NOISE, rekey_every=8)
+    monkeypatch.setitem(NOISE_CIPHERS, "AESGCM", fast)
+
+    async def main() -> None:
+        async with pair(("AESGCM",), ("AESGCM",)) as (dialer, listener):
+            assert await security_of(dialer, listener) == (AESGCM_NOISE.protocol_id,) * 2
+            for _ in range(4):
+                await round_trip(dialer, listener)
+            conn = dialer.connection_to(listener.peer_id)
+            assert conn is not None and not conn.is_closed
+            # each direction went through several keys (the sent counts as the nonces)
+            noise: Any = conn._transport
+            assert noise._send.nonce > 3 * 8 and noise._receive.nonce > 3 * 8
+
+    asyncio.run(main())
