@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -19,6 +20,28 @@ LIMIT = 64 * 1024
 LOOPS = pytest.mark.parametrize(
     "arun", [run_on_best_loop, asyncio.run], ids=["best-loop", "asyncio-loop"]
 )
+Serve = Callable[[SocketReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def serving(serve: Serve) -> AsyncIterator[int]:
+    """A loopback server running ``serve`` per connection; yields its port."""
+    server = await start_server(serve, "127.0.0.1", 0, limit=LIMIT)
+    async with server:
+        yield server.sockets[0].getsockname()[1]
+
+
+async def dial(port: int) -> tuple[SocketReader, asyncio.StreamWriter]:
+    return await open_connection("127.0.0.1", port, limit=LIMIT)
+
+
+def divert(
+    reader: SocketReader, sink: Callable[[bytes | memoryview], None]
+) -> asyncio.Future[BaseException | None]:
+    """Divert ``reader`` into ``sink``; the future ends with what ended the stream."""
+    ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    reader.divert(sink, ended.set_result)
+    return ended
 
 
 def test_the_base_class_still_has_the_state_divert_relies_on() -> None:
@@ -43,15 +66,12 @@ def test_divert_passes_buffered_then_live_bytes_in_order_after_a_paused_read(
         writer.close()
 
     async def main() -> None:
-        server = await start_server(serve, "127.0.0.1", 0, limit=LIMIT)
-        async with server:
-            port = server.sockets[0].getsockname()[1]
-            reader, writer = await open_connection("127.0.0.1", port, limit=LIMIT)
+        async with serving(serve) as port:
+            reader, writer = await dial(port)
             head = await reader.readexactly(10)  # the "handshake"
             await asyncio.sleep(0.2)  # the buffer fills past the limit; reading pauses
             received: list[bytes] = []
-            ended: asyncio.Future[BaseException | None] = asyncio.Future()
-            reader.divert(lambda data: received.append(bytes(data)), ended.set_result)
+            ended = divert(reader, lambda data: received.append(bytes(data)))
             async with asyncio.timeout(10):
                 assert await ended is None
             assert head + b"".join(received) == payload
@@ -72,16 +92,14 @@ def test_diverted_reads_are_views_of_one_buffer_per_thread(arun: Run) -> None:
         writer.close()
 
     async def main() -> None:
-        server = await start_server(serve, "127.0.0.1", 0, limit=LIMIT)
-        async with server:
-            port = server.sockets[0].getsockname()[1]
+        async with serving(serve) as port:
             owners: set[int] = set()
             kinds: set[type] = set()
             writers = []
             received = [bytearray(), bytearray()]  # two connections, one thread
             ends: list[asyncio.Future[BaseException | None]] = []
             for into in received:
-                reader, writer = await open_connection("127.0.0.1", port, limit=LIMIT)
+                reader, writer = await dial(port)
                 writers.append(writer)
 
                 def sink(data: bytes | memoryview, into: bytearray = into) -> None:
@@ -91,8 +109,7 @@ def test_diverted_reads_are_views_of_one_buffer_per_thread(arun: Run) -> None:
                         assert len(data) <= READ_BUFFER_BYTES
                     into.extend(data)  # copied now: the view is only valid in the call
 
-                ends.append(asyncio.Future())
-                reader.divert(sink, ends[-1].set_result)
+                ends.append(divert(reader, sink))
             async with asyncio.timeout(10):
                 assert await asyncio.gather(*ends) == [None, None]
             assert received == [payload, payload]
@@ -123,13 +140,10 @@ def test_a_diverted_connections_writer_still_waits_for_a_slow_reader(arun: Run) 
         writer.close()
 
     async def main() -> None:
-        server = await start_server(serve, "127.0.0.1", 0, limit=LIMIT)
-        async with server:
-            port = server.sockets[0].getsockname()[1]
-            reader, writer = await open_connection("127.0.0.1", port, limit=LIMIT)
+        async with serving(serve) as port:
+            reader, writer = await dial(port)
             received = bytearray()
-            ended: asyncio.Future[BaseException | None] = asyncio.Future()
-            reader.divert(received.extend, ended.set_result)
+            ended = divert(reader, received.extend)
             writer.write(payload)
             assert writer.transport.get_write_buffer_size() > 0  # not all of it went out
             draining = asyncio.ensure_future(writer.drain())
@@ -156,14 +170,11 @@ def test_a_reset_after_divert_ends_with_the_error(arun: Run) -> None:
         transport.abort()  # closing with unread data sends RST, not FIN
 
     async def main() -> None:
-        server = await start_server(serve, "127.0.0.1", 0, limit=LIMIT)
-        async with server:
-            port = server.sockets[0].getsockname()[1]
-            reader, writer = await open_connection("127.0.0.1", port, limit=LIMIT)
+        async with serving(serve) as port:
+            reader, writer = await dial(port)
             writer.write(b"never read")
             received = bytearray()
-            ended: asyncio.Future[BaseException | None] = asyncio.Future()
-            reader.divert(received.extend, ended.set_result)
+            ended = divert(reader, received.extend)
             async with asyncio.timeout(10):
                 error = await ended
             assert received == b"x" * 1000
