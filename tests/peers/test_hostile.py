@@ -38,7 +38,14 @@ from peers.addresses import tcp_target
 from peers.connection import Stream
 from peers.echo import ECHO_PROTOCOL_ID, ECHO_STREAM_PROTOCOL_ID, install_echo
 from peers.multistream import MULTISTREAM_PROTOCOL_ID, MultistreamDialer, encode_message
-from peers.noise import NOISE_PROTOCOL_ID, NoiseHandshake, NoiseTransport
+from peers.noise import (
+    AESGCM_NOISE,
+    CHACHAPOLY_NOISE,
+    NOISE_PROTOCOL_ID,
+    NoiseCipher,
+    NoiseHandshake,
+    NoiseTransport,
+)
 from peers.rpc import FramedStream
 from peers.serialization import MAX_FRAME_BYTES, pack
 from peers.upgrade import upgrade
@@ -197,8 +204,11 @@ class RawConnection:
 
 
 @contextlib.asynccontextmanager
-async def raw_connection(victim: Peer) -> AsyncIterator[RawConnection]:
-    """TCP + multistream + Noise + multistream as usual, then a hand-driven yamux."""
+async def raw_connection(
+    victim: Peer, cipher: NoiseCipher = AESGCM_NOISE
+) -> AsyncIterator[RawConnection]:
+    """TCP + multistream + Noise (``cipher``) + multistream as usual, then a hand-driven
+    yamux."""
     async with raw_tcp(victim) as (reader, writer):
         async with asyncio.timeout(WAIT_SECONDS):
             upgraded = await upgrade(
@@ -207,6 +217,7 @@ async def raw_connection(victim: Peer) -> AsyncIterator[RawConnection]:
                 identity=KeyPair.generate(),
                 outbound=True,
                 expected_peer_id=victim.peer_id,
+                ciphers=(cipher,),
             )
         session = YamuxSession(is_client=True)
         events = session.receive_data(upgraded.leftover_plaintext)
@@ -701,7 +712,7 @@ def test_a_full_window_is_buffered_and_one_byte_more_closes_the_connection() -> 
                     event = await raw.wait_for(lambda e: isinstance(e, DataReceived))
                     raw.events.remove(event)
                     assert isinstance(event, DataReceived)
-                    dialer.receive_data(event.data)
+                    dialer.receive_data(bytes(event.data))
                 # Exactly the rest of the window: allowed, and the victim buffers it.
                 credit = raw.session.send_window(stream_id)
                 assert raw.session.send_data(stream_id, bytes(credit)) == credit
@@ -719,13 +730,16 @@ def test_a_full_window_is_buffered_and_one_byte_more_closes_the_connection() -> 
     run(main())
 
 
+@pytest.mark.parametrize("cipher", [AESGCM_NOISE, CHACHAPOLY_NOISE], ids=lambda c: c.name)
 @pytest.mark.parametrize("kind", ["garbage", "shorter-than-tag", "replayed"])
-def test_bad_noise_frame_after_the_handshake_closes_the_connection(kind: str) -> None:
+def test_bad_noise_frame_after_the_handshake_closes_the_connection(
+    kind: str, cipher: NoiseCipher
+) -> None:
     async def main() -> None:
         async with victim_and_honest() as (victim, honest):
 
             async def attempt() -> None:
-                async with raw_connection(victim) as raw:
+                async with raw_connection(victim, cipher) as raw:
                     if kind == "garbage":
                         raw.writer.write(b"\x00\x30" + os.urandom(0x30))
                     elif kind == "shorter-than-tag":
