@@ -38,7 +38,7 @@ class PeerConfig:
     """What identify reports as our agent."""
     noise_ciphers: tuple[str, ...] = tuple(NOISE_CIPHERS)
     """Noise ciphers we accept, in our order of preference when dialing: ``"AESGCM"``
-    (ours, ``/swarmtrain/noise-aesgcm/1.0.0``; a fifth of ChaChaPoly's CPU per byte where
+    (ours, ``/swarmtrain/noise-aesgcm/2.0.0``; a fifth of ChaChaPoly's CPU per byte where
     the CPU has AES instructions) and ``"ChaChaPoly"`` (libp2p's ``/noise``, which other
     libp2p implementations speak; faster on CPUs without AES instructions)."""
 

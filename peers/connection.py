@@ -29,6 +29,7 @@ from peers.multistream import MultistreamDialer
 from peers.noise import NoiseError, NoiseTransport
 from peers.socket_reader import SocketReader
 from peers.yamux import (
+    VIEW_FRAME_BYTES,
     DataReceived,
     GoAwayReceived,
     SendWindowUpdated,
@@ -43,13 +44,38 @@ from peers.yamux import StreamReset as YamuxStreamReset
 
 logger = logging.getLogger(__name__)
 
-#: Most bytes handed to yamux and Noise at once when writing. Their output is built
-#: per call; pieces this size stay in cache and in the allocator's free lists, where
-#: multi-MiB temporaries cost page faults on every chunk of a bulk transfer.
-SEND_PIECE_BYTES = 256 * 1024
+#: Most bytes handed to yamux and Noise at once when writing (one frame of our AES-GCM
+#: Noise). Their output is built per call; pieces this size stay in the allocator's free
+#: lists, where multi-MiB temporaries cost page faults on every chunk of a bulk transfer.
+SEND_PIECE_BYTES = 2048 * 1024
 #: Writes smaller than this are sent at the end of the loop iteration, coalesced with
-#: whatever else the connection queues meanwhile; larger ones go out at once.
-SMALL_WRITE_BYTES = 16 * 1024
+#: whatever else the connection queues meanwhile; larger ones go out at once. Yamux
+#: copies exactly the frames below it, so a frame that keeps views of a writer's buffers
+#: is always encrypted before the write returns (the writer may then reuse them).
+SMALL_WRITE_BYTES = VIEW_FRAME_BYTES
+
+
+def _first_bytes(views: list[memoryview], limit: int) -> list[memoryview]:
+    """The views covering the first ``limit`` bytes of ``views`` (the last one cut)."""
+    out: list[memoryview] = []
+    for view in views:
+        if len(view) >= limit:
+            out.append(view[:limit] if len(view) > limit else view)
+            return out
+        out.append(view)
+        limit -= len(view)
+    return out
+
+
+def _drop_front(views: list[memoryview], num_bytes: int) -> None:
+    """Remove the first ``num_bytes`` bytes of ``views``, in place."""
+    while num_bytes:
+        first = views[0]
+        if len(first) > num_bytes:
+            views[0] = first[num_bytes:]
+            return
+        num_bytes -= len(first)
+        del views[0]
 
 
 class Stream:
@@ -175,8 +201,8 @@ class Stream:
             self.unread(dialer.leftover)
 
     async def read_chunks(self, max_bytes: int) -> list[bytes | memoryview]:
-        """As :meth:`read`, but the pieces as they arrived, not joined: every whole
-        piece buffered up to ``max_bytes`` (at least one byte), acknowledged at once;
+        """As :meth:`read`, but the pieces as they arrived, not joined: whole pieces
+        while fewer than ``max_bytes`` are taken (the last may pass it), acknowledged at once;
         ``[]`` at EOF. For parsers that take pieces anyway (one wake-up and one window
         update per batch of received frames instead of per frame). Large pieces are
         read-only views of received frames, not copies."""
@@ -190,7 +216,9 @@ class Stream:
         chunks: list[bytes | memoryview] = []
         total = 0
         while self._chunks and total < max_bytes:
-            piece = self._take(max_bytes - total)
+            # Whole pieces, the last one too: a frame that arrived in one piece is parsed
+            # as one (a view, not a copy), however it lies against max_bytes.
+            piece = self._take(len(self._chunks[0]) - self._chunk_offset)
             chunks.append(piece)
             total += len(piece)
         self.connection._consumed(self.stream_id, total)
@@ -274,18 +302,17 @@ class Stream:
             self._prefix = b""
         if len(buffers) > 1 and sum(len(b) for b in buffers) < SMALL_WRITE_BYTES:
             buffers = [b"".join(buffers)]
-        for data in buffers:
-            view = memoryview(data).cast("B")
-            while view.nbytes:
-                if self._error is not None:
-                    raise self._error.fresh()
-                if self._write_closed:
-                    raise ConnectionClosed("stream was closed for writing", by_us=True)
-                sent = self.connection._send(self.stream_id, view[:SEND_PIECE_BYTES])
-                view = view[sent:]
-                if view.nbytes and not sent:
-                    self._writable.clear()
-                    await self._writable.wait()
+        views = [memoryview(data).cast("B") for data in buffers if len(data)]
+        while views:
+            if self._error is not None:
+                raise self._error.fresh()
+            if self._write_closed:
+                raise ConnectionClosed("stream was closed for writing", by_us=True)
+            sent = self.connection._send(self.stream_id, _first_bytes(views, SEND_PIECE_BYTES))
+            _drop_front(views, sent)
+            if views and not sent:
+                self._writable.clear()
+                await self._writable.wait()
         await self.connection._drain()
 
     async def close(self) -> None:
@@ -448,8 +475,9 @@ class Connection:
 
     # --- events from the session -------------------------------------------------
 
-    def _handle_plaintext(self, plaintext: bytes) -> None:
-        for event in self._session.receive_data(plaintext):
+    def _handle_plaintext(self, plaintext: bytes | memoryview) -> None:
+        # Each plaintext is a fresh buffer of the Noise layer's: bulk payloads stay views.
+        for event in self._session.receive_data(plaintext, owned=True):
             if isinstance(event, DataReceived):
                 stream = self._streams.get(event.stream_id)
                 if stream is not None:
@@ -531,10 +559,10 @@ class Connection:
         self._flush_soon()
         return stream
 
-    def _send(self, stream_id: int, data: memoryview) -> int:
+    def _send(self, stream_id: int, pieces: list[memoryview]) -> int:
         self._check_open()
         try:
-            sent = self._session.send_data(stream_id, data)
+            sent = self._session.send_pieces(stream_id, pieces)
         except YamuxError as e:
             raise StreamReset(f"stream is gone: {e}") from e
         if sent < SMALL_WRITE_BYTES:

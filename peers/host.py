@@ -51,6 +51,7 @@ from peers.noise import NOISE_CIPHERS
 from peers.rpc import CallContext
 from peers.socket_reader import SocketReader, open_connection, start_server
 from peers.upgrade import upgrade
+from peers.yamux import HEADER_BYTES as YAMUX_HEADER_BYTES
 from peers.yamux import YamuxSession
 
 if TYPE_CHECKING:
@@ -259,7 +260,10 @@ class Peer:
             transport=upgraded.transport,
             security_protocol=upgraded.cipher.protocol_id,
             session=YamuxSession(
-                is_client=outbound, max_streams=self.config.max_streams_per_connection
+                is_client=outbound,
+                max_streams=self.config.max_streams_per_connection,
+                # One Data frame fills one Noise frame: 64 KiB with /noise, 1 MiB with ours.
+                max_frame_payload_bytes=upgraded.transport.max_plaintext - YAMUX_HEADER_BYTES,
             ),
             remote_peer_id=upgraded.remote_peer_id,
             remote_public_key=upgraded.remote_public_key,

@@ -9,11 +9,15 @@ empty prologue, every message behind a 2-byte big-endian length. Messages 2 and 
 The same handshake with the AESGCM cipher function (Noise §12.4,
 ``Noise_XX_25519_AESGCM_SHA256``) is offered under our own protocol id, ``AESGCM_NOISE``:
 on CPUs with AES instructions it costs a fifth of ChaChaPoly's CPU per byte, and bulk
-transfers between our peers are bound by that CPU. Everything else is the libp2p spec,
-plus one rule our id adds: each direction rekeys (Noise §11.3, with Noise's default
-REKEY) after every 2^20 transport messages, at most 64 GiB per key, so a long-lived
-connection stays far inside AES-GCM's per-key data limits (RFC 8446 §5.5 puts the
-2^-57 safety margin at about 2^38 bytes). libp2p's ``/noise`` never rekeys.
+transfers between our peers are bound by that CPU. The handshake is the libp2p spec's;
+our id adds two rules. Transport frames carry up to 2 MiB behind 4-byte length prefixes
+(Noise §3's 65535-byte cap is a framing rule; AES-GCM takes far longer messages): bulk
+data pays the per-frame work 32 times less, and an all-reduce chunk travels as one
+frame, encrypted and decrypted in pieces where it lies (GCM's streaming interface), so
+no layer joins or copies it. And each direction rekeys (Noise §11.3, with Noise's
+default REKEY) after every 2^17 transport frames, at most 256 GiB per key, so a
+long-lived connection stays inside AES-GCM's per-key data limits (RFC 8446 §5.5 puts
+the 2^-57 safety margin at about 2^38 bytes). libp2p's ``/noise`` never rekeys.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import AEADDecryptionContext, Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from peers.errors import HandshakeError, IdentityError, LocalProtocolError, PeerIDMismatch
@@ -47,9 +53,14 @@ _MIN_MESSAGE_BYTES = (DH_BYTES, 2 * DH_BYTES + 2 * TAG_BYTES, DH_BYTES + 2 * TAG
 #: Noise §5.1: nonce 2^64-1 is reserved, so a CipherState stops before it.
 _MAX_NONCE = 2**64 - 1
 _LENGTH = struct.Struct(">H")
+#: update_into wants this many bytes of room past its input (a cipher block less one).
+_BLOCK_SLACK = 15
+#: Messages shorter than this are joined and encrypted in one call, even with AES-GCM.
+_STREAM_MIN_BYTES = 16 * 1024
 #: Noise §5.2: the hash's output length; shorter protocol names are padded to it.
 _HASH_BYTES = 32
 _Bytes = bytes | bytearray | memoryview
+_BAD_MAC = "MAC check failed: tampered, replayed or reordered message"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +79,12 @@ class NoiseCipher:
     """How a 64-bit nonce becomes the AEAD's 96-bit one."""
     rekey_every: int | None = None
     """Messages after which each direction's key is replaced by REKEY(key); None: never."""
+    frame_prefix: struct.Struct = _LENGTH
+    """The length prefix of a transport frame (handshake messages always have 2 bytes)."""
+    max_frame_bytes: int = MAX_NOISE_FRAME_BYTES
+    """The longest transport frame, tag included."""
+    streams: bool = False
+    """AES-GCM: a frame is encrypted and decrypted in pieces, never joined or collected."""
 
 
 #: libp2p's ``/noise``: ChaChaPoly, nonce = 32 bits of zeros, then 64 bits little-endian
@@ -80,16 +97,28 @@ CHACHAPOLY_NOISE = NoiseCipher(
     nonce=struct.Struct("<4xQ"),
 )
 #: AES-256-GCM, nonce = 32 bits of zeros, then 64 bits big-endian (Noise §12.4); ours.
+#: Transport frames of up to 2 MiB behind 4-byte prefixes, rekeyed every 2^17 frames
+#: (at most 256 GiB per key).
 AESGCM_NOISE = NoiseCipher(
     name="AESGCM",
-    protocol_id="/swarmtrain/noise-aesgcm/1.0.0",
+    protocol_id="/swarmtrain/noise-aesgcm/2.0.0",
     protocol_name=b"Noise_XX_25519_AESGCM_SHA256",
     aead=AESGCM,
     nonce=struct.Struct(">4xQ"),
-    rekey_every=1 << 20,
+    rekey_every=1 << 17,
+    frame_prefix=struct.Struct(">I"),
+    max_frame_bytes=1 << 21,
+    streams=True,
 )
 #: By name, in the default order of preference.
 NOISE_CIPHERS = {cipher.name: cipher for cipher in (AESGCM_NOISE, CHACHAPOLY_NOISE)}
+
+
+def fresh_buffer(num_bytes: int) -> memoryview:
+    """A writable byte buffer that nothing else refers to, not zeroed first:
+    ``bytearray(n)`` writes n zeros, which costs as much as the decryption that then
+    overwrites them."""
+    return memoryview(np.empty(num_bytes, np.uint8).data)
 
 
 class NoiseError(HandshakeError):
@@ -113,10 +142,11 @@ def _dh(private_key: X25519PrivateKey, public_key: bytes) -> bytes:
 class CipherState:
     """Noise §5.1, always keyed: keyless is ``None`` in SymmetricState, never a transport."""
 
-    __slots__ = ("_aead", "_cipher", "_pack_nonce", "_rekey_at", "nonce")
+    __slots__ = ("_aead", "_key", "_pack_nonce", "_rekey_at", "cipher", "nonce")
 
     def __init__(self, key: bytes, cipher: NoiseCipher = CHACHAPOLY_NOISE) -> None:
-        self._cipher = cipher
+        self.cipher = cipher
+        self._key = key
         self._aead = cipher.aead(key)
         self._pack_nonce = cipher.nonce.pack
         self.nonce = 0
@@ -128,17 +158,40 @@ class CipherState:
         if n >= _MAX_NONCE:
             raise LocalProtocolError("Noise nonce space exhausted; close the connection")
         ciphertext = self._aead.encrypt(self._pack_nonce(n), plaintext, ad)
-        self.nonce = n = n + 1
+        self._advance()
+        return ciphertext
+
+    def encrypt_pieces(self, pieces: list[_Bytes], size: int) -> list[_Bytes]:
+        """One transport message (no associated data) whose plaintext is ``pieces``
+        concatenated (``size`` bytes): the ciphertext as buffers, tag last. AES-GCM
+        encrypts large messages piece by piece; otherwise the pieces are joined."""
+        n = self.nonce
+        if n >= _MAX_NONCE:
+            raise LocalProtocolError("Noise nonce space exhausted; close the connection")
+        nonce = self._pack_nonce(n)
+        out: list[_Bytes]
+        if len(pieces) > 1 and self.cipher.streams and size >= _STREAM_MIN_BYTES:
+            encryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).encryptor()
+            out = [encryptor.update(piece) for piece in pieces]
+            encryptor.finalize()
+            out.append(encryptor.tag)
+        else:
+            plaintext = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            out = [self._aead.encrypt(nonce, plaintext, None)]
+        self._advance()
+        return out
+
+    def _advance(self) -> None:
+        self.nonce = n = self.nonce + 1
         if n == self._rekey_at:
             self._rekey()
-        return ciphertext
 
     def _rekey(self) -> None:
         """Noise §4.2's default REKEY(k): the first 32 bytes of ENCRYPT(k, maxnonce,
         zerolen, zeros). The nonce runs on (Noise §11.3)."""
-        key = self._aead.encrypt(self._pack_nonce(_MAX_NONCE), bytes(32), b"")[:32]
-        self._aead = self._cipher.aead(key)
-        self._rekey_at += self._cipher.rekey_every or _MAX_NONCE
+        self._key = self._aead.encrypt(self._pack_nonce(_MAX_NONCE), bytes(32), b"")[:32]
+        self._aead = self.cipher.aead(self._key)
+        self._rekey_at += self.cipher.rekey_every or _MAX_NONCE
 
     def decrypt_with_ad(self, ad: bytes | None, ciphertext: _Bytes) -> bytes:
         """Decrypt, advance the nonce; on failure NoiseError, nonce unchanged (Noise §5.1)."""
@@ -148,11 +201,43 @@ class CipherState:
         try:
             plaintext = self._aead.decrypt(self._pack_nonce(n), ciphertext, ad)
         except InvalidTag as e:
-            raise NoiseError("MAC check failed: tampered, replayed or reordered message") from e
-        self.nonce = n = n + 1
-        if n == self._rekey_at:
-            self._rekey()
+            raise NoiseError(_BAD_MAC) from e
+        self._advance()
         return plaintext
+
+    def decrypt_to_buffer(self, ciphertext: _Bytes) -> memoryview:
+        """As :meth:`decrypt_with_ad` without associated data, into a fresh writable
+        buffer (see :func:`fresh_buffer`)."""
+        n = self._receive_nonce()
+        plaintext = fresh_buffer(len(ciphertext) - TAG_BYTES)
+        try:
+            self._aead.decrypt_into(self._pack_nonce(n), ciphertext, None, plaintext)
+        except InvalidTag as e:
+            raise NoiseError(_BAD_MAC) from e
+        self._advance()
+        return plaintext
+
+    def decryptor(self) -> AEADDecryptionContext | None:
+        """For AES-GCM, a streaming decryption of the next message (hand it to
+        :meth:`finish_decryptor` with the tag); None for ciphers without one."""
+        if not self.cipher.streams:
+            return None
+        nonce = self._pack_nonce(self._receive_nonce())
+        return Cipher(algorithms.AES(self._key), modes.GCM(nonce)).decryptor()
+
+    def finish_decryptor(self, decryptor: AEADDecryptionContext, tag: bytes) -> None:
+        """Check the tag of a :meth:`decryptor`'s message and advance the nonce; on
+        failure NoiseError, nonce unchanged."""
+        try:
+            decryptor.finalize_with_tag(tag)
+        except InvalidTag as e:
+            raise NoiseError(_BAD_MAC) from e
+        self._advance()
+
+    def _receive_nonce(self) -> int:
+        if self.nonce >= _MAX_NONCE:
+            raise NoiseError("remote sent more messages than the Noise nonce space allows")
+        return self.nonce
 
 
 class SymmetricState:
@@ -409,66 +494,87 @@ class NoiseHandshake:
 
 
 class NoiseTransport:
-    """Noise transport messages behind 2-byte length prefixes, in both directions.
+    """Noise transport messages behind length prefixes, in both directions.
+
+    The prefix and the largest frame are the cipher's: libp2p's ``/noise`` has 2-byte
+    prefixes and frames of at most 65535 bytes (Noise §3); ours has 4-byte prefixes and
+    frames of up to 2 MiB, so a bulk transfer pays the per-frame work 32 times less.
 
     Bounded by construction (STYLE.md 7): every complete frame is decrypted as soon as it
-    arrives, so the receive buffer holds at most one partial frame (< 65537 bytes).
+    arrives, so the receive side holds at most one partial frame (at most its cipher's
+    ``max_frame_bytes``, which a prefix announcing more never gets to allocate). Every
+    plaintext comes back as a fresh writable buffer that the caller owns.
     """
 
-    __slots__ = ("_buffer", "_receive", "_receive_failed", "_send")
+    __slots__ = (
+        "_head",
+        "_max_frame",
+        "_partial",
+        "_prefix",
+        "_receive",
+        "_receive_failed",
+        "_send",
+        "max_plaintext",
+    )
 
     def __init__(self, *, send: CipherState, receive: CipherState) -> None:
+        if send.cipher is not receive.cipher:
+            raise ValueError("both directions of a Noise transport use one cipher")
         self._send, self._receive = send, receive
-        self._buffer = bytearray()
+        cipher = send.cipher
+        self._prefix, self._max_frame = cipher.frame_prefix, cipher.max_frame_bytes
+        self.max_plaintext = cipher.max_frame_bytes - TAG_BYTES
+        """The most plaintext bytes one frame carries."""
+        self._head = bytearray()  # an incomplete length prefix
+        self._partial: _PartialFrame | None = None
         self._receive_failed = False
 
     def encrypt(self, data: _Bytes) -> bytes:
-        """Wire bytes for ``data``: length-prefixed frames of at most MAX_PLAINTEXT_PER_FRAME
+        """Wire bytes for ``data``: length-prefixed frames of at most ``max_plaintext``
         plaintext bytes each. Empty ``data`` gives ``b""``: no empty frame is sent."""
-        view = memoryview(data).cast("B")
-        encrypt, pack = self._send.encrypt_with_ad, _LENGTH.pack
-        parts: list[bytes] = []
-        for start in range(0, len(view), MAX_PLAINTEXT_PER_FRAME):
-            ciphertext = encrypt(None, view[start : start + MAX_PLAINTEXT_PER_FRAME])
-            parts.append(pack(len(ciphertext)))
-            parts.append(ciphertext)
-        return b"".join(parts)
+        return b"".join(self.encrypt_frames([bytes(data)] if data else []))
 
-    def encrypt_frames(self, messages: list[bytes]) -> list[bytes]:
-        """Wire buffers for ``messages`` sent in order: small consecutive messages share a
-        Noise frame, each large one gets its own (split only past the frame limit).
+    def encrypt_frames(self, messages: Sequence[_Bytes | tuple[_Bytes, ...]]) -> list[_Bytes]:
+        """Wire buffers for ``messages`` sent in order: consecutive messages share a Noise
+        frame while they fit in one; a message longer than a frame is split.
 
-        Returns the length prefixes and ciphertexts as separate buffers for
+        A message may be a tuple of buffers, sent as if concatenated (a yamux header and
+        the pieces of its payload): with AES-GCM they are encrypted where they lie, never
+        joined. Returns the length prefixes and ciphertexts as separate buffers for
         ``writelines``, so no buffer larger than one frame is ever built.
         """
-        encrypt, pack = self._send.encrypt_with_ad, _LENGTH.pack
-        out: list[bytes] = []
-        pending: list[bytes] = []
+        limit = self.max_plaintext
+        out: list[_Bytes] = []
+        pending: list[_Bytes] = []
         pending_bytes = 0
         for message in messages:
-            if pending_bytes + len(message) > MAX_PLAINTEXT_PER_FRAME and pending:
-                ciphertext = encrypt(None, b"".join(pending))
-                out += (pack(len(ciphertext)), ciphertext)
+            pieces = message if isinstance(message, tuple) else (message,)
+            size = sum(map(len, pieces)) if len(pieces) > 1 else len(pieces[0])
+            if pending_bytes + size > limit and pending:
+                self._encrypt_frame(pending, pending_bytes, out)
                 pending, pending_bytes = [], 0
-            if len(message) > MAX_PLAINTEXT_PER_FRAME:
-                view = memoryview(message)
-                for start in range(0, len(view), MAX_PLAINTEXT_PER_FRAME):
-                    ciphertext = encrypt(None, view[start : start + MAX_PLAINTEXT_PER_FRAME])
-                    out += (pack(len(ciphertext)), ciphertext)
-            elif message:
-                pending.append(message)
-                pending_bytes += len(message)
-        if pending:
-            ciphertext = encrypt(None, pending[0] if len(pending) == 1 else b"".join(pending))
-            out += (pack(len(ciphertext)), ciphertext)
+            if size <= limit:
+                pending += pieces
+                pending_bytes += size
+                continue
+            view = memoryview(b"".join(pieces) if len(pieces) > 1 else pieces[0]).cast("B")
+            for start in range(0, size, limit):
+                piece = view[start : start + limit]
+                self._encrypt_frame([piece], len(piece), out)
+        if pending_bytes:
+            self._encrypt_frame(pending, pending_bytes, out)
         return out
 
-    def decrypt_frame(self, frame: _Bytes) -> bytes:
+    def _encrypt_frame(self, pieces: list[_Bytes], size: int, out: list[_Bytes]) -> None:
+        out.append(self._prefix.pack(size + TAG_BYTES))
+        out += self._send.encrypt_pieces(pieces, size)
+
+    def decrypt_frame(self, frame: _Bytes) -> memoryview:
         """Decrypt the next frame body (no length prefix). :class:`NoiseError` when it is
         shorter than a tag, too long, or fails the MAC (tampered, replayed, reordered)."""
-        if not TAG_BYTES <= len(frame) <= MAX_NOISE_FRAME_BYTES:
+        if not TAG_BYTES <= len(frame) <= self._max_frame:
             raise NoiseError(f"Noise transport frame of {len(frame)} bytes")
-        return self._receive.decrypt_with_ad(None, frame)
+        return self._receive.decrypt_to_buffer(frame)
 
     def receive_data(self, data: _Bytes) -> bytes:
         """Feed wire bytes split anywhere; return the plaintext of every frame completed.
@@ -478,34 +584,99 @@ class NoiseTransport:
         """
         return b"".join(self.receive_frames(data))
 
-    def receive_frames(self, data: _Bytes) -> list[bytes]:
-        """As :meth:`receive_data`, but the plaintexts one per frame, not joined."""
+    def receive_frames(self, data: _Bytes) -> list[memoryview]:
+        """As :meth:`receive_data`, but the plaintexts one per frame, not joined, each a
+        fresh writable buffer that nothing else refers to."""
         if self._receive_failed:
             raise LocalProtocolError("the Noise receive stream already failed")
         self._receive_failed = True  # until this call has succeeded
-        view, buffer = memoryview(data).cast("B"), self._buffer
-        out: list[bytes] = []
-        if buffer:  # finish the frame split across calls, copying only its own bytes
-            if len(buffer) < 2:
-                buffer += view[:1]
-                view = view[1:]
-            if len(buffer) >= 2:  # else ``view`` was empty
-                take = 2 + (buffer[0] << 8 | buffer[1]) - len(buffer)
-                buffer += view[:take]
-                if len(view) >= take:
-                    with memoryview(buffer) as body:
-                        out.append(self.decrypt_frame(body[2:]))
-                    buffer.clear()
-                view = view[take:]  # empty when the frame is still incomplete
+        view = memoryview(data).cast("B")
+        out: list[memoryview] = []
+        prefix, prefix_bytes, max_frame = self._prefix, self._prefix.size, self._max_frame
+        if self._partial is not None:  # finish the frame begun in an earlier call
+            view = self._continue_partial(view, out)
+        elif self._head:  # finish a split length prefix
+            take = prefix_bytes - len(self._head)
+            self._head += view[:take]
+            view = view[take:]
+            if len(self._head) == prefix_bytes:
+                length = prefix.unpack(self._head)[0]
+                self._head.clear()
+                self._check_length(length)
+                self._partial = _PartialFrame(self._receive, length)
+                view = self._continue_partial(view, out)
         # Whole frames straight from the caller's bytes, without copying them first.
-        decrypt, offset, end_of_data = self.decrypt_frame, 0, len(view)
-        while end_of_data - offset >= 2:
-            end = offset + 2 + (view[offset] << 8 | view[offset + 1])
-            if end > end_of_data:
+        decrypt, unpack_from = self._receive.decrypt_to_buffer, prefix.unpack_from
+        offset, end_of_data = 0, len(view)
+        while end_of_data - offset >= prefix_bytes:
+            length = unpack_from(view, offset)[0]
+            if not TAG_BYTES <= length <= max_frame:
+                self._check_length(length)
+            start = offset + prefix_bytes
+            end = start + length
+            if end > end_of_data:  # the rest of this frame comes later
+                self._partial = _PartialFrame(self._receive, length)
+                self._continue_partial(view[start:], out)
+                offset = end_of_data
                 break
-            out.append(decrypt(view[offset + 2 : end]))
+            out.append(decrypt(view[start:end]))
             offset = end
         if offset < end_of_data:
-            buffer += view[offset:]
+            self._head += view[offset:]
         self._receive_failed = False
         return out
+
+    def _check_length(self, length: int) -> None:
+        if not TAG_BYTES <= length <= self._max_frame:
+            raise NoiseError(f"Noise transport frame of {length} bytes (at most {self._max_frame})")
+
+    def _continue_partial(self, view: memoryview, out: list[memoryview]) -> memoryview:
+        """Feed the partial frame; return what follows it in ``view``."""
+        partial = self._partial
+        assert partial is not None
+        take = min(len(view), partial.remaining)
+        partial.feed(view[:take])
+        if not partial.remaining:
+            self._partial = None
+            out.append(partial.finish())
+        return view[take:]
+
+
+class _PartialFrame:
+    """A frame whose bytes arrive over several reads. With AES-GCM each piece is
+    decrypted as it comes (GCM's streaming interface; the plaintext is released only
+    after the tag checks out); otherwise the ciphertext is collected, then decrypted."""
+
+    __slots__ = ("_collected", "_decryptor", "_plain", "_receive", "_tag", "_written", "remaining")
+
+    def __init__(self, receive: CipherState, length: int) -> None:
+        self._receive, self.remaining = receive, length
+        self._written = 0
+        self._tag = bytearray()
+        self._decryptor = receive.decryptor()
+        self._collected = bytearray()
+        # update_into wants room for a cipher block more than each input: cut off after.
+        self._plain = fresh_buffer(length - TAG_BYTES + _BLOCK_SLACK) if self._decryptor else None
+
+    def feed(self, piece: memoryview) -> None:
+        before = self.remaining
+        self.remaining -= len(piece)
+        if self._decryptor is None or self._plain is None:
+            self._collected += piece
+            return
+        # The tag is the frame's last TAG_BYTES: which of them this piece holds.
+        tag_bytes = max(0, TAG_BYTES - self.remaining) - max(0, TAG_BYTES - before)
+        body = len(piece) - tag_bytes
+        if body > 0:
+            self._written += self._decryptor.update_into(piece[:body], self._plain[self._written :])
+            piece = piece[body:]
+        self._tag += piece
+
+    def finish(self) -> memoryview:
+        if self._decryptor is None or self._plain is None:
+            return self._receive.decrypt_to_buffer(self._collected)
+        plaintext_bytes = len(self._plain) - _BLOCK_SLACK
+        self._receive.finish_decryptor(self._decryptor, bytes(self._tag))
+        if self._written != plaintext_bytes:  # GCM writes as it reads; never seen
+            raise NoiseError("AES-GCM decryption left bytes behind")
+        return self._plain[:plaintext_bytes]

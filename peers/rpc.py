@@ -69,7 +69,7 @@ class FramedStream:
     def __init__(self, stream: Stream, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.stream = stream
         self._decoder = FrameDecoder(max_frame_bytes)
-        self._frames: list[bytearray] = []
+        self._frames: list[bytearray | memoryview] = []
         self._eof = False
         self.bytes_read = 0
         """Bytes read from the stream so far (frames and their length prefixes)."""

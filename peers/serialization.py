@@ -219,7 +219,9 @@ class FrameDecoder:
 
     A body is collected as the pieces it arrived in and joined once when complete (one
     copy), into a ``bytearray`` the caller owns: :func:`unpack` of it gives writable
-    arrays, which need no second copy to become tensors. Raises :class:`LimitExceeded`
+    arrays, which need no second copy to become tensors. A body that arrived whole, in a
+    writable piece it fills at least half of, is returned as a view of that piece instead
+    (no copy; the piece must be the caller's to give). Raises :class:`LimitExceeded`
     as soon as a prefix announces a larger frame
     (nothing of it is buffered) and :class:`SerializationError` for a malformed prefix.
     """
@@ -235,11 +237,12 @@ class FrameDecoder:
     def buffered_bytes(self) -> int:
         return len(self._head) + self._have
 
-    def feed(self, data: bytes | memoryview) -> list[bytearray]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytearray | memoryview]:
         """Add bytes; return every frame body now complete. ``data`` must not change
         afterwards: pieces of a frame still incomplete are kept as views of it."""
-        frames: list[bytearray] = []
+        frames: list[bytearray | memoryview] = []
         view = memoryview(data)
+        whole = len(view)
         while view:
             if self._needed is None:
                 probe = self._head + bytes(view[:10])
@@ -259,6 +262,11 @@ class FrameDecoder:
                 self._head = b""
                 self._needed = length
             take = min(len(view), self._needed - self._have)
+            if take == self._needed and not view.readonly and 2 * take >= whole:
+                frames.append(view[:take])  # whole, writable and most of ``data``
+                view = view[take:]
+                self._needed = None
+                continue
             if take:
                 self._parts.append(view[:take])
                 self._have += take

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -38,17 +39,23 @@ MAX_WINDOW_BYTES = 16 * 1024 * 1024
 # it a remote could make the application buffer MAX_STREAMS * MAX_WINDOW_BYTES (8 GiB); with
 # it, at most MAX_STREAMS * INITIAL_WINDOW_BYTES + this. Four streams at full size fit.
 MAX_WINDOW_GROWTH_BYTES = 64 * 1024 * 1024
-# Payload of one outgoing Data frame: just under go-yamux's MaxMessageSize (64 KiB with the
-# header), so a bulk stream never holds the wire long enough to delay other streams' small
-# frames, and sized so header + payload fill exactly one Noise transport frame (65535 bytes
-# less its 16-byte tag): each Data frame is encrypted whole, with no re-slicing.
-MAX_FRAME_PAYLOAD_BYTES = 65535 - 16 - 12
-#: A payload that is at least half of the ``bytes`` object it was fed in is handed on as
-#: a view of it (immutable, so the view stays valid) instead of a copy: for bulk
-#: transfers (one Noise frame, one yamux frame) one memcpy less per byte received. Any
-#: other is copied, so a view never keeps alive more than twice its own length (a remote
-#: could otherwise pin a 64 KiB Noise frame with each 1-byte payload its window allows).
+# Default payload of one outgoing Data frame: just under go-yamux's MaxMessageSize (64 KiB
+# with the header), so a bulk stream never holds the wire long enough to delay other
+# streams' small frames, and sized so header + payload fill exactly one libp2p Noise
+# transport frame (65535 bytes less its 16-byte tag): each Data frame is encrypted whole,
+# with no re-slicing. A connection under our AES-GCM Noise, whose frames hold 2 MiB, sets
+# its own (``max_frame_payload_bytes``).
+MAX_FRAME_PAYLOAD_BYTES = 65535 - 16 - 12  # less the tag and the header
+#: A payload that is at least half of the buffer it was fed in is handed on as a view of
+#: it instead of a copy, when that buffer is ``bytes`` (immutable, so the view stays
+#: valid) or handed over (``receive_data(owned=True)``): for bulk transfers (one Noise
+#: frame, one yamux frame) one memcpy less per byte received. Any other is copied, so a
+#: view never keeps alive more than twice its own length (a remote could otherwise pin a
+#: whole Noise frame with each 1-byte payload its window allows).
 _NOT_SHAREABLE = 1 << 62
+#: Outgoing Data frames this long keep views of the writer's buffers (see send_pieces);
+#: shorter ones are copied, so a writer may reuse its buffer as soon as it returns.
+VIEW_FRAME_BYTES = 16 * 1024
 # Streams the remote opened that may wait for our ACK until we send something: go-yamux
 # lets a dialer have 256 unacknowledged streams, then blocks it until one is.
 MAX_OWED_ACKS = 128
@@ -64,11 +71,15 @@ GO_AWAY_INTERNAL_ERROR = 2
 
 # spec.md "Framing": version, type, flags, stream id, length; all big endian.
 _HEADER = struct.Struct(">BBHII")
-_HEADER_SIZE = _HEADER.size
+HEADER_BYTES = _HEADER_SIZE = _HEADER.size  # every frame starts with one header
 _VERSION = 0
 _DATA, _WINDOW_UPDATE, _PING, _GO_AWAY = 0, 1, 2, 3
 _SYN, _ACK, _FIN, _RST = 1, 2, 4, 8
 _MAX_U32 = 0xFFFF_FFFF
+_Buffer: TypeAlias = bytes | bytearray | memoryview
+#: A frame for the wire: ``bytes``, or a header and the pieces of its payload, to be sent
+#: as if concatenated (never joined here: a bulk payload stays where the writer had it).
+OutgoingFrame: TypeAlias = bytes | tuple[_Buffer, ...]
 
 
 class YamuxError(PeersError):
@@ -172,6 +183,13 @@ class _Stream:
     ack_pending: bool = False  # opened by the remote, not yet acknowledged
 
 
+def _data_frame(stream_id: int, pieces: list[_Buffer], num_bytes: int) -> OutgoingFrame:
+    header = _HEADER.pack(_VERSION, _DATA, 0, stream_id, num_bytes)
+    if num_bytes < VIEW_FRAME_BYTES:
+        return header + b"".join(pieces)
+    return (header, *pieces)
+
+
 def _check_u32(name: str, value: int) -> None:
     if not 0 <= value <= _MAX_U32:
         raise ValueError(f"{name} must fit in 32 bits unsigned, got {value}")
@@ -187,8 +205,14 @@ class YamuxSession:
         max_streams: int = MAX_STREAMS,
         max_window_bytes: int = MAX_WINDOW_BYTES,
         max_window_growth_bytes: int = MAX_WINDOW_GROWTH_BYTES,
+        max_frame_payload_bytes: int = MAX_FRAME_PAYLOAD_BYTES,
     ) -> None:
-        """Raises ValueError on a bound that makes no sense."""
+        """Raises ValueError on a bound that makes no sense. ``max_frame_payload_bytes``
+        bounds what we send in one Data frame; what we accept is bounded by the windows."""
+        if not 1 <= max_frame_payload_bytes <= _MAX_U32:
+            raise ValueError(
+                f"max_frame_payload_bytes must be in [1, 4 GiB), got {max_frame_payload_bytes}"
+            )
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         if not INITIAL_WINDOW_BYTES <= max_window_bytes <= _MAX_U32:
@@ -201,6 +225,7 @@ class YamuxSession:
         self._max_streams = max_streams
         self._max_window_bytes = max_window_bytes
         self._max_window_growth_bytes = max_window_growth_bytes
+        self._max_frame_payload = max_frame_payload_bytes
         self._streams: dict[int, _Stream] = {}
         self._next_id = 1 if is_client else 2  # spec.md "StreamID Field": client odd, server even
         self._remote_parity = 0 if is_client else 1
@@ -210,7 +235,7 @@ class YamuxSession:
         self._num_inbound = 0
         self._num_outbound = 0
         self._window_growth_bytes = 0
-        self._out: list[bytes] = []
+        self._out: list[OutgoingFrame] = []
         self._unacked: dict[int, _Stream] = {}  # remote-opened streams awaiting our ACK
         self._header_buf = bytearray()
         self._fed_bytes = _NOT_SHAREABLE
@@ -226,19 +251,24 @@ class YamuxSession:
         self._num_wire_bytes_sent = 0
         self._num_wire_bytes_received = 0
 
-    def receive_data(self, data: bytes | bytearray | memoryview) -> list[YamuxEvent]:
+    def receive_data(self, data: _Buffer, *, owned: bool = False) -> list[YamuxEvent]:
         """Feed bytes from the wire, split anywhere; return the events they complete, in order.
 
-        Raises YamuxProtocolError if the remote broke the protocol: the session is then dead,
-        and data_to_send() ends with a go-away carrying GO_AWAY_PROTOCOL_ERROR. Raises
-        YamuxStreamError if the session is already dead.
+        ``owned``: the caller hands ``data`` over and nothing else will change it, so large
+        payloads may be views of it (writable, if it is) rather than copies.
+
+        Raises YamuxProtocolError if the remote broke the protocol: the session is then
+        dead, and data_to_send() ends with a go-away carrying GO_AWAY_PROTOCOL_ERROR.
+        Raises YamuxStreamError if the session is already dead.
         """
         self._check_alive()
         events: list[YamuxEvent] = []
         view = memoryview(data).cast("B")
-        # What a view of it would keep alive (see _on_body); none unless it is immutable.
+        # What a view of it would keep alive (see _on_body); none unless it is immutable
+        # or handed over.
         owner = view.obj
-        self._fed_bytes = len(owner) if isinstance(owner, bytes) else _NOT_SHAREABLE
+        shareable = owned or isinstance(owner, bytes)
+        self._fed_bytes = len(owner) if shareable else _NOT_SHAREABLE  # type: ignore[arg-type]
         pos, end = 0, len(view)
         self._num_wire_bytes_received += end
         try:
@@ -373,10 +403,15 @@ class YamuxSession:
 
     def data_to_send(self) -> bytes:
         """Return and clear every byte queued for the wire."""
-        return b"".join(self.frames_to_send())
+        return b"".join(
+            piece
+            for frame in self.frames_to_send()
+            for piece in (frame if isinstance(frame, tuple) else (frame,))
+        )
 
-    def frames_to_send(self) -> list[bytes]:
-        """Return and clear the queued frames, one bytes per frame (header included).
+    def frames_to_send(self) -> list[OutgoingFrame]:
+        """Return and clear the queued frames, one per frame (header included): ``bytes``,
+        or a tuple of the header and the payload's pieces.
 
         The same bytes as :meth:`data_to_send` without joining them: a bulk writer hands
         each frame to the encryption layer as it is, instead of building one big buffer.
@@ -385,7 +420,9 @@ class YamuxSession:
             self._out[:0] = self._owed_acks()
         out = self._out
         self._out = []
-        self._num_wire_bytes_sent += sum(len(frame) for frame in out)
+        self._num_wire_bytes_sent += sum(
+            sum(map(len, frame)) if isinstance(frame, tuple) else len(frame) for frame in out
+        )
         return out
 
     def open_stream(self) -> int:
@@ -408,25 +445,46 @@ class YamuxSession:
         self._queue(_WINDOW_UPDATE, _SYN, stream_id, 0)  # as go-yamux does
         return stream_id
 
-    def send_data(self, stream_id: int, data: bytes | bytearray | memoryview) -> int:
+    def send_data(self, stream_id: int, data: _Buffer) -> int:
         """Queue as much of ``data`` as the send window allows; return how many bytes.
 
         Returns 0 when the window is empty: wait for SendWindowUpdated. Raises
         YamuxStreamError if the stream is unknown, reset, or closed by us.
         """
+        return self.send_pieces(stream_id, (data,))
+
+    def send_pieces(self, stream_id: int, pieces: Sequence[_Buffer]) -> int:
+        """As :meth:`send_data` for ``pieces`` concatenated, without concatenating them:
+        a Data frame of at least VIEW_FRAME_BYTES holds views of the pieces it carries,
+        so do not change them until :meth:`frames_to_send` has been taken and consumed.
+        Smaller frames are copied."""
         stream = self._get(stream_id)
         if stream.local_closed:
             raise YamuxStreamError(f"stream {stream_id} is closed for sending")
-        view = memoryview(data).cast("B")
-        num_bytes = min(len(view), stream.send_window)
-        if num_bytes and stream.ack_pending:
+        budget = stream.send_window
+        if budget and stream.ack_pending and any(pieces):
             self._ack(stream)
-        for start in range(0, num_bytes, MAX_FRAME_PAYLOAD_BYTES):
-            chunk = view[start : min(start + MAX_FRAME_PAYLOAD_BYTES, num_bytes)]
-            self._out.append(_HEADER.pack(_VERSION, _DATA, 0, stream_id, len(chunk)) + chunk)
-        stream.send_window -= num_bytes
-        self._num_data_bytes_sent += num_bytes
-        return num_bytes
+        limit, out = self._max_frame_payload, self._out
+        frame: list[_Buffer] = []
+        frame_bytes = sent = 0
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            while view and sent < budget:
+                take = min(len(view), budget - sent, limit - frame_bytes)
+                frame.append(view[:take] if take < len(view) else view)
+                frame_bytes += take
+                sent += take
+                view = view[take:]
+                if frame_bytes == limit:
+                    out.append(_data_frame(stream_id, frame, frame_bytes))
+                    frame, frame_bytes = [], 0
+            if sent == budget:
+                break
+        if frame_bytes:
+            out.append(_data_frame(stream_id, frame, frame_bytes))
+        stream.send_window -= sent
+        self._num_data_bytes_sent += sent
+        return sent
 
     def send_window(self, stream_id: int) -> int:
         """Bytes we may send now on the stream. Raises YamuxStreamError if it is unknown."""

@@ -117,6 +117,26 @@ def test_frame_decoder_random_splits() -> None:
     assert decoder.at_frame_boundary()
 
 
+def test_frame_decoder_returns_a_whole_writable_body_as_a_view() -> None:
+    """A body that arrives whole in a writable piece it fills at least half of comes back
+    as a view of that piece, not a copy; any other body is joined into a fresh bytearray
+    (read-only input, a small body in a big piece, a body split across pieces)."""
+    big = bytes(range(256)) * 100
+    piece = bytearray(encode_frame(big) + encode_frame(b"small"))
+    decoder = FrameDecoder()
+    first, second = decoder.feed(piece)
+    assert isinstance(first, memoryview) and not first.readonly and first.obj is piece
+    assert bytes(first) == big
+    assert isinstance(second, bytearray) and second == b"small"
+    (copied,) = decoder.feed(encode_frame(big))  # bytes: read-only
+    assert isinstance(copied, bytearray) and copied == big
+    wire = bytearray(encode_frame(big))
+    assert decoder.feed(memoryview(wire)[:1000]) == []
+    (joined,) = decoder.feed(memoryview(wire)[1000:])
+    assert isinstance(joined, bytearray) and joined == big
+    assert decoder.at_frame_boundary()
+
+
 def test_frame_decoder_refuses_before_buffering() -> None:
     decoder = FrameDecoder(1024)
     with pytest.raises(LimitExceeded):

@@ -730,20 +730,34 @@ def test_a_full_window_is_buffered_and_one_byte_more_closes_the_connection() -> 
     run(main())
 
 
-@pytest.mark.parametrize("cipher", [AESGCM_NOISE, CHACHAPOLY_NOISE], ids=lambda c: c.name)
-@pytest.mark.parametrize("kind", ["garbage", "shorter-than-tag", "replayed"])
+@pytest.mark.parametrize(
+    ("kind", "cipher"),
+    [
+        (kind, cipher)
+        for kind in ("garbage", "shorter-than-tag", "oversized", "replayed")
+        for cipher in (AESGCM_NOISE, CHACHAPOLY_NOISE)
+        # A 2-byte prefix cannot announce more than /noise's limit.
+        if kind != "oversized" or cipher.max_frame_bytes < 256**cipher.frame_prefix.size - 1
+    ],
+    ids=lambda x: x if isinstance(x, str) else x.name,
+)
 def test_bad_noise_frame_after_the_handshake_closes_the_connection(
     kind: str, cipher: NoiseCipher
 ) -> None:
+    """Each cipher's own framing (2-byte prefixes for /noise, 4-byte for ours)."""
+    prefix = cipher.frame_prefix.pack
+
     async def main() -> None:
         async with victim_and_honest() as (victim, honest):
 
             async def attempt() -> None:
                 async with raw_connection(victim, cipher) as raw:
                     if kind == "garbage":
-                        raw.writer.write(b"\x00\x30" + os.urandom(0x30))
+                        raw.writer.write(prefix(0x30) + os.urandom(0x30))
                     elif kind == "shorter-than-tag":
-                        raw.writer.write(b"\x00\x05" + os.urandom(5))
+                        raw.writer.write(prefix(5) + os.urandom(5))
+                    elif kind == "oversized":  # refused on the prefix: nothing is buffered
+                        raw.writer.write(prefix(cipher.max_frame_bytes + 1) + os.urandom(64))
                     else:
                         frame = raw.transport.encrypt(yamux_frame(_PING, _SYN, 0, 1))
                         raw.writer.write(frame)

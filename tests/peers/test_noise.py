@@ -8,6 +8,7 @@ import os
 import random
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -55,9 +56,16 @@ def handshake(
     return initiator.to_transport(), responder.to_transport()
 
 
-def transports() -> tuple[NoiseTransport, NoiseTransport]:
-    initiator, responder, _, _ = make_pair()
+def transports(cipher: NoiseCipher = CHACHAPOLY_NOISE) -> tuple[NoiseTransport, NoiseTransport]:
+    dialer, listener = KeyPair.generate(), KeyPair.generate()
+    initiator = NoiseHandshake(initiator=True, identity=dialer, cipher=cipher)
+    responder = NoiseHandshake(initiator=False, identity=listener, cipher=cipher)
     return handshake(initiator, responder)
+
+
+BOTH_CIPHERS = pytest.mark.parametrize(
+    "cipher", [CHACHAPOLY_NOISE, AESGCM_NOISE], ids=lambda c: c.name
+)
 
 
 def test_protocol_constants() -> None:
@@ -91,37 +99,41 @@ def test_handshake_authenticates_both_sides() -> None:
     assert responder.remote_public_key == dialer.public_key
 
 
-def test_transport_round_trip_both_ways() -> None:
+@BOTH_CIPHERS
+def test_transport_round_trip_both_ways(cipher: NoiseCipher) -> None:
     seed = int.from_bytes(os.urandom(4), "big")
     print(f"seed={seed}")
     rng = random.Random(seed)
-    a, b = transports()
-    big = rng.randbytes(3 * MAX_PLAINTEXT_PER_FRAME + 12345)
+    a, b = transports(cipher)
+    big = rng.randbytes(3 * a.max_plaintext + 12345)
     assert b.receive_data(a.encrypt(big)) == big
     assert a.receive_data(b.encrypt(big)) == big
     assert a.encrypt(b"") == b"" and b.receive_data(a.encrypt(b"")) == b""
     assert a.receive_data(b"") == b""
     for sender, receiver in ((a, b), (b, a)):
+        # Some messages span frames: split into pieces of every kind, the tags included.
         messages = [rng.randbytes(rng.randrange(0, 3000)) for _ in range(20)]
+        messages += [rng.randbytes(sender.max_plaintext + rng.randrange(1, 3000))]
         wire = b"".join(sender.encrypt(m) for m in messages)
         received = bytearray()
         offset = 0
         while offset < len(wire):  # random splits, including inside length prefixes
-            step = rng.choice((1, 2, 3, rng.randrange(1, 5000)))
+            step = rng.choice((1, 2, 3, 17, rng.randrange(1, 5000), rng.randrange(1, 300_000)))
             received += receiver.receive_data(wire[offset : offset + step])
             offset += step
         assert bytes(received) == b"".join(messages), f"seed={seed}"
 
 
-def test_transport_fed_byte_by_byte() -> None:
-    a, b = transports()
-    data = os.urandom(70_000)  # two frames
+@BOTH_CIPHERS
+def test_transport_fed_byte_by_byte(cipher: NoiseCipher) -> None:
+    a, b = transports(cipher)
+    data = os.urandom(70_000)  # two frames of /noise, one of ours
     wire = a.encrypt(data) + a.encrypt(b"tail")
     out = b"".join(b.receive_data(wire[i : i + 1]) for i in range(len(wire)))
     assert out == data + b"tail"
 
 
-def test_frame_sizes_and_buffer_types() -> None:
+def test_libp2p_frame_sizes_and_buffer_types() -> None:
     a, b = transports()
     one = a.encrypt(bytes(MAX_PLAINTEXT_PER_FRAME))
     assert len(one) == 2 + MAX_NOISE_FRAME_BYTES and one[:2] == b"\xff\xff"
@@ -282,31 +294,108 @@ def test_turn_order_is_enforced() -> None:
         initiator.to_transport()
 
 
-def test_garbage_transport_frames() -> None:
-    a, b = transports()
+@BOTH_CIPHERS
+def test_garbage_transport_frames(cipher: NoiseCipher) -> None:
+    a, b = transports(cipher)
+    prefix = cipher.frame_prefix.pack
     with pytest.raises(NoiseError):
         b.decrypt_frame(os.urandom(40))
     with pytest.raises(NoiseError):
         b.decrypt_frame(b"short")
     with pytest.raises(NoiseError):
-        b.decrypt_frame(bytes(MAX_NOISE_FRAME_BYTES + 1))
+        b.decrypt_frame(bytes(cipher.max_frame_bytes + 1))
     assert b.receive_data(a.encrypt(b"still in sync")) == b"still in sync"
     with pytest.raises(NoiseError):
-        b.receive_data(b"\x00\x05hello")  # shorter than a tag
+        b.receive_data(prefix(5) + b"hello")  # shorter than a tag
     with pytest.raises(LocalProtocolError):  # the stream has lost its framing for good
         b.receive_data(a.encrypt(b"more"))
     with pytest.raises(NoiseError):
-        a.receive_data(b"\x00\x20" + os.urandom(32))
+        a.receive_data(prefix(0x20) + os.urandom(32))
 
 
-def test_garbage_frame_split_across_calls() -> None:
-    a, b = transports()
-    assert b.receive_data(b"\x00") == b""
-    assert b.receive_data(b"\x20" + os.urandom(16)) == b""
+@BOTH_CIPHERS
+def test_garbage_frame_split_across_calls(cipher: NoiseCipher) -> None:
+    a, b = transports(cipher)
+    head = cipher.frame_prefix.pack(0x20)
+    assert b.receive_data(head[:1]) == b""
+    assert b.receive_data(head[1:] + os.urandom(16)) == b""
     with pytest.raises(NoiseError):
         b.receive_data(os.urandom(16))
     with pytest.raises(LocalProtocolError):
         b.receive_data(a.encrypt(b"late"))
+
+
+def test_our_frames_are_up_to_two_mebibytes_behind_four_byte_prefixes() -> None:
+    a, b = transports(AESGCM_NOISE)
+    assert a.max_plaintext == (1 << 21) - 16
+    one = a.encrypt(bytes(a.max_plaintext))
+    assert len(one) == 4 + (1 << 21) and one[:4] == (1 << 21).to_bytes(4, "big")
+    two = a.encrypt(bytes(a.max_plaintext + 1))
+    assert len(two) == 4 + (1 << 21) + 4 + 1 + 16
+    assert b.receive_data(one + two) == bytes(2 * a.max_plaintext + 1)
+
+
+@pytest.mark.parametrize("split", ["whole", "prefix-only"])
+def test_a_prefix_announcing_more_than_a_frame_is_refused_at_once(split: str) -> None:
+    """Refused on the prefix alone, before any of the body is awaited or allocated."""
+    _, b = transports(AESGCM_NOISE)
+    prefix = AESGCM_NOISE.frame_prefix.pack(AESGCM_NOISE.max_frame_bytes + 1)
+    if split == "prefix-only":
+        assert b.receive_data(prefix[:3]) == b""
+        prefix = prefix[3:]
+    with pytest.raises(NoiseError, match="at most"):
+        b.receive_data(prefix)
+
+
+@pytest.mark.parametrize("where", ["body", "tag", "last-byte"])
+def test_a_tampered_frame_arriving_in_pieces_fails_its_mac(where: str) -> None:
+    """Our frames are decrypted piece by piece as they arrive: a changed byte anywhere,
+    in the body or the tag, still fails the frame, and no plaintext of it is released."""
+    a, b = transports(AESGCM_NOISE)
+    wire = bytearray(a.encrypt(os.urandom(300_000)))
+    position = {"body": 1000, "tag": len(wire) - 10, "last-byte": len(wire) - 1}[where]
+    wire[position] ^= 1
+    released = [b.receive_frames(wire[i : i + 65536]) for i in range(0, len(wire) - 65536, 65536)]
+    assert not any(released)
+    with pytest.raises(NoiseError, match="MAC"):
+        b.receive_data(wire[len(wire) - len(wire) % 65536 or len(wire) - 65536 :])
+    with pytest.raises(LocalProtocolError):
+        b.receive_data(a.encrypt(b"late"))
+
+
+@pytest.mark.parametrize("size", [100, 20_000, 900_000, 3_000_000])
+def test_pieces_encrypt_exactly_as_their_concatenation(size: int) -> None:
+    """A message given as pieces (a yamux header and views of a payload) gives the same
+    wire bytes as the joined message where both make one frame (AES-GCM's streaming
+    interface is the one-shot AEAD), and the same plaintext where they are split."""
+    key_a, key_b = os.urandom(32), os.urandom(32)
+    pieces = (os.urandom(12), os.urandom(size // 2), memoryview(os.urandom(size - size // 2)))
+    joined = b"".join(pieces)
+    for cipher in (AESGCM_NOISE, CHACHAPOLY_NOISE):
+        by_pieces = NoiseTransport(
+            send=CipherState(key_a, cipher), receive=CipherState(key_b, cipher)
+        )
+        whole = NoiseTransport(send=CipherState(key_a, cipher), receive=CipherState(key_b, cipher))
+        wire = b"".join(by_pieces.encrypt_frames([b"ack", pieces, b"fin"]))
+        if len(joined) + 6 <= by_pieces.max_plaintext:  # one frame either way
+            assert wire == whole.encrypt(b"ack" + joined + b"fin"), cipher.name
+        receiver = NoiseTransport(
+            send=CipherState(key_b, cipher), receive=CipherState(key_a, cipher)
+        )
+        assert receiver.receive_data(wire) == b"ack" + joined + b"fin"
+
+
+@BOTH_CIPHERS
+def test_plaintexts_are_fresh_writable_buffers(cipher: NoiseCipher) -> None:
+    """Handed over to the caller: writable, and no two share memory (a view of one can
+    be kept while the next frames arrive)."""
+    a, b = transports(cipher)
+    wire = a.encrypt(os.urandom(3 * a.max_plaintext))
+    frames = b.receive_frames(wire[:-100]) + b.receive_frames(wire[-100:])
+    assert len(frames) == 3 and all(len(f) == a.max_plaintext for f in frames)
+    arrays = [np.frombuffer(f, np.uint8) for f in frames]
+    assert all(array.flags.writeable for array in arrays)
+    assert not any(np.shares_memory(x, y) for i, x in enumerate(arrays) for y in arrays[i + 1 :])
 
 
 def test_low_order_ephemeral_key_is_the_remotes_fault() -> None:
@@ -490,7 +579,9 @@ def test_cacophony_vector(cipher: NoiseCipher, v: dict[str, object]) -> None:
     for index, (payload, ciphertext) in enumerate(messages[3:], start=3):
         sender, receiver = channels[index % 2], channels[1 - index % 2]
         frame = sender.encrypt(bytes.fromhex(payload))
-        assert body(frame).hex() == ciphertext, f"transport message {index + 1}"
+        prefix = cipher.frame_prefix.size  # the message itself is Noise's, whatever frames it
+        assert int.from_bytes(frame[:prefix], "big") == len(frame) - prefix
+        assert frame[prefix:].hex() == ciphertext, f"transport message {index + 1}"
         assert receiver.receive_data(frame) == bytes.fromhex(payload)
 
 
@@ -530,7 +621,7 @@ def test_aesgcm_rekeys_each_direction_on_schedule_and_chachapoly_never() -> None
     ``rekey_every`` messages; both sides count, so they stay in step. libp2p's /noise
     keeps its key (other implementations would not follow)."""
     assert CHACHAPOLY_NOISE.rekey_every is None
-    assert AESGCM_NOISE.rekey_every == 1 << 20
+    assert AESGCM_NOISE.rekey_every == 1 << 17  # at most 2^38 bytes per key
     cipher = dataclasses.replace(AESGCM_NOISE, rekey_every=3)
     key = os.urandom(32)
     sender, receiver = CipherState(key, cipher), CipherState(key, cipher)
@@ -558,3 +649,16 @@ def test_aesgcm_rekeys_each_direction_on_schedule_and_chachapoly_never() -> None
         stale.decrypt_with_ad(None, sender.encrypt_with_ad(None, b"x"))
     with pytest.raises(NoiseError, match="MAC"):
         stale.decrypt_with_ad(None, sender.encrypt_with_ad(None, b"x"))
+
+
+def test_streamed_frames_follow_the_rekeys() -> None:
+    """Frames encrypted from pieces and decrypted piece by piece use the current key too:
+    across several rekeys, split anywhere, every frame still arrives intact."""
+    cipher = dataclasses.replace(AESGCM_NOISE, rekey_every=2)
+    k1, k2 = os.urandom(32), os.urandom(32)
+    sender = NoiseTransport(send=CipherState(k1, cipher), receive=CipherState(k2, cipher))
+    receiver = NoiseTransport(send=CipherState(k2, cipher), receive=CipherState(k1, cipher))
+    messages = [(os.urandom(12), os.urandom(30_000 + n)) for n in range(9)]
+    wire = b"".join(b"".join(sender.encrypt_frames([m])) for m in messages)
+    received = [receiver.receive_data(wire[i : i + 7000]) for i in range(0, len(wire), 7000)]
+    assert b"".join(received) == b"".join(b"".join(m) for m in messages)

@@ -428,15 +428,16 @@ def test_callers_sharing_a_failed_dial_get_their_own_error_and_no_cycles(arun: R
 
 def test_read_chunks_returns_the_pieces_as_they_arrived_within_the_bound(arun: Run) -> None:
     """Bytes written in many pieces come back in order, in batches of whole received
-    pieces (sliced only at ``max_bytes``), then ``[]`` at the end; a reset is raised
-    once what arrived before it was read."""
+    pieces (never sliced: the piece that reaches ``max_bytes`` ends the batch), then
+    ``[]`` at the end; a reset is raised once what arrived before it was read."""
     payload = bytes(range(256)) * 4096  # 1 MiB
     received: asyncio.Queue[list[bytes]] = asyncio.Queue()
 
     async def sink(stream: Any) -> None:
         batches = []
         while batch := await stream.read_chunks(100_000):
-            assert 0 < sum(len(piece) for piece in batch) <= 100_000
+            assert batch and sum(len(piece) for piece in batch[:-1]) < 100_000
+            assert all(len(piece) <= 70_000 for piece in batch)  # as written, or less
             batches.append(batch)
         await received.put([piece for batch in batches for piece in batch])
 

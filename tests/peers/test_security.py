@@ -1,6 +1,6 @@
 """Which Noise cipher two peers agree on, over real loopback connections.
 
-Ours (``/swarmtrain/noise-aesgcm/1.0.0``) between our peers; libp2p's ``/noise`` with
+Ours (``/swarmtrain/noise-aesgcm/2.0.0``) between our peers; libp2p's ``/noise`` with
 anyone who does not speak it (the interop tests check go-libp2p and py-libp2p), and a
 clear error when the two sides share none.
 """

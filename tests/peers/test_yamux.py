@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import os
 import random
 import struct
 
@@ -544,3 +545,62 @@ def test_large_payloads_are_views_of_immutable_input_and_small_ones_copies() -> 
     wire = pings + frame(DATA, 0, 1, len(small), small)
     (event,) = [e for e in server.receive_data(wire) if isinstance(e, DataReceived)]
     assert isinstance(event.data, bytes) and event.data == small
+
+
+def test_a_handed_over_buffer_gives_writable_views_of_large_payloads_only() -> None:
+    """``owned=True`` (the Noise layer's fresh plaintexts): a mutable buffer is shared
+    like immutable bytes, under the same at-least-half rule."""
+    server = YamuxSession(is_client=False)
+    server.receive_data(frame(WINDOW_UPDATE, SYN, 1, 0) + frame(WINDOW_UPDATE, SYN, 3, 0))
+    big, small = bytes(range(256)) * 200, b"tiny"
+    buffer = bytearray(frame(DATA, 0, 1, len(big), big) + frame(DATA, 0, 3, len(small), small))
+    events = [e for e in server.receive_data(buffer, owned=True) if isinstance(e, DataReceived)]
+    view, copy = events[0].data, events[1].data
+    assert isinstance(view, memoryview) and not view.readonly and view.obj is buffer
+    assert isinstance(copy, bytes) and copy == small
+    assert bytes(view) == big
+
+
+def test_send_pieces_makes_frames_of_views_within_the_payload_bound() -> None:
+    """Pieces go out as if concatenated, in frames of at most the session's payload
+    bound; a frame of at least VIEW_FRAME_BYTES holds views of the pieces (no copy), a
+    smaller one is a copy the writer may not change afterwards."""
+    client = YamuxSession(is_client=True, max_frame_payload_bytes=100_000)
+    server = YamuxSession(is_client=False)
+    stream_id = client.open_stream()
+    server.receive_data(client.data_to_send())
+    head, body = bytearray(b"head"), bytearray(os.urandom(230_000))
+    assert client.send_pieces(stream_id, [head, b"", memoryview(body)]) == 230_004
+    frames = client.frames_to_send()
+    assert [sum(map(len, f)) - 12 for f in frames if isinstance(f, tuple)] == [
+        100_000,
+        100_000,
+        30_004,
+    ]
+    assert all(isinstance(f, tuple) for f in frames)
+    viewed = [p for f in frames if isinstance(f, tuple) for p in f[1:]]
+    assert all(isinstance(p, memoryview) and p.obj in (head, body) for p in viewed)
+    small = bytearray(b"small write")
+    assert client.send_pieces(stream_id, [small]) == len(small)
+    (copied,) = client.frames_to_send()
+    small[:] = bytes(len(small))
+    assert isinstance(copied, bytes) and copied.endswith(b"small write")
+    wire = b"".join(p for f in frames for p in (f if isinstance(f, tuple) else (f,)))
+    got = collect(server.receive_data(wire + copied))
+    assert got == {stream_id: bytes(head) + bytes(body) + b"small write"}
+
+
+def test_send_pieces_stops_at_the_window_even_inside_a_piece() -> None:
+    client, server = pair()
+    stream_id = client.open_stream()
+    pieces = [os.urandom(100_000), os.urandom(100_000), os.urandom(100_000)]
+    assert client.send_pieces(stream_id, pieces) == INITIAL_WINDOW_BYTES
+    assert client.send_pieces(stream_id, [b"more"]) == 0
+    _, server_events = pump(client, server)
+    assert collect(server_events) == {stream_id: b"".join(pieces)[:INITIAL_WINDOW_BYTES]}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1 << 32])
+def test_a_frame_payload_bound_that_makes_no_sense_is_refused(bad: int) -> None:
+    with pytest.raises(ValueError, match="max_frame_payload_bytes"):
+        YamuxSession(is_client=True, max_frame_payload_bytes=bad)

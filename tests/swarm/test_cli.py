@@ -75,7 +75,7 @@ def test_ping_prints_peer_protocols_and_rtts(
     assert out.returncode == 0, out.stderr
     assert f"peer:      {KeyPair.load(key).peer_id}" in out.stdout
     assert "/ipfs/ping/1.0.0" in out.stdout and "/swarmtrain/echo/1.0.0" in out.stdout
-    assert "security:  /swarmtrain/noise-aesgcm/1.0.0" in out.stdout  # ours with ours
+    assert "security:  /swarmtrain/noise-aesgcm/2.0.0" in out.stdout  # ours with ours
     assert out.stdout.count(" ms") == 2
 
 
