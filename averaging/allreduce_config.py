@@ -34,11 +34,14 @@ class AllReduceConfig:
     join_timeout: float = 5.0
     """Seconds a link from another member waits for its round to start here (members
     leave matchmaking a little apart)."""
-    chunk_elements: int = 1 << 17
-    """float32 elements per chunk (512 KiB): small enough that reduction overlaps the
-    transfer of the next chunk, large enough that per-chunk costs (a frame, a message, a
-    state-machine step) stay small. Measured with 4 processes averaging 4M elements on 2
-    cores: 2^15 took 0.33 s a round, 2^17 0.20 s, 2^18 0.31 s, 2^19 0.42 s. In a process
+    chunk_elements: int = 1 << 18
+    """float32 elements per chunk (1 MiB): small enough that reduction overlaps the
+    transfer of the next chunk, large enough that per-chunk costs (a message, a
+    state-machine step) stay small, and one chunk fits one 2 MiB Noise frame between our
+    peers (a view all the way to the reduction, never joined). Measured with 4
+    processes on 2 cores (2026-11-30, after 2 MiB frames): at 16M elements 2^18 took
+    about 10% less CPU per round than 2^17, and 2^19 no less than 2^18; at 4M elements
+    2^17 and 2^18 were alike (0.061-0.081 s a round). In a process
     running several peers, set ``torch.set_num_threads(1)``: chunks this size are split
     over torch's thread pool, which oversubscribes shared cores."""
     codec: Codec = field(default_factory=NoneCodec)

@@ -26,7 +26,7 @@ from peers.host import Peer
 from peers.identify import IdentifyInfo
 from peers.identity import PeerID
 from peers.rpc import CallContext
-from peers.runtime import loop_factory
+from peers.runtime import keep_freed_memory, loop_factory
 
 T = TypeVar("T")
 #: Seconds ``close()`` waits for the peer to shut down before giving up on the thread.
@@ -45,6 +45,7 @@ class BlockingPeer(ClosesOnExit):
     """A :class:`Peer` usable from plain Python; starts listening on construction."""
 
     def __init__(self, config: PeerConfig | None = None) -> None:
+        keep_freed_memory()  # as peers.run does: bulk transfers reuse freed memory
         self._loop = loop_factory()()
         self._stop: asyncio.Event | None = None
         self._started: concurrent.futures.Future[Peer] = concurrent.futures.Future()

@@ -1,8 +1,11 @@
-"""Event loop choice: uvloop where installed (Linux, macOS), the standard loop elsewhere."""
+"""Process runtime: uvloop where installed (Linux, macOS), the standard loop elsewhere;
+and on glibc, an allocator that keeps the memory a bulk transfer frees."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import platform
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -19,7 +22,37 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     return factory
 
 
+#: glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Allocations up to this size come from the heap, not fresh mmaps: glibc's own ceiling
+#: for its dynamic threshold (64-bit), made fixed.
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+#: Free memory at the top of the heap that glibc keeps instead of returning it.
+TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
+
+
+def keep_freed_memory() -> bool:
+    """On glibc, keep up to TRIM_THRESHOLD_BYTES of freed heap memory for reuse and
+    serve allocations up to MMAP_THRESHOLD_BYTES from the heap; True if applied.
+
+    An all-reduce round holds tens of MiB of received chunks and frees them at its end;
+    with glibc's defaults that memory went back to the kernel each round and came back
+    as fresh pages (zeroed, one fault per 4 KiB) the next: about 8,000 faults per peer
+    per round at 16M elements. Elsewhere (musl, macOS, Windows) nothing is changed.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    # Both, or neither: setting one turns off glibc's adjustment of the other.
+    return bool(
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
+
+
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` on the best loop (uvloop if installed)."""
+    """``asyncio.run`` on the best loop (uvloop if installed), after
+    :func:`keep_freed_memory`."""
+    keep_freed_memory()
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(main)
