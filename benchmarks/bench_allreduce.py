@@ -35,7 +35,9 @@ in hivemind's process, reported separately as ``uint8_patched``.
 
 Figures are medians over rounds, after one untimed warm-up round per size and codec.
 The run ends with one JSON line; ratios are oriented so that > 1 means ours is better,
-except ``*_fraction_of_bound`` (bound seconds / our seconds, <= 1).
+except ``*_fraction_of_bound`` (bound seconds / our seconds, <= 1: the bound for the
+codec's wire bytes) and, for the compressed codecs, ``*_fraction_of_float32_bound``
+(the issue's bound, 2(n-1)/n x N float32 bytes, whatever the codec sends).
 
     .venv/bin/python benchmarks/bench_allreduce.py --quick   # 4M elements, about a minute
     .venv/bin/python benchmarks/bench_allreduce.py           # 16M and 64M, a few minutes
@@ -587,7 +589,7 @@ def summarize(
     head = ["size", "codec"]
     main_rows = [
         [*head, "ours s", "hivemind s", "ours MB/s", "hivemind MB/s", "bound s", "ours/bound",
-         "hivemind/bound", "vs hivemind"]
+         "hivemind/bound", "ours/f32 bound", "vs hivemind"]
     ]  # fmt: skip
     step_rows = [[*head, "ours s", "(matchmaking)", "hivemind s", "(matchmaking)", "vs hivemind"]]
     cpu_rows = [[*head, "ours round", "ours step", "hivemind step (tree)"]]
@@ -633,6 +635,10 @@ def summarize(
                     figures[f"{key}_bytes_sent_per_peer_ours"] = int(median(mine.bytes_sent))
                 if ours_ok:
                     ratios[f"{key}_fraction_of_bound"] = round(bound_s / ours_s, 3)
+                    if codec != "none":  # the bound: N float32 bytes, any codec
+                        ratios[f"{key}_fraction_of_float32_bound"] = round(
+                            results.bound_seconds(size, "none") / ours_s, 3
+                        )
             if hers_s is not None:
                 figures[f"{key}_allreduce_seconds_hivemind"] = round(hers_s, 4)
                 figures[f"{key}_MB_per_s_hivemind"] = round(n_bytes / hers_s / MB, 1)
@@ -656,6 +662,10 @@ def summarize(
                     f"{bound_s:.3f}",
                     _fmt(bound_s / ours_s if ours_s else None, "{:.2f}"),
                     _fmt(bound_s / hers_s if hers_s else None, "{:.2f}"),
+                    _fmt(
+                        results.bound_seconds(size, "none") / ours_s if ours_s else None,
+                        "{:.2f}",
+                    ),
                     _fmt(ratios.get(f"{key}_throughput_vs_hivemind"), "{:.2f}x"),
                 ]
             )
@@ -715,6 +725,7 @@ def summarize(
          f" {plan.num_bound_reps}", raw_rows),
         (f"the all-reduce itself, medians of {plan.num_rounds} rounds; MB/s = N bytes / seconds"
          " (MB = 10^6 bytes); bound = 2(n-1)/n x wire bytes / raw per-peer throughput;"
+         " f32 bound = the same for N float32 bytes (the issue's, whatever the codec);"
          " vs hivemind = hivemind s / ours s", main_rows),
         (f"full step (matchmaking + all-reduce), medians of {plan.num_step_rounds};"
          f" min_matchmaking_time = gather_timeout = {plan.matchmaking_seconds} s", step_rows),
