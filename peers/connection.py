@@ -26,8 +26,9 @@ from peers.errors import (
 )
 from peers.identity import PeerID, PublicKey
 from peers.multistream import MultistreamDialer
-from peers.noise import NoiseError, NoiseTransport
+from peers.noise import AESGCM_NOISE, TAG_BYTES, NoiseError, NoiseTransport
 from peers.socket_reader import SocketReader
+from peers.yamux import HEADER_BYTES as YAMUX_HEADER_BYTES
 from peers.yamux import (
     VIEW_FRAME_BYTES,
     DataReceived,
@@ -44,10 +45,10 @@ from peers.yamux import StreamReset as YamuxStreamReset
 
 logger = logging.getLogger(__name__)
 
-#: Most bytes handed to yamux and Noise at once when writing (one frame of our AES-GCM
-#: Noise). Their output is built per call; pieces this size stay in the allocator's free
-#: lists, where multi-MiB temporaries cost page faults on every chunk of a bulk transfer.
-SEND_PIECE_BYTES = 2048 * 1024
+#: Most bytes handed to yamux and Noise at once when writing: one Data frame's payload
+#: in one frame of our AES-GCM Noise (a multiple of /noise's 64 KiB frames' payloads
+#: would not fit ours exactly; this leaves /noise one short frame per 2 MiB).
+SEND_PIECE_BYTES = AESGCM_NOISE.max_frame_bytes - TAG_BYTES - YAMUX_HEADER_BYTES
 #: Writes smaller than this are sent at the end of the loop iteration, coalesced with
 #: whatever else the connection queues meanwhile; larger ones go out at once. Yamux
 #: copies exactly the frames below it, so a frame that keeps views of a writer's buffers
@@ -205,7 +206,8 @@ class Stream:
         while fewer than ``max_bytes`` are taken (the last may pass it), acknowledged at once;
         ``[]`` at EOF. For parsers that take pieces anyway (one wake-up and one window
         update per batch of received frames instead of per frame). Large pieces are
-        read-only views of received frames, not copies."""
+        views of received frames, not copies (writable where the frame was decrypted
+        into a buffer of its own: nothing else refers to it)."""
         if max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
         if self._dialer is not None or self._unread:

@@ -45,7 +45,9 @@ class BlockingPeer(ClosesOnExit):
     """A :class:`Peer` usable from plain Python; starts listening on construction."""
 
     def __init__(self, config: PeerConfig | None = None) -> None:
-        keep_freed_memory()  # as peers.run does: bulk transfers reuse freed memory
+        # As peers.run does: bulk transfers reuse freed memory. Process-wide; an
+        # application that wants glibc's defaults sets SWARMTRAIN_KEEP_FREED_MEMORY=0.
+        keep_freed_memory()
         self._loop = loop_factory()()
         self._stop: asyncio.Event | None = None
         self._started: concurrent.futures.Future[Peer] = concurrent.futures.Future()

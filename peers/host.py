@@ -262,7 +262,7 @@ class Peer:
             session=YamuxSession(
                 is_client=outbound,
                 max_streams=self.config.max_streams_per_connection,
-                # One Data frame fills one Noise frame: 64 KiB with /noise, 1 MiB with ours.
+                # One Data frame fills one Noise frame: 64 KiB with /noise, 2 MiB with ours.
                 max_frame_payload_bytes=upgraded.transport.max_plaintext - YAMUX_HEADER_BYTES,
             ),
             remote_peer_id=upgraded.remote_peer_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import platform
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -29,6 +30,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
 #: Free memory at the top of the heap that glibc keeps instead of returning it.
 TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
+#: Set to "0" to leave the allocator as it is.
+OPT_OUT_VARIABLE = "SWARMTRAIN_KEEP_FREED_MEMORY"
 
 
 def keep_freed_memory() -> bool:
@@ -39,15 +42,18 @@ def keep_freed_memory() -> bool:
     with glibc's defaults that memory went back to the kernel each round and came back
     as fresh pages (zeroed, one fault per 4 KiB) the next: about 8,000 faults per peer
     per round at 16M elements. Elsewhere (musl, macOS, Windows) nothing is changed.
+    The settings are the whole process's: an application that embeds a peer gets them
+    too, unless its environment has ``SWARMTRAIN_KEEP_FREED_MEMORY=0`` (then nothing is
+    changed and this returns False).
     """
-    if platform.libc_ver()[0] != "glibc":
+    if os.environ.get(OPT_OUT_VARIABLE, "1") == "0" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
-    # Both, or neither: setting one turns off glibc's adjustment of the other.
-    return bool(
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-    )
+    # Setting either turns off glibc's adjustment of the other, so both are set (glibc
+    # accepts both values; True only if it took both).
+    mmap_set = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    trim_set = libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    return bool(mmap_set and trim_set)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

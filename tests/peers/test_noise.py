@@ -651,14 +651,22 @@ def test_aesgcm_rekeys_each_direction_on_schedule_and_chachapoly_never() -> None
         stale.decrypt_with_ad(None, sender.encrypt_with_ad(None, b"x"))
 
 
-def test_streamed_frames_follow_the_rekeys() -> None:
-    """Frames encrypted from pieces and decrypted piece by piece use the current key too:
-    across several rekeys, split anywhere, every frame still arrives intact."""
+@pytest.mark.parametrize("streamed_side", ["sender", "receiver"])
+def test_streamed_frames_follow_the_rekeys(streamed_side: str) -> None:
+    """Frames encrypted from pieces, or decrypted piece by piece, use the current key:
+    across several rekeys each streamed side meets a one-shot other side (a stale key
+    on either streaming path would fail the MAC at the first rekey)."""
     cipher = dataclasses.replace(AESGCM_NOISE, rekey_every=2)
     k1, k2 = os.urandom(32), os.urandom(32)
     sender = NoiseTransport(send=CipherState(k1, cipher), receive=CipherState(k2, cipher))
     receiver = NoiseTransport(send=CipherState(k2, cipher), receive=CipherState(k1, cipher))
     messages = [(os.urandom(12), os.urandom(30_000 + n)) for n in range(9)]
-    wire = b"".join(b"".join(sender.encrypt_frames([m])) for m in messages)
-    received = [receiver.receive_data(wire[i : i + 7000]) for i in range(0, len(wire), 7000)]
+    received = []
+    for message in messages:
+        if streamed_side == "sender":  # pieces, never joined; each frame received whole
+            received.append(receiver.receive_data(b"".join(sender.encrypt_frames([message]))))
+        else:  # one buffer, one AEAD call; received in pieces
+            wire = sender.encrypt(b"".join(message))
+            for start in range(0, len(wire), 7000):
+                received.append(receiver.receive_data(wire[start : start + 7000]))
     assert b"".join(received) == b"".join(b"".join(m) for m in messages)
