@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from peers import Peer, PeerConfig
+from peers.dht.ids import distance, key_id, node_id_of
 from peers.dht.node import DHT, DHTConfig, DHTError, ValueWithExpiration, dht_time
 from peers.dht.records import Record, RecordError, owner_marker
 from peers.serialization import pack
@@ -221,9 +222,13 @@ def test_a_first_found_get_stops_early_and_a_latest_get_finds_the_freshest(arun:
             quick = await reader.get("ver", latest=False)
             assert isinstance(quick, ValueWithExpiration) and quick.value == "old"
             quick_rpcs = reader.statistics().rpcs_sent.get("find-value", 0) - sent
-            # plant a fresher value at one replica only: a first-found get may miss it,
-            # a latest get must not
-            holder = next(n for n in nodes if n.store_.get(b"ver", dht_time()) and n is not reader)
+            # plant a fresher value at the key's closest node only: a first-found get may
+            # miss it, a latest get (which asks the closest nodes) must not
+            target = key_id(b"ver")
+            holder = min(
+                (n for n in nodes if n is not reader),
+                key=lambda n: distance(node_id_of(n.peer.peer_id), target),
+            )
             fresher = Record(b"ver", None, pack("new"), dht_time() + 60)
             holder.store_.store(fresher, source=holder.peer.peer_id, now=dht_time())
             sent = reader.statistics().rpcs_sent.get("find-value", 0)
