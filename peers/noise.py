@@ -154,10 +154,7 @@ class CipherState:
 
     def encrypt_with_ad(self, ad: bytes | None, plaintext: _Bytes) -> bytes:
         """Encrypt, advance the nonce; LocalProtocolError when the nonces run out."""
-        n = self.nonce
-        if n >= _MAX_NONCE:
-            raise LocalProtocolError("Noise nonce space exhausted; close the connection")
-        ciphertext = self._aead.encrypt(self._pack_nonce(n), plaintext, ad)
+        ciphertext = self._aead.encrypt(self._pack_nonce(self._send_nonce()), plaintext, ad)
         self._advance()
         return ciphertext
 
@@ -165,10 +162,7 @@ class CipherState:
         """One transport message (no associated data) whose plaintext is ``pieces``
         concatenated (``size`` bytes): the ciphertext as buffers, tag last. AES-GCM
         encrypts large messages piece by piece; otherwise the pieces are joined."""
-        n = self.nonce
-        if n >= _MAX_NONCE:
-            raise LocalProtocolError("Noise nonce space exhausted; close the connection")
-        nonce = self._pack_nonce(n)
+        nonce = self._pack_nonce(self._send_nonce())
         out: list[_Bytes]
         if len(pieces) > 1 and self.cipher.streams and size >= _STREAM_MIN_BYTES:
             encryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).encryptor()
@@ -180,6 +174,11 @@ class CipherState:
             out = [self._aead.encrypt(nonce, plaintext, None)]
         self._advance()
         return out
+
+    def _send_nonce(self) -> int:
+        if self.nonce >= _MAX_NONCE:
+            raise LocalProtocolError("Noise nonce space exhausted; close the connection")
+        return self.nonce
 
     def _advance(self) -> None:
         self.nonce = n = self.nonce + 1
@@ -195,11 +194,8 @@ class CipherState:
 
     def decrypt_with_ad(self, ad: bytes | None, ciphertext: _Bytes) -> bytes:
         """Decrypt, advance the nonce; on failure NoiseError, nonce unchanged (Noise §5.1)."""
-        n = self.nonce
-        if n >= _MAX_NONCE:
-            raise NoiseError("remote sent more messages than the Noise nonce space allows")
         try:
-            plaintext = self._aead.decrypt(self._pack_nonce(n), ciphertext, ad)
+            plaintext = self._aead.decrypt(self._pack_nonce(self._receive_nonce()), ciphertext, ad)
         except InvalidTag as e:
             raise NoiseError(_BAD_MAC) from e
         self._advance()
@@ -208,10 +204,10 @@ class CipherState:
     def decrypt_to_buffer(self, ciphertext: _Bytes) -> memoryview:
         """As :meth:`decrypt_with_ad` without associated data, into a fresh writable
         buffer (see :func:`fresh_buffer`)."""
-        n = self._receive_nonce()
+        nonce = self._pack_nonce(self._receive_nonce())
         plaintext = fresh_buffer(len(ciphertext) - TAG_BYTES)
         try:
-            self._aead.decrypt_into(self._pack_nonce(n), ciphertext, None, plaintext)
+            self._aead.decrypt_into(nonce, ciphertext, None, plaintext)
         except InvalidTag as e:
             raise NoiseError(_BAD_MAC) from e
         self._advance()
@@ -532,7 +528,8 @@ class NoiseTransport:
     def encrypt(self, data: _Bytes) -> bytes:
         """Wire bytes for ``data``: length-prefixed frames of at most ``max_plaintext``
         plaintext bytes each. Empty ``data`` gives ``b""``: no empty frame is sent."""
-        return b"".join(self.encrypt_frames([bytes(data)] if data else []))
+        view = memoryview(data).cast("B")  # byte lengths, without copying ``data``
+        return b"".join(self.encrypt_frames([view] if view else []))
 
     def encrypt_frames(self, messages: Sequence[_Bytes | tuple[_Bytes, ...]]) -> list[_Bytes]:
         """Wire buffers for ``messages`` sent in order: consecutive messages share a Noise

@@ -103,7 +103,8 @@ class StreamOpened:  # The remote opened a stream (SYN); our ACK goes with our n
 class DataReceived:  # Stream payload; acknowledge_received its length once consumed.
     stream_id: int
     data: bytes | memoryview
-    """A copy, or (see ``_NOT_SHAREABLE``) a read-only view of the bytes that were fed."""
+    """A copy, or (see ``_NOT_SHAREABLE``) a view of the bytes that were fed: read-only
+    if they were ``bytes``, writable if they were a handed-over buffer."""
 
 
 @dataclass(frozen=True, slots=True)
