@@ -11,7 +11,9 @@ A measurement is ``calls`` timed calls after ``warmup`` untimed ones, on one bat
 input that requires grad and backpropagates a fixed output gradient (the server then
 recomputes the forward, backpropagates and takes an Adam step; the local module does
 the same step, without the recomputation). Servers and the local module take
-``{"fused_adam": bool}``: torch's fused Adam, or its plain one.
+``{"fused_adam": bool}``: torch's fused Adam, or its plain one; our server and the local
+module also ``{"linear_kernels": ...}`` (:mod:`swarm.experts.kernels`; the local module
+keeps torch's without it), and our server reports which its Linear layers use.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
     import torch
 
     from peers import BlockingPeer, PeerConfig
-    from swarm.experts import ExpertServer, ModuleBackend
+    from swarm.experts import ExpertServer, ModuleBackend, ServerConfig
     from swarm.experts.layers import ffn
 
     module, specs = ffn(HIDDEN)
@@ -125,8 +127,12 @@ def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
     peer = BlockingPeer(PeerConfig(listen_addrs=(LOOPBACK,)))
     stop = asyncio.Event()
 
+    config = ServerConfig(linear_kernels=options["linear_kernels"])
+    used: list[str] = []
+
     async def host(ready: asyncio.Future[None]) -> None:
-        async with ExpertServer(peer.peer, [backend]):
+        async with ExpertServer(peer.peer, [backend], config) as server:
+            used.append(server.statistics().linear_kernels)
             ready.set_result(None)
             await stop.wait()
 
@@ -143,7 +149,7 @@ def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
         await hosting  # the server has stopped before the peer closes under it
 
     hosting = peer.run(begin(), timeout=60)
-    conn.send(("ready", {"addrs": [str(a) for a in peer.listen_addrs]}))
+    conn.send(("ready", {"addrs": [str(a) for a in peer.listen_addrs], "kernels": used[0]}))
     try:
         _serve_commands(conn, None)
     finally:
@@ -171,9 +177,11 @@ def _ours_client(conn: Connection, options: dict[str, Any]) -> None:
 def _local(conn: Connection, options: dict[str, Any]) -> None:
     import torch
 
+    from swarm.experts.kernels import use_linear_kernels
     from swarm.experts.layers import ffn
 
     module, _ = ffn(HIDDEN)
+    use_linear_kernels(module, options.get("linear_kernels", "torch"))
     optimizer = torch.optim.Adam(module.parameters(), fused=options["fused_adam"])
 
     def step() -> None:

@@ -9,6 +9,12 @@ multiprocessing's ``spawn``), torch on one thread in every process. Ours:
 "ffn")`` + its ``RemoteExpert``. The local module (the same FFN and Adam in one process,
 no network) is the zero-network limit.
 
+Our server computes its Linear layers with oneDNN where a probe finds that faster than
+torch's kernels (``swarm.experts.kernels``; ``--linear-kernels``); hivemind's server and
+"local" compute with torch's. Where ours uses oneDNN, "local, our kernels" (the same
+module and Adam in one process, with oneDNN) is our server's zero-network limit, so a
+reader can tell what the kernels bring from what the serving brings.
+
 For batch sizes 1, 16 and 256: median latency of a forward (``torch.no_grad()``) and of a
 forward+backward (the client backpropagates a fixed gradient; the server recomputes the
 forward, backpropagates and steps Adam, as both systems do), timed in the client after
@@ -67,7 +73,14 @@ MEASURE_TIMEOUT = 300.0
 STOP_GRACE = 15.0
 #: Seconds one pipeline stage call may take before the run is declared broken.
 CALL_TIMEOUT = 60.0
-SYSTEMS = ("ours", "hivemind", "local")
+SYSTEMS = ("ours", "hivemind", "local", "local_server_kernels")
+#: Table headers of the systems.
+HEADERS = {
+    "ours": "ours",
+    "hivemind": "hivemind",
+    "local": "local",
+    "local_server_kernels": "local, our kernels",
+}
 MODES = ("forward", "forward_backward")
 
 
@@ -167,7 +180,7 @@ def _repetition(
     clients: dict[str, Child] = {}
     try:
         for system in order:
-            role = "local" if system == "local" else f"{system}_client"
+            role = "local" if system.startswith("local") else f"{system}_client"
             try:
                 clients[system], _ = fleet.start(role, servers[system])
             except BenchError as e:
@@ -211,29 +224,40 @@ def _repetition(
             fleet.stop(client)
 
 
-def measure(plan: Plan, systems: list[str], notes: list[str], *, fused: bool) -> Results:
-    """``fused``: every system steps torch's fused Adam (else its plain, per-op one)."""
+def measure(
+    plan: Plan, systems: list[str], notes: list[str], *, fused: bool, kernels: str
+) -> tuple[Results, str]:
+    """``fused``: every system steps torch's fused Adam (else its plain, per-op one);
+    ``kernels``: our server's ``linear_kernels``. Returns the results and the kernels our
+    server's Linear layers used; "local_server_kernels" runs only if they are not
+    torch's (else it would be "local" again)."""
     results: Results = {}
     fleet = Fleet()
+    used = "torch"
     try:
         servers: dict[str, Any] = {"local": {"fused_adam": fused}}
         for system in systems:
-            if system == "local":
+            if system.startswith("local"):
                 continue
+            options = {"fused_adam": fused, "linear_kernels": kernels}
             try:
-                _, servers[system] = fleet.start(f"{system}_server", {"fused_adam": fused})
+                _, servers[system] = fleet.start(f"{system}_server", options)
             except BenchError as e:
                 if system != "hivemind":
                     raise
                 notes.append(f"hivemind could not start: {e}")
                 print(f"hivemind could not start, measuring without it: {e}", file=sys.stderr)
+        used = servers["ours"]["kernels"]
+        if used != "torch":
+            servers["local_server_kernels"] = {"fused_adam": fused, "linear_kernels": used}
+        print(f"  our server's Linear layers compute with {used}'s kernels", flush=True)
         for rep in range(plan.num_reps):
             order = [s for s in systems if s in servers]
             shift = rep % len(order)
             _repetition(fleet, plan, order[shift:] + order[:shift], servers, rep, notes, results)
     finally:
         fleet.close()
-    return results
+    return results, used
 
 
 # --- pipelines: a 3-stage model on 3 stage servers vs the same model in one process -----
@@ -269,13 +293,17 @@ def _timed_steps(steps: list[Any], warmup: int, train: Any) -> float:
     return time.perf_counter() - started
 
 
-def _local_seconds(widths: tuple[tuple[int, ...], ...], steps: list[Any], warmup: int) -> float:
+def _local_seconds(
+    widths: tuple[tuple[int, ...], ...], steps: list[Any], warmup: int, kernels: str
+) -> float:
     import torch
     import torch.nn.functional as F
 
+    from swarm.experts.kernels import use_linear_kernels
     from swarm.pipeline import MLPStages
 
     local = MLPStages(widths=widths).build_local()
+    use_linear_kernels(local, kernels)  # type: ignore[arg-type]
     optimizer = torch.optim.SGD(local.parameters(), lr=0.01)
 
     def train(step: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -288,7 +316,7 @@ def _local_seconds(widths: tuple[tuple[int, ...], ...], steps: list[Any], warmup
 
 
 def _pipeline_seconds(
-    widths: tuple[tuple[int, ...], ...], steps: list[Any], plan: PipelinePlan
+    widths: tuple[tuple[int, ...], ...], steps: list[Any], plan: PipelinePlan, kernels: str
 ) -> float:
     import torch.nn.functional as F
 
@@ -303,6 +331,7 @@ def _pipeline_seconds(
         "lr": 0.01,
         "average_interval": 3600.0,  # one server per stage: no replicas to average
         "max_batch_size": plan.micro_batch * plan.in_flight,
+        "linear_kernels": kernels,
     }
     with LocalSwarm(startup_timeout=STARTUP_TIMEOUT) as swarm:
         (boot,) = swarm.start(1, target="peers.dht.testing:dht_node")
@@ -327,8 +356,10 @@ def _pipeline_seconds(
     return seconds
 
 
-def measure_pipeline(plan: PipelinePlan) -> tuple[dict[str, float], dict[str, float]]:
-    """Samples/s of the pipeline and of the local model, per model; their ratios."""
+def measure_pipeline(plan: PipelinePlan, kernels: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Samples/s of the pipeline and of the local model, per model; their ratios. The
+    stage servers and the local model both compute with ``kernels``, so the ratio is
+    the pipeline's, not the kernels'."""
     import torch
 
     torch.set_num_threads(1)
@@ -346,10 +377,10 @@ def measure_pipeline(plan: PipelinePlan) -> tuple[dict[str, float], dict[str, fl
             ]
             for _ in range(plan.warmup_steps + plan.steps[name])
         ]
-        local_s = _local_seconds(widths, steps, plan.warmup_steps)
-        pipeline_s = _pipeline_seconds(widths, steps, plan)
+        local_s = _local_seconds(widths, steps, plan.warmup_steps, kernels)
+        pipeline_s = _pipeline_seconds(widths, steps, plan, kernels)
         # again, after: the quieter of the two (the machine is shared)
-        local_s = min(local_s, _local_seconds(widths, steps, plan.warmup_steps))
+        local_s = min(local_s, _local_seconds(widths, steps, plan.warmup_steps, kernels))
         samples = plan.steps[name] * plan.in_flight * plan.micro_batch
         figures[f"pipeline_{name}_samples_per_s"] = round(samples / pipeline_s, 1)
         figures[f"local_{name}_samples_per_s"] = round(samples / local_s, 1)
@@ -377,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         help="every system steps torch's plain Adam instead of the fused one (how runs "
         "before 2026-11-30 measured)",
     )
+    parser.add_argument(
+        "--linear-kernels",
+        choices=["auto", "torch", "onednn"],
+        default="auto",
+        help="our servers' Linear kernels (swarm.experts.kernels; 'torch' measures as runs "
+        "before 2026-12-01 did); hivemind and 'local' always use torch's (auto)",
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     notes: list[str] = []
@@ -397,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     began = time.monotonic()
     systems = [s for s in SYSTEMS if s != "hivemind" or version]
-    results = measure(plan, systems, notes, fused=not args.plain_adam)
+    results, used = measure(
+        plan, systems, notes, fused=not args.plain_adam, kernels=args.linear_kernels
+    )
     total_s = time.monotonic() - began
 
     def med(system: str, mode: str, batch: int) -> float | None:
@@ -406,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
 
     figures: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
-    rows = [["measurement", "ours", "hivemind", "local", "ratio"]]
+    rows = [["measurement", *(HEADERS[s] for s in SYSTEMS), "ratio"]]
     for batch in plan.batches:
         for kind in MODES:
             label = "fwd" if kind == "forward" else "fwd+bwd"
@@ -440,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             f"pipelines: 3 stage servers (1 process each) vs one process, "
             f"{pipeline_plan.in_flight} micro-batches of {pipeline_plan.micro_batch} in flight"
         )
-        pipeline_figures, pipeline_ratios = measure_pipeline(pipeline_plan)
+        pipeline_figures, pipeline_ratios = measure_pipeline(pipeline_plan, args.linear_kernels)
         figures.update(pipeline_figures)
         ratios.update(pipeline_ratios)
         total_s = time.monotonic() - began
@@ -453,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios,
         mode=mode,
         hivemind=version,
+        linear_kernels=used,
         load_average=round(load, 2),
         notes=notes,
         plan={k: v for k, v in asdict(plan).items()},

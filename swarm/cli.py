@@ -77,6 +77,7 @@ async def _serve(args: argparse.Namespace) -> int:
             server=ServerConfig(
                 announce_interval=args.announce_interval,
                 announce_ttl=3 * args.announce_interval,
+                linear_kernels=args.linear_kernels,
             ),
         )
     except ValueError as e:
@@ -134,6 +135,7 @@ async def _serve_stage(args: argparse.Namespace) -> int:
             server=ServerConfig(
                 announce_interval=args.announce_interval,
                 announce_ttl=3 * args.announce_interval,
+                linear_kernels=args.linear_kernels,
             ),
             replicas=ReplicaConfig(run_id=args.run_id, interval_seconds=args.average_interval),
             rebalance_interval_seconds=args.rebalance_interval,
@@ -436,6 +438,12 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         "--optimizer", choices=["adam", "adamw", "sgd", "none"], default="adam", help="(adam)"
     )
     parser.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (1e-3)")
+    parser.add_argument(
+        "--linear-kernels",
+        choices=["auto", "torch", "onednn"],
+        default="auto",
+        help="CPU kernels for Linear layers: oneDNN where a probe finds it faster (auto)",
+    )
     parser.add_argument(
         "--announce-interval",
         type=_positive_float,

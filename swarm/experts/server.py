@@ -6,7 +6,9 @@ announces the modules once, then every ``announce_interval``; its tasks live in 
 TaskGroup it owns (STYLE.md 3). Every request is checked against
 the module's schema before it is decoded or queued; a bad one costs only its caller a
 :class:`BadExpertRequest`. A pipeline stage is hosted the same way as an expert: a
-module under a uid such as ``stage.2``.
+module under a uid such as ``stage.2``. The modules' ``nn.Linear`` layers compute
+with oneDNN where a probe finds it faster than torch's kernels (``linear_kernels`` in
+:class:`ServerConfig`; :mod:`swarm.experts.kernels`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from swarm.experts.backend import BackendStatistics, KeptForward, ModuleBackend
 from swarm.experts.batching import Batcher
 from swarm.experts.errors import BadExpertRequest
 from swarm.experts.kept import KeptStore
+from swarm.experts.kernels import use_linear_kernels
 from swarm.experts.schema import ExpertInfo, TensorSpec, check_batch
 from swarm.experts.server_config import ServerConfig
 from swarm.experts.wire import (
@@ -62,6 +65,8 @@ class ServerStatistics:
     queued_samples: dict[str, int]
     throughput: dict[str, float]
     num_announcements: int
+    linear_kernels: str
+    """Which kernels the hosted modules' Linear layers use: ``"onednn"`` or ``"torch"``."""
 
 
 class ExpertServer:
@@ -94,6 +99,9 @@ class ExpertServer:
                 ttl_seconds=self.config.kept_forward_seconds,
             )
             self.workers[backend.uid] = ModuleWorker(backend, batcher, kept)
+        kernels = self.config.linear_kernels
+        self.uses_onednn = any([use_linear_kernels(b.module, kernels) for b in backends])
+        """Whether the Linear layers compute with oneDNN (:mod:`swarm.experts.kernels`)."""
         largest = max((w.backend.info.max_request_bytes for w in self.workers.values()), default=0)
         self.max_frame_bytes = max(MAX_FRAME_BYTES, largest + FRAME_SLACK_BYTES)
         self._group: asyncio.TaskGroup | None = None
@@ -213,6 +221,7 @@ class ExpertServer:
             queued_samples={uid: w.batcher.num_queued_samples for uid, w in self.workers.items()},
             throughput={uid: w.throughput for uid, w in self.workers.items()},
             num_announcements=self._num_announcements,
+            linear_kernels="onednn" if self.uses_onednn else "torch",
         )
 
 

@@ -5,10 +5,10 @@ Options: ``initial_peers``; ``stage`` (an int, or ``"auto"`` for the most under-
 ``widths`` and ``seed`` (an :class:`MLPStages`; default the digits model); ``optimizer``
 (``sgd``, ``adam``), ``lr`` and ``momentum`` (SGD); ``announce_interval`` (entries live
 three times as long); ``average_interval``; ``run_id``; ``rebalance_interval`` (``null``:
-never move); ``max_batch_size``. Reports ``serving`` (``stage``, ``loaded_version``) each
-time it serves a stage, and answers ``{"op": "stats"}`` with ``stats``: ``stage``,
-``forward_samples``, ``backward_samples``, ``steps``, ``rounds`` (averaged with others),
-``alone``, ``moves``.
+never move); ``max_batch_size``; ``linear_kernels`` (:class:`ServerConfig`'s). Reports
+``serving`` (``stage``, ``loaded_version``) each time it serves a stage, and answers
+``{"op": "stats"}`` with ``stats``: ``stage``, ``forward_samples``, ``backward_samples``,
+``steps``, ``rounds`` (averaged with others), ``alone``, ``moves``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ def config_from_options(options: dict[str, Any]) -> StageServerConfig:
             momentum=float(options.get("momentum", 0)),
         ),
         max_batch_size=int(options.get("max_batch_size", 512)),
-        server=ServerConfig(announce_interval=interval, announce_ttl=3 * interval),
+        server=ServerConfig(
+            announce_interval=interval,
+            announce_ttl=3 * interval,
+            linear_kernels=options.get("linear_kernels", "auto"),
+        ),
         replicas=ReplicaConfig(
             run_id=str(options.get("run_id", "test")),
             interval_seconds=average,

@@ -1,0 +1,212 @@
+"""oneDNN kernels for hosted Linear layers: the same numbers and gradients as torch's,
+each product on the kernel its bounds name, and a server that uses them (STYLE.md 18)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from peers import Peer, PeerConfig
+from swarm.experts import (
+    ExpertCallConfig,
+    ExpertLocation,
+    ExpertServer,
+    ModuleBackend,
+    ServerConfig,
+    TensorSpec,
+    call_backward,
+    call_forward,
+    kernels,
+)
+from swarm.experts.kernels import (
+    LinearKernels,
+    OneDNNLinear,
+    linear,
+    onednn_is_faster,
+    use_linear_kernels,
+)
+from swarm.experts.layers import FeedforwardBlock
+
+Arun = Callable[[Coroutine[Any, Any, Any]], Any]
+
+needs_onednn = pytest.mark.skipif(
+    kernels._onednn_op() is None, reason="this torch was built without oneDNN"
+)
+
+torch.set_num_threads(1)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to float32 rounding of sums in another order (relative to the largest)."""
+    scale = expected.abs().max().item() or 1.0
+    torch.testing.assert_close(actual, expected, atol=2e-6 * scale, rtol=0)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 15, 16, 40])
+@pytest.mark.parametrize("bias", [True, False])
+def test_values_and_gradients_match_torchs_below_and_above_every_bound(
+    rows: int, bias: bool
+) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(2048, 1024, requires_grad=True)
+    b = torch.randn(2048, requires_grad=True) if bias else None
+    x = torch.randn(rows, 1024, requires_grad=True)
+    grad = torch.randn(rows, 2048)
+    ours = linear(x, weight, b)
+    torch.autograd.backward(ours, grad)
+    ours_grads = [t.grad.clone() for t in (x, weight, b) if t is not None and t.grad is not None]
+    for t in (x, weight, b):
+        if t is not None:
+            t.grad = None
+    theirs = torch.nn.functional.linear(x, weight, b)
+    torch.autograd.backward(theirs, grad)
+    _close(ours, theirs)
+    theirs_grads = [t.grad for t in (x, weight, b) if t is not None and t.grad is not None]
+    assert len(ours_grads) == len(theirs_grads) == (3 if bias else 2)
+    for g, h in zip(ours_grads, theirs_grads, strict=True):
+        _close(g, h)
+
+
+@needs_onednn
+def test_each_product_goes_to_onednn_exactly_where_its_bounds_say(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = kernels._onednn_mm
+
+    def counting(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append((a.shape[0], w.shape[0]))
+        return real(a, w, b)
+
+    monkeypatch.setattr(kernels, "_onednn_mm", counting)
+    weight = torch.randn(4096, 1024, requires_grad=True)
+
+    def products(rows: int, in_features: int = 1024) -> list[tuple[int, ...]]:
+        calls.clear()
+        w = weight if in_features == 1024 else torch.randn(64, in_features, requires_grad=True)
+        x = torch.randn(rows, in_features, requires_grad=True)
+        torch.autograd.backward(linear(x, w, None).sum())
+        return list(calls)
+
+    assert products(1) == []  # matrix-vector products: torch's throughout
+    assert products(2) == [(4096, 1024)]  # only the weight gradient (out x rows x in)
+    assert products(4) == [(4, 4096), (4096, 1024)]  # forward and weight gradient
+    assert products(16) == [(16, 4096), (16, 1024), (4096, 1024)]  # all three
+    assert products(256, in_features=64) == []  # 256 x 64 x 64 < MIN_MACS
+    with torch.no_grad():
+        calls.clear()
+        linear(torch.randn(8, 1024), weight, None)
+        assert calls == [(8, 4096)]
+
+
+def test_other_dtypes_and_small_products_take_torchs_path_unchanged() -> None:
+    weight = torch.randn(64, 1 << 16, dtype=torch.float64)
+    x = torch.randn(4, 1 << 16, dtype=torch.float64)
+    assert torch.equal(linear(x, weight, None), torch.nn.functional.linear(x, weight))
+    small = torch.randn(8, 8)
+    assert torch.equal(linear(small, small, None), torch.nn.functional.linear(small, small))
+
+
+@needs_onednn
+def test_batched_inputs_keep_their_leading_dimensions() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(512, 1024)
+    x = torch.randn(3, 5, 1024)
+    out = linear(x, weight, None)
+    assert out.shape == (3, 5, 512)
+    _close(out, torch.nn.functional.linear(x, weight))
+
+
+@needs_onednn
+def test_a_second_derivative_is_refused_clearly() -> None:
+    weight = torch.randn(1024, 1024, requires_grad=True)
+    x = torch.randn(16, 1024, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(linear(x, weight, None).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        torch.autograd.backward(grad_x.sum())
+
+
+class Scaled(nn.Linear):
+    """A Linear subclass with its own forward, which the switch must leave alone."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(input)
+
+
+@needs_onednn
+def test_the_switch_keeps_parameters_state_and_optimizer_and_trains_the_same() -> None:
+    torch.manual_seed(2)
+    module = nn.Sequential(FeedforwardBlock(256), Scaled(256, 256))
+    reference = copy.deepcopy(module)
+    params = list(module.parameters())
+    keys = list(module.state_dict())
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)  # built before the switch
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    assert use_linear_kernels(module, "onednn") is True
+    assert [type(m) for m in module.modules()].count(OneDNNLinear) == 2
+    assert type(module[1]) is Scaled
+    assert list(module.parameters()) == params and list(module.state_dict()) == keys
+    for _ in range(5):
+        x = torch.randn(64, 256)
+        for m, opt in ((module, optimizer), (reference, reference_optimizer)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    for p, q in zip(module.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-5, rtol=1e-4)
+    assert use_linear_kernels(module, "torch") is False
+    assert OneDNNLinear not in {type(m) for m in module.modules()}
+
+
+def test_the_switch_refuses_an_unknown_kind_and_auto_follows_the_probe() -> None:
+    module = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="linear kernels must be one of"):
+        use_linear_kernels(module, "fast")  # type: ignore[arg-type]
+    assert use_linear_kernels(module, "auto") is onednn_is_faster()
+    assert use_linear_kernels(module, "torch") is False and type(module) is nn.Linear
+    with pytest.raises(ValueError, match="linear_kernels must be one of"):
+        ServerConfig(linear_kernels="mkl")  # type: ignore[arg-type]
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["onednn", "torch"])
+def test_a_server_computes_with_the_kernels_its_config_names(
+    arun: Arun, kind: LinearKernels
+) -> None:
+    torch.manual_seed(3)
+    module = FeedforwardBlock(256)
+    local = copy.deepcopy(module)
+    spec = [TensorSpec(shape=[256], dtype="float32")]
+    backend = ModuleBackend("ffn.0", module, inputs=spec, max_batch_size=64)
+    x, grad = torch.randn(32, 256), torch.randn(32, 256)
+
+    async def main() -> tuple[list[torch.Tensor], list[torch.Tensor | None], str]:
+        async with (
+            Peer(PeerConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",))) as server_peer,
+            Peer(PeerConfig(listen_addrs=())) as client,
+            ExpertServer(server_peer, [backend], ServerConfig(linear_kernels=kind)) as server,
+        ):
+            client.add_addresses(server_peer.peer_id, server_peer.listen_addrs)
+            where = ExpertLocation(
+                "ffn.0", server_peer.peer_id, tuple(str(a) for a in server_peer.listen_addrs)
+            )
+            config = ExpertCallConfig()
+            forwarded = await call_forward(client, where, [x], config=config)
+            grads = await call_backward(client, where, [x], [grad], config=config)
+            return forwarded.outputs, grads, server.statistics().linear_kernels
+
+    outputs, grads, used = arun(main())
+    assert used == kind
+    assert (type(module.ffn) is OneDNNLinear) == (kind == "onednn")
+    leaf = x.clone().requires_grad_()
+    expected = local(leaf)
+    torch.autograd.backward(expected, grad)
+    assert leaf.grad is not None and grads[0] is not None
+    _close(outputs[0], expected)
+    _close(grads[0], leaf.grad)
