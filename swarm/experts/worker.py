@@ -136,24 +136,33 @@ class ModuleWorker:
                 if not future.done():
                     await asyncio.wait([future])
 
-    async def _call(self, fn: Callable[[], R], num_samples: int) -> R:
+    async def _call(self, fn: Callable[[], R], num_samples: int) -> tuple[R, float]:
+        """``fn()`` and the seconds it computed: only its own, not the hand-over to and
+        from a thread (which, counted in, would make small work look big enough for a
+        thread and keep it there)."""
+
+        def timed() -> tuple[R, float]:
+            started = time.perf_counter()
+            try:
+                return fn(), time.perf_counter() - started
+            finally:
+                self.backend.add_compute_seconds(time.perf_counter() - started)
+
         if self.throughput and num_samples / self.throughput < INLINE_COMPUTE_SECONDS:
-            return fn()
-        return await asyncio.to_thread(fn)
+            return timed()
+        return await asyncio.to_thread(timed)
 
     async def _run_batch(self, batch: Batch[int], jobs: list[_Job]) -> None:
-        started = time.perf_counter()
         try:
-            results = await self._call(lambda: self._compute(batch.kind, jobs), batch.num_samples)
+            results, seconds = await self._call(
+                lambda: self._compute(batch.kind, jobs), batch.num_samples
+            )
         except Exception as e:  # the module's own failure: every caller of this batch hears it
             logger.info("%s %s failed: %r", self.backend.uid, batch.kind, e)
             for job in jobs:
                 if not job.future.done():  # each its own copy: no shared traceback cycles
                     job.future.set_exception(raisable_copy(e))
             return
-        finally:
-            seconds = time.perf_counter() - started
-            self.backend.add_compute_seconds(seconds)
         rate = batch.num_samples / max(seconds, 1e-9)
         weight = THROUGHPUT_SMOOTHING if self.throughput else 1.0
         self.throughput += weight * (rate - self.throughput)
