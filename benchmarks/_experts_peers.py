@@ -12,8 +12,10 @@ input that requires grad and backpropagates a fixed output gradient (the server 
 recomputes the forward, backpropagates and takes an Adam step; the local module does
 the same step, without the recomputation). Servers and the local module take
 ``{"fused_adam": bool}``: torch's fused Adam, or its plain one; our server and the local
-module also ``{"linear_kernels": ...}`` (:mod:`swarm.experts.kernels`; the local module
-keeps torch's without it), and our server reports which its Linear layers use.
+module also ``{"linear_kernels": ...}`` (:mod:`swarm.experts.kernels`), and our server
+reports which its Linear layers use. A local module given it computes as our server
+does, with those kernels and the kept heap (:func:`peers.runtime.keep_freed_memory`);
+without it, as plain torch in a plain process.
 """
 
 from __future__ import annotations
@@ -181,7 +183,11 @@ def _local(conn: Connection, options: dict[str, Any]) -> None:
     from swarm.experts.layers import ffn
 
     module, _ = ffn(HIDDEN)
-    use_linear_kernels(module, options.get("linear_kernels", "torch"))
+    if "linear_kernels" in options:  # computed as our server computes: its kernels, its heap
+        from peers.runtime import keep_freed_memory
+
+        keep_freed_memory()
+        use_linear_kernels(module, options["linear_kernels"])
     optimizer = torch.optim.Adam(module.parameters(), fused=options["fused_adam"])
 
     def step() -> None:

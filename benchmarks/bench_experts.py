@@ -12,8 +12,9 @@ no network) is the zero-network limit.
 Our server computes its Linear layers with oneDNN where a probe finds that faster than
 torch's kernels (``swarm.experts.kernels``; ``--linear-kernels``); hivemind's server and
 "local" compute with torch's. Where ours uses oneDNN, "local, our kernels" (the same
-module and Adam in one process, with oneDNN) is our server's zero-network limit, so a
-reader can tell what the kernels bring from what the serving brings.
+module and Adam in one process, with oneDNN and our server's kept heap) is our server's
+zero-network limit, so a reader can tell what the kernels bring from what the serving
+brings.
 
 For batch sizes 1, 16 and 256: median latency of a forward (``torch.no_grad()``) and of a
 forward+backward (the client backpropagates a fixed gradient; the server recomputes the

@@ -38,10 +38,12 @@ LINEAR_KERNELS: tuple[LinearKernels, ...] = ("auto", "torch", "onednn")
 #: Below this many multiply-adds (rows x in x out) a product keeps torch's kernel: at
 #: 64 x 128 x 256 rows (2^21) oneDNN was as fast as MKL, below it up to 5x slower.
 MIN_MACS = 1 << 21
-#: Fewest rows for which each product goes to oneDNN (smaller ones are matrix-vector
-#: products, which MKL does well): measured at 1024 x 4096 and 512 x 2048.
-MIN_ROWS_FORWARD = 4
-MIN_ROWS_GRAD_INPUT = 16
+#: Fewest rows for which each product goes to oneDNN, measured at 1024 x 4096 and
+#: 512 x 2048 (products interleaved, freed memory kept): the forward is faster at any
+#: row count (1.3x at one row, 1.8x at two, where MKL slows down); both gradients of a
+#: single row (matrix-vector and outer products) are faster with MKL (oneDNN 0.5-0.7x).
+MIN_ROWS_FORWARD = 1
+MIN_ROWS_GRAD_INPUT = 2
 MIN_ROWS_GRAD_WEIGHT = 2
 #: ``"auto"`` uses oneDNN only if it runs the probe product this much faster: a margin
 #: over timing noise, far below the 2.2x measured where it helps.
@@ -100,9 +102,8 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``torch.nn.functional.linear``, with oneDNN's products where they are faster:
-    float32 on the CPU, at least :data:`MIN_MACS` multiply-adds and
-    :data:`MIN_ROWS_GRAD_WEIGHT` rows. Differentiable once (a second derivative through
-    it raises)."""
+    float32 on the CPU, at least :data:`MIN_MACS` multiply-adds. Differentiable once (a
+    second derivative through it raises)."""
     rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
     if (
         x.dtype != torch.float32
@@ -110,12 +111,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         or x.device.type != "cpu"
         or weight.device.type != "cpu"
         or x.dim() < 2
-        or rows < MIN_ROWS_GRAD_WEIGHT  # every product would be torch's anyway
+        or rows < MIN_ROWS_FORWARD
         or rows * weight.shape[0] * weight.shape[1] < MIN_MACS
     ):
         return torch.nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    out: torch.Tensor = _Linear.apply(flat, weight, bias)  # type: ignore[no-untyped-call]
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        out: torch.Tensor = _Linear.apply(flat, weight, bias)  # type: ignore[no-untyped-call]
+    else:  # nothing to differentiate: no autograd function to go through
+        out = _onednn_mm(flat, weight, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

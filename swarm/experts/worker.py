@@ -170,6 +170,10 @@ class ModuleWorker:
             if not job.future.done():  # its caller may have given up meanwhile
                 job.future.set_result(result)
         if batch.kind == "backward":
+            # the callers' handlers first: they encode and send the gradients in their next
+            # turn on the loop; a step thread started now would hold the GIL in Adam's
+            # Python before its kernel, and hold the replies up
+            await asyncio.sleep(0)
             self._stepping = asyncio.ensure_future(asyncio.to_thread(self.backend.step))
             try:
                 await asyncio.shield(self._stepping)  # a cancelled worker still finishes it
