@@ -3,7 +3,8 @@
 Handlers ``submit`` a request and await its share of a batch. The worker asks its
 :class:`Batcher` what to run, joins the requests of a batch along the batch dimension,
 computes, and splits the results. Work expected to take more than
-``INLINE_COMPUTE_SECONDS`` (judged by the measured throughput) runs in a thread
+``INLINE_COMPUTE_SECONDS`` (judged by the measured time per sample of its kind, forward
+or backward: a backward costs about twice a forward) runs in a thread
 (``asyncio.to_thread``: the event loop keeps moving bytes and enforcing deadlines while
 torch works, and torch releases the GIL in its kernels); smaller work runs inline,
 saving two thread switches per request. After a backward batch, the replies go out
@@ -64,6 +65,7 @@ class ModuleWorker:
         """Forward graphs kept for their callers' backward passes."""
         self.throughput = 0.0
         """Samples per second of compute, smoothed over batches (0 before the first)."""
+        self._seconds_per_sample: dict[Kind, float] = {}  # smoothed, per kind
         self._jobs: dict[int, _Job] = {}
         self._tickets = itertools.count()
         self._wake = asyncio.Event()
@@ -136,7 +138,7 @@ class ModuleWorker:
                 if not future.done():
                     await asyncio.wait([future])
 
-    async def _call(self, fn: Callable[[], R], num_samples: int) -> tuple[R, float]:
+    async def _call(self, fn: Callable[[], R], kind: Kind, num_samples: int) -> tuple[R, float]:
         """``fn()`` and the seconds it computed: only its own, not the hand-over to and
         from a thread (which, counted in, would make small work look big enough for a
         thread and keep it there)."""
@@ -148,14 +150,15 @@ class ModuleWorker:
             finally:
                 self.backend.add_compute_seconds(time.perf_counter() - started)
 
-        if self.throughput and num_samples / self.throughput < INLINE_COMPUTE_SECONDS:
+        per_sample = self._seconds_per_sample.get(kind)
+        if per_sample is not None and num_samples * per_sample < INLINE_COMPUTE_SECONDS:
             return timed()
         return await asyncio.to_thread(timed)
 
     async def _run_batch(self, batch: Batch[int], jobs: list[_Job]) -> None:
         try:
             results, seconds = await self._call(
-                lambda: self._compute(batch.kind, jobs), batch.num_samples
+                lambda: self._compute(batch.kind, jobs), batch.kind, batch.num_samples
             )
         except Exception as e:  # the module's own failure: every caller of this batch hears it
             logger.info("%s %s failed: %r", self.backend.uid, batch.kind, e)
@@ -166,6 +169,9 @@ class ModuleWorker:
         rate = batch.num_samples / max(seconds, 1e-9)
         weight = THROUGHPUT_SMOOTHING if self.throughput else 1.0
         self.throughput += weight * (rate - self.throughput)
+        per_sample = seconds / batch.num_samples
+        before = self._seconds_per_sample.get(batch.kind, per_sample)
+        self._seconds_per_sample[batch.kind] = before + THROUGHPUT_SMOOTHING * (per_sample - before)
         for job, result in zip(jobs, results, strict=True):
             if not job.future.done():  # its caller may have given up meanwhile
                 job.future.set_result(result)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
@@ -30,8 +31,11 @@ from swarm.experts import (
     call_forward,
     call_info,
 )
+from swarm.experts.batching import Batcher
+from swarm.experts.kept import KeptStore
 from swarm.experts.layers import FeedforwardBlock
 from swarm.experts.wire import FORWARD_PROTOCOL, ForwardRequest, ForwardResponse
+from swarm.experts.worker import ModuleWorker
 
 LISTEN = PeerConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",))
 CLIENT = PeerConfig(listen_addrs=())
@@ -397,3 +401,59 @@ def test_a_failing_module_fails_every_caller_of_its_batch_and_keeps_serving(
             assert out.outputs[0].shape == (3, 4)
 
     arun(main())
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes 50 ms: a module with a forward well under the inline
+    bound (2 ms) and a backward far over it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return grad
+
+
+class ThreadRecorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.forward_threads: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forward_threads.append(threading.current_thread().name)
+        time.sleep(0.0013)
+        out: torch.Tensor = _SlowBackward.apply(self.linear(x))  # type: ignore[no-untyped-call]
+        return out
+
+
+def test_a_cheap_forward_runs_on_the_loop_even_after_dear_backward_batches(arun: Arun) -> None:
+    """Whether a batch runs inline is judged by its own kind's cost per sample: 50 ms
+    backwards must not send the 1.3 ms forward of the same module to a thread (judged by
+    one rate smoothed over both kinds, it looked like 2.9 ms)."""
+    module = ThreadRecorder()
+    spec = [TensorSpec(shape=[4], dtype="float32")]
+    backend = ModuleBackend("slow.0", module, inputs=spec, max_batch_size=8)
+    batcher: Batcher[int] = Batcher(max_batch_size=8, max_queued_samples=64)
+    worker = ModuleWorker(backend, batcher, KeptStore(max_entries=4, ttl_seconds=60.0))
+
+    async def main() -> str:
+        running = asyncio.create_task(worker.run())
+        try:
+            x, grad = torch.randn(1, 4), torch.randn(1, 4)
+            for _ in range(8):  # forward, backward, forward, backward...
+                await asyncio.wait_for(worker.submit("forward", ([x],), 1), 10)
+                await asyncio.wait_for(worker.submit("backward", ([x], [grad]), 1), 10)
+            module.forward_threads.clear()
+            await asyncio.wait_for(worker.submit("forward", ([x],), 1), 10)
+        finally:
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+        return threading.current_thread().name
+
+    loop_thread = arun(main())
+    assert module.forward_threads == [loop_thread]
