@@ -363,7 +363,11 @@ def measure_pipeline(plan: PipelinePlan, kernels: str) -> tuple[dict[str, float]
     the pipeline's, not the kernels'."""
     import torch
 
+    from swarm.experts.kernels import onednn_is_faster
+
     torch.set_num_threads(1)
+    if kernels == "auto":  # decided once, here, for the servers and the local model alike
+        kernels = "onednn" if onednn_is_faster() else "torch"
     figures: dict[str, float] = {}
     ratios: dict[str, float] = {}
     for name, widths in PIPELINE_MODELS.items():

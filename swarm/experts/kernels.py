@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
 LinearKernels = Literal["auto", "torch", "onednn"]
@@ -72,17 +73,20 @@ class _Linear(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+        # only what the wanted gradients need: x for the weight's, the weight for x's
+        ctx.save_for_backward(
+            x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None
+        )
         ctx.has_bias = bias is not None
-        if x.shape[0] >= MIN_ROWS_FORWARD:
-            return _onednn_mm(x, weight, bias)
-        return torch.nn.functional.linear(x, weight, bias)
+        return _onednn_mm(x, weight, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
+        # linear() sends fewer rows than both bounds to F.linear; the branches below
+        # serve bounds that differ from each other
         rows = grad.shape[0]
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
@@ -100,21 +104,35 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``torch.nn.functional.linear``, with oneDNN's products where they are faster:
-    float32 on the CPU, at least :data:`MIN_MACS` multiply-adds. Differentiable once (a
-    second derivative through it raises)."""
-    rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
+def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether this call is one for torch's own ``F.linear``: anything but float32 on the
+    CPU with matching 2-D weight and contiguous 1-D bias; a product under the bounds;
+    autocast (which would pick another dtype) or forward-mode AD (whose tangents only
+    torch's ops carry)."""
     if (
         x.dtype != torch.float32
         or weight.dtype != torch.float32
         or x.device.type != "cpu"
         or weight.device.type != "cpu"
         or x.dim() < 2
-        or rows < MIN_ROWS_FORWARD
-        or rows * weight.shape[0] * weight.shape[1] < MIN_MACS
+        or weight.dim() != 2
+        or x.shape[-1] != weight.shape[1]
+        or (bias is not None and (bias.dim() != 1 or not bias.is_contiguous()))
+        or torch.is_autocast_enabled("cpu")
+        or getattr(forward_ad, "_current_level", -1) >= 0
     ):
+        return True
+    rows = x.numel() // x.shape[-1] if x.shape[-1] > 0 else 0
+    return rows < MIN_ROWS_FORWARD or rows * weight.shape[0] * weight.shape[1] < MIN_MACS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``torch.nn.functional.linear``, with oneDNN's products where they are faster:
+    float32 on the CPU, at least :data:`MIN_MACS` multiply-adds. Differentiable once (a
+    second derivative through it raises)."""
+    if _plain(x, weight, bias):
         return torch.nn.functional.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     if torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -131,7 +149,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` computed by :func:`linear`. Same parameters, state dict and
-    hooks as the layer it was: :func:`use_linear_kernels` only changes its class."""
+    hooks as the layer it was: :func:`use_linear_kernels` only changes its class. Tools
+    that look for ``nn.Linear`` by exact class (``torch.ao`` quantization,
+    ``torch.fx`` leaf tracing) see it as a module of its own; ``use_linear_kernels(m,
+    "torch")`` turns it back."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return linear(input, self.weight, self.bias)
@@ -141,7 +162,7 @@ class OneDNNLinear(nn.Linear):
 def onednn_is_faster() -> bool:
     """Whether oneDNN runs :data:`PROBE_SHAPE`'s product at least
     :data:`AUTO_MIN_SPEEDUP` times faster than torch's kernel, here, on torch's
-    current threads, and agrees with it; timed once per process (about 30 ms)."""
+    current threads, and agrees with it; timed once per process (about 40 ms)."""
     if _onednn_op() is None:
         return False
     rows, n_in, n_out = PROBE_SHAPE
@@ -165,16 +186,21 @@ def onednn_is_faster() -> bool:
     return statistics.median(theirs_seconds) >= AUTO_MIN_SPEEDUP * statistics.median(ours_seconds)
 
 
-def use_linear_kernels(module: nn.Module, kernels: LinearKernels) -> bool:
-    """Make ``module``'s ``nn.Linear`` layers (exactly that class, not subclasses, which
-    may compute otherwise) compute with oneDNN if ``kernels`` says so: ``"onednn"``
-    always, ``"auto"`` if :func:`onednn_is_faster`, ``"torch"`` never (layers switched
-    before are switched back). Returns whether oneDNN is used. ValueError for an unknown
-    ``kernels``, or ``"onednn"`` where this torch has no oneDNN."""
+def check_linear_kernels(kernels: str) -> None:
+    """ValueError for an unknown ``kernels``, or ``"onednn"`` where this torch has none."""
     if kernels not in LINEAR_KERNELS:
         raise ValueError(f"linear kernels must be one of {LINEAR_KERNELS}, got {kernels!r}")
     if kernels == "onednn" and _onednn_op() is None:
         raise ValueError("linear kernels 'onednn': this torch was built without oneDNN")
+
+
+def use_linear_kernels(module: nn.Module, kernels: LinearKernels) -> bool:
+    """Make ``module``'s ``nn.Linear`` layers (exactly that class, not subclasses, which
+    may compute otherwise) compute with oneDNN if ``kernels`` says so: ``"onednn"``
+    always, ``"auto"`` if :func:`onednn_is_faster`, ``"torch"`` never (layers switched
+    before are switched back). The module is changed in place, for good. Returns
+    whether oneDNN is used. ValueError as :func:`check_linear_kernels`."""
+    check_linear_kernels(kernels)
     use = kernels == "onednn" or (kernels == "auto" and onednn_is_faster())
     source, target = (nn.Linear, OneDNNLinear) if use else (OneDNNLinear, nn.Linear)
     for layer in module.modules():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.experts.kernels import LINEAR_KERNELS, LinearKernels
+from swarm.experts.kernels import LinearKernels, check_linear_kernels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,17 +36,15 @@ class ServerConfig:
     """How hosted modules compute their ``nn.Linear`` layers on the CPU
     (:mod:`swarm.experts.kernels`): ``"auto"`` with oneDNN where a probe finds it clearly
     faster than torch's kernels (2.2x on AMD's AVX-512 CPUs), ``"onednn"`` always,
-    ``"torch"`` never."""
+    ``"torch"`` never. The server changes its modules' Linear layers in place (their
+    class, not their parameters)."""
 
     def __post_init__(self) -> None:
         if self.min_batch_size < 1 or self.max_queued_batches < 1:
             raise ValueError("min_batch_size and max_queued_batches must be at least 1")
         if self.max_wait_seconds < 0 or self.kept_forward_seconds < 0:
             raise ValueError("max_wait_seconds and kept_forward_seconds must be >= 0")
-        if self.linear_kernels not in LINEAR_KERNELS:
-            raise ValueError(
-                f"linear_kernels must be one of {LINEAR_KERNELS}, got {self.linear_kernels!r}"
-            )
+        check_linear_kernels(self.linear_kernels)
         if self.max_kept_forwards < 0:
             raise ValueError("max_kept_forwards must be >= 0")
         if not 0 < self.announce_interval < self.announce_ttl:

@@ -176,16 +176,20 @@ class ModuleWorker:
             if not job.future.done():  # its caller may have given up meanwhile
                 job.future.set_result(result)
         if batch.kind == "backward":
-            # the callers' handlers first: they encode and send the gradients in their next
-            # turn on the loop; a step thread started now would hold the GIL in Adam's
-            # Python before its kernel, and hold the replies up
-            await asyncio.sleep(0)
-            self._stepping = asyncio.ensure_future(asyncio.to_thread(self.backend.step))
+            self._stepping = asyncio.ensure_future(self._step_after_replies())
             try:
                 await asyncio.shield(self._stepping)  # a cancelled worker still finishes it
             except Exception as e:  # the callers have their gradients; the step is ours
                 logger.warning("%s optimizer step failed: %r", self.backend.uid, e)
             self._stepping = None
+
+    async def _step_after_replies(self) -> None:
+        # the callers' handlers first: they encode and send the gradients in their next
+        # turn on the loop; a step thread started at once would hold the GIL in Adam's
+        # Python before its kernel, and hold the replies up. Inside the shielded future,
+        # so a worker cancelled meanwhile still steps.
+        await asyncio.sleep(0)
+        await asyncio.to_thread(self.backend.step)
 
     def _compute(self, kind: Kind, jobs: Sequence[_Job]) -> list[tuple[Result, KeptForward | None]]:
         """Join, compute, split. A forward keeps its graph only if it ran alone; a

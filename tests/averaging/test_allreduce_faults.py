@@ -15,6 +15,10 @@ NUM_PEERS = 8
 #: ~0.3 s per round here (0.28-0.45 s measured; 0.47-0.64 s before 2 MiB Noise frames
 #: and the kept heap): 8 processes on 2 cores move 8 x 28 MB each way.
 ELEMENTS = 1 << 23
+#: Rounds that peers are killed or paused in: twice as long, so that a kill 0.02-0.1 s
+#: after the start lands early in the transfer even when the test process itself is
+#: scheduled late on a loaded machine (at 1 << 23, in CI, a victim once finished first).
+FAULT_ELEMENTS = 1 << 24
 CONFIG = {
     "sender_timeout": 3.0,
     "reducer_timeout": 6.0,
@@ -82,7 +86,7 @@ def test_two_of_eight_killed_mid_round_ten_times() -> None:
         for run in range(10):
             ranks = {p.peer_id: i for i, p in enumerate(procs)}
             victims = rng.sample(procs, 2)
-            _start_round(procs, ranks, seed + run)
+            _start_round(procs, ranks, seed + run, elements=FAULT_ELEMENTS)
             for v in victims:
                 v.wait_report("started", 30)
             # Somewhere in the first third of the transfer. Not later: a victim killed
@@ -107,7 +111,7 @@ def test_a_paused_peer_is_excluded_and_its_stale_parts_do_not_reach_the_next_rou
             p.wait_report("serving", 60)
         ranks = {p.peer_id: i for i, p in enumerate(procs)}
         paused = procs[3]
-        _start_round(procs, ranks, seed=11)
+        _start_round(procs, ranks, seed=11, elements=FAULT_ELEMENTS)
         paused.wait_report("started", 30)
         time.sleep(0.05)  # early in the transfer: later, it may have departed
         swarm.pause(paused)

@@ -162,14 +162,47 @@ def test_the_switch_keeps_parameters_state_and_optimizer_and_trains_the_same() -
     assert OneDNNLinear not in {type(m) for m in module.modules()}
 
 
-def test_the_switch_refuses_an_unknown_kind_and_auto_follows_the_probe() -> None:
+def test_the_switch_refuses_an_unknown_kind_and_auto_follows_the_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     module = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="linear kernels must be one of"):
         use_linear_kernels(module, "fast")  # type: ignore[arg-type]
-    assert use_linear_kernels(module, "auto") is onednn_is_faster()
+    monkeypatch.setattr(kernels, "onednn_is_faster", lambda: False)
+    assert use_linear_kernels(module, "auto") is False and type(module) is nn.Linear
+    monkeypatch.setattr(kernels, "onednn_is_faster", lambda: True)
+    assert use_linear_kernels(module, "auto") is True and type(module) is OneDNNLinear
     assert use_linear_kernels(module, "torch") is False and type(module) is nn.Linear
-    with pytest.raises(ValueError, match="linear_kernels must be one of"):
+    assert isinstance(onednn_is_faster(), bool)  # the real probe answers, whatever it finds
+    with pytest.raises(ValueError, match="linear kernels must be one of"):
         ServerConfig(linear_kernels="mkl")  # type: ignore[arg-type]
+    monkeypatch.setattr(kernels, "_onednn_op", lambda: None)  # a torch without oneDNN
+    with pytest.raises(ValueError, match="built without oneDNN"):
+        ServerConfig(linear_kernels="onednn")
+    assert use_linear_kernels(module, "torch") is False  # "torch" needs nothing
+
+
+@needs_onednn
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_calls_it_cannot_take_go_to_torch_unchanged() -> None:  # (make_dual's warning)
+    """A strided bias, autocast, forward-mode AD and shape errors: F.linear's results
+    and errors, not oneDNN's."""
+    torch.manual_seed(5)
+    x, weight = torch.randn(64, 512), torch.randn(512, 512)
+    strided_bias = torch.randn(1024)[::2]
+    _close(linear(x, weight, strided_bias), torch.nn.functional.linear(x, weight, strided_bias))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x, weight, None).dtype == torch.bfloat16
+    import torch.autograd.forward_ad as fwad
+
+    tangent = torch.randn_like(x)
+    with fwad.dual_level():
+        out = linear(fwad.make_dual(x, tangent), weight, None)
+        _close(fwad.unpack_dual(out).tangent, tangent @ weight.t())
+    with pytest.raises(RuntimeError):
+        linear(torch.randn(64, 256), weight, None)  # 256 columns into a 512-wide layer
+    vector = torch.randn(512)  # a 1-D weight, which F.linear takes (a matrix-vector product)
+    _close(linear(x, vector, None), torch.nn.functional.linear(x, vector))
 
 
 @needs_onednn
