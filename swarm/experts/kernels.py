@@ -104,11 +104,11 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether this call is one for torch's own ``F.linear``: anything but float32 on the
-    CPU with matching 2-D weight and contiguous 1-D bias; a product under the bounds;
-    autocast (which would pick another dtype) or forward-mode AD (whose tangents only
-    torch's ops carry)."""
+def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The rows of this call's product if it is one for oneDNN, else 0 (one for torch's
+    own ``F.linear``): anything but float32 on the CPU with matching 2-D weight and
+    contiguous 1-D bias; a product under the bounds; autocast (which would pick another
+    dtype) or forward-mode AD (whose tangents only torch's ops carry)."""
     if (
         x.dtype != torch.float32
         or weight.dtype != torch.float32
@@ -121,18 +121,20 @@ def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         or torch.is_autocast_enabled("cpu")
         or getattr(forward_ad, "_current_level", -1) >= 0
     ):
-        return True
+        return 0
     rows = x.numel() // x.shape[-1] if x.shape[-1] > 0 else 0
-    return rows < MIN_ROWS_FORWARD or rows * weight.shape[0] * weight.shape[1] < MIN_MACS
+    if rows < MIN_ROWS_FORWARD or rows * weight.shape[0] * weight.shape[1] < MIN_MACS:
+        return 0
+    return rows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``torch.nn.functional.linear``, with oneDNN's products where they are faster:
     float32 on the CPU, at least :data:`MIN_MACS` multiply-adds. Differentiable once (a
     second derivative through it raises)."""
-    if _plain(x, weight, bias):
+    rows = _onednn_rows(x, weight, bias)
+    if not rows:
         return torch.nn.functional.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     if torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
