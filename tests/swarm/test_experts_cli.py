@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from peers import BlockingPeer, PeerConfig, PeerID
@@ -56,3 +57,16 @@ def test_serve_refuses_a_bad_config_with_a_clear_error() -> None:
     )
     assert out.returncode == 2
     assert "invalid expert uid 'ffn'" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["serve", "--uids", "ffn.0", "--linear-kernels", "mkl"],
+        ["serve-stage", "--linear-kernels", ""],
+    ],
+)
+def test_an_unknown_linear_kernel_is_refused_before_anything_starts(args: list[str]) -> None:
+    out = subprocess.run([*SWARM, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--linear-kernels: invalid choice" in out.stderr
