@@ -28,6 +28,7 @@ from peers.identity import PeerID, PublicKey
 from peers.multistream import MultistreamDialer
 from peers.noise import AESGCM_NOISE, TAG_BYTES, NoiseError, NoiseTransport
 from peers.socket_reader import SocketReader
+from peers.socket_writer import SocketWriter
 from peers.yamux import HEADER_BYTES as YAMUX_HEADER_BYTES
 from peers.yamux import (
     VIEW_FRAME_BYTES,
@@ -375,6 +376,7 @@ class Connection:
     ) -> None:
         self._reader = reader
         self._writer = writer
+        self._socket_writer = SocketWriter(writer)
         self._transport = transport
         #: The secure channel's multistream id: which Noise cipher the two sides agreed on.
         self.security_protocol = security_protocol
@@ -526,7 +528,7 @@ class Connection:
         self._flush_scheduled = False
         frames = self._session.frames_to_send()
         if frames and not self._writer.is_closing():
-            self._writer.writelines(self._transport.encrypt_frames(frames))
+            self._socket_writer.writelines(self._transport.encrypt_frames(frames))
 
     def _flush_quietly(self) -> None:
         with contextlib.suppress(ConnectionError, OSError, RuntimeError):
