@@ -8,7 +8,11 @@ or backward: a backward costs about twice a forward) runs in a thread
 (``asyncio.to_thread``: the event loop keeps moving bytes and enforcing deadlines while
 torch works, and torch releases the GIL in its kernels); smaller work runs inline,
 saving two thread switches per request. After a backward batch, the replies go out
-first and the optimizer step follows, before the module's next batch. One worker per
+first and the optimizer step follows, before the module's next batch: a backward that
+ran in a thread hands its results to the loop and steps in that same thread at once,
+so the step's Python is behind it before the loop, sending the replies, wants the GIL
+(started from the loop after the replies, it waited 0.3-0.7 ms for it at batch 1).
+One worker per
 module, so a forward never reads parameters a step is writing; code outside that reads
 or changes the parameters (replica averaging) goes through :meth:`ModuleWorker.exclusive`
 for the same reason. A caller that gives up leaves the queue at once.
@@ -138,34 +142,92 @@ class ModuleWorker:
                 if not future.done():
                     await asyncio.wait([future])
 
-    async def _call(self, fn: Callable[[], R], kind: Kind, num_samples: int) -> tuple[R, float]:
+    def _inline(self, kind: Kind, num_samples: int) -> bool:
+        """Whether work of this kind and size is expected to be cheap enough for the loop."""
+        per_sample = self._seconds_per_sample.get(kind)
+        return per_sample is not None and num_samples * per_sample < INLINE_COMPUTE_SECONDS
+
+    def _timed(self, fn: Callable[[], R]) -> tuple[R, float]:
         """``fn()`` and the seconds it computed: only its own, not the hand-over to and
         from a thread (which, counted in, would make small work look big enough for a
         thread and keep it there)."""
-
-        def timed() -> tuple[R, float]:
-            started = time.perf_counter()
-            try:
-                return fn(), time.perf_counter() - started
-            finally:
-                self.backend.add_compute_seconds(time.perf_counter() - started)
-
-        per_sample = self._seconds_per_sample.get(kind)
-        if per_sample is not None and num_samples * per_sample < INLINE_COMPUTE_SECONDS:
-            return timed()
-        return await asyncio.to_thread(timed)
+        started = time.perf_counter()
+        try:
+            return fn(), time.perf_counter() - started
+        finally:
+            self.backend.add_compute_seconds(time.perf_counter() - started)
 
     async def _run_batch(self, batch: Batch[int], jobs: list[_Job]) -> None:
-        try:
-            results, seconds = await self._call(
-                lambda: self._compute(batch.kind, jobs), batch.kind, batch.num_samples
-            )
-        except Exception as e:  # the module's own failure: every caller of this batch hears it
-            logger.info("%s %s failed: %r", self.backend.uid, batch.kind, e)
-            for job in jobs:
-                if not job.future.done():  # each its own copy: no shared traceback cycles
-                    job.future.set_exception(raisable_copy(e))
+        def compute() -> list[tuple[Result, KeptForward | None]]:
+            return self._compute(batch.kind, jobs)
+
+        if batch.kind == "backward" and not self._inline("backward", batch.num_samples):
+            await self._backward_then_step(batch, jobs, compute)
             return
+        try:
+            if self._inline(batch.kind, batch.num_samples):
+                results, seconds = self._timed(compute)
+            else:
+                results, seconds = await asyncio.to_thread(self._timed, compute)
+        except Exception as e:  # the module's own failure: every caller of this batch hears it
+            self._fail(batch, jobs, e)
+            return
+        self._deliver(batch, jobs, results, seconds)
+        if batch.kind == "backward":
+            self._stepping = asyncio.ensure_future(self._step_after_replies())
+            try:
+                await asyncio.shield(self._stepping)  # a cancelled worker still finishes it
+            except Exception as e:  # the callers have their gradients; the step is ours
+                logger.warning("%s optimizer step failed: %r", self.backend.uid, e)
+            self._stepping = None
+
+    async def _backward_then_step(
+        self,
+        batch: Batch[int],
+        jobs: list[_Job],
+        compute: Callable[[], list[tuple[Result, KeptForward | None]]],
+    ) -> None:
+        """A backward batch in a thread that, once it has the gradients, hands them to
+        the loop and goes straight on to the optimizer step (the module docstring says
+        why). Awaited to the end of the step, shielded: a cancelled worker still steps
+        before the module computes again."""
+        loop = asyncio.get_running_loop()
+
+        def backward_then_step() -> None:
+            results, seconds = self._timed(compute)  # raises the module's failure: no step
+            loop.call_soon_threadsafe(self._deliver, batch, jobs, results, seconds)
+            try:
+                self.backend.step()
+            except Exception as e:  # the callers have their gradients; the step is ours
+                logger.warning("%s optimizer step failed: %r", self.backend.uid, e)
+
+        self._stepping = asyncio.ensure_future(asyncio.to_thread(backward_then_step))
+        try:
+            await asyncio.shield(self._stepping)
+        except Exception as e:  # the module's backward failed: every caller hears it
+            self._fail(batch, jobs, e)
+        finally:
+            stepping, self._stepping = self._stepping, None
+            if not stepping.done():  # cancelled: the thread still runs; wait it out
+                await asyncio.wait([stepping])
+                error = None if stepping.cancelled() else stepping.exception()
+                if error is not None:
+                    self._fail(batch, jobs, error)
+
+    def _fail(self, batch: Batch[int], jobs: list[_Job], error: BaseException) -> None:
+        logger.info("%s %s failed: %r", self.backend.uid, batch.kind, error)
+        for job in jobs:
+            if not job.future.done():  # each its own copy: no shared traceback cycles
+                job.future.set_exception(raisable_copy(error))
+
+    def _deliver(
+        self,
+        batch: Batch[int],
+        jobs: list[_Job],
+        results: list[tuple[Result, KeptForward | None]],
+        seconds: float,
+    ) -> None:
+        """Hand each caller its share, and learn the batch's speed."""
         rate = batch.num_samples / max(seconds, 1e-9)
         weight = THROUGHPUT_SMOOTHING if self.throughput else 1.0
         self.throughput += weight * (rate - self.throughput)
@@ -175,19 +237,11 @@ class ModuleWorker:
         for job, result in zip(jobs, results, strict=True):
             if not job.future.done():  # its caller may have given up meanwhile
                 job.future.set_result(result)
-        if batch.kind == "backward":
-            self._stepping = asyncio.ensure_future(self._step_after_replies())
-            try:
-                await asyncio.shield(self._stepping)  # a cancelled worker still finishes it
-            except Exception as e:  # the callers have their gradients; the step is ours
-                logger.warning("%s optimizer step failed: %r", self.backend.uid, e)
-            self._stepping = None
 
     async def _step_after_replies(self) -> None:
-        # the callers' handlers first: they encode and send the gradients in their next
-        # turn on the loop; a step thread started at once would hold the GIL in Adam's
-        # Python before its kernel, and hold the replies up. Inside the shielded future,
-        # so a worker cancelled meanwhile still steps.
+        # after an inline backward: the callers' handlers first, so they encode and send
+        # the gradients in their next turn on the loop. Inside the shielded future, so a
+        # worker cancelled meanwhile still steps.
         await asyncio.sleep(0)
         await asyncio.to_thread(self.backend.step)
 

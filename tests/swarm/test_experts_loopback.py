@@ -462,3 +462,145 @@ def test_a_cheap_forward_runs_on_the_loop_even_after_dear_backward_batches(
 
     loop_thread = arun(main())
     assert module.forward_threads == [loop_thread]
+
+
+class GatedSGD(torch.optim.SGD):
+    """SGD whose step waits for ``gate`` (bounded); its next ``failures`` steps raise."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.failures = 0
+        self.num_done = 0
+
+    def step(self, closure: Any = None) -> Any:
+        self.started.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("the optimizer broke")
+        out = super().step(closure)
+        self.num_done += 1
+        return out
+
+
+def _gated_worker(module: nn.Module) -> tuple[ModuleWorker, GatedSGD]:
+    """A worker whose every batch runs in a thread (so a backward steps in its thread)."""
+    optimizer = GatedSGD(module.parameters(), lr=0.5)
+    spec = [TensorSpec(shape=[4], dtype="float32")]
+    backend = ModuleBackend("gated.0", module, inputs=spec, max_batch_size=8, optimizer=optimizer)
+    batcher: Batcher[int] = Batcher(max_batch_size=8, max_queued_samples=64)
+    return ModuleWorker(backend, batcher, KeptStore(max_entries=4, ttl_seconds=60.0)), optimizer
+
+
+@contextlib.asynccontextmanager
+async def _working(worker: ModuleWorker) -> AsyncIterator[asyncio.Task[None]]:
+    running = asyncio.create_task(worker.run())
+    try:
+        yield running
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(running, 10)
+
+
+def test_a_threaded_backward_replies_before_its_step_and_the_next_batch_waits_for_it(
+    arun: Arun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)
+    module = nn.Linear(4, 4)
+    reference = nn.Linear(4, 4)
+    reference.load_state_dict(module.state_dict())
+    worker, optimizer = _gated_worker(module)
+    x, grad = torch.randn(2, 4), torch.randn(2, 4)
+
+    async def main() -> None:
+        async with _working(worker):
+            (grad_x,), _ = await asyncio.wait_for(worker.submit("backward", ([x], [grad]), 2), 10)
+            assert optimizer.started.wait(10)
+            assert optimizer.num_done == 0  # the gradients came back before the step ended
+            forward = asyncio.ensure_future(worker.submit("forward", ([x],), 2))
+            done, _ = await asyncio.wait([forward], timeout=0.3)
+            assert not done  # bounded wait: the next batch waits for the step
+            optimizer.gate.set()
+            (out,), _ = await asyncio.wait_for(forward, 10)
+        assert optimizer.num_done == 1
+        xr = x.clone().requires_grad_()
+        reference(xr).backward(grad)
+        assert grad_x is not None and xr.grad is not None
+        assert torch.allclose(grad_x, xr.grad)
+        torch.optim.SGD(reference.parameters(), lr=0.5).step()
+        with torch.no_grad():
+            assert torch.allclose(out, reference(x))  # computed after the step
+
+    arun(main())
+
+
+def test_a_failed_threaded_backward_fails_its_callers_and_takes_no_step(
+    arun: Arun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)
+    worker, optimizer = _gated_worker(Fragile())
+    optimizer.gate.set()
+    bad = torch.zeros(1, 4)
+    bad[0, 0] = 42
+
+    async def main() -> None:
+        async with _working(worker):
+            with pytest.raises(RuntimeError, match="module broke on a 42"):
+                await asyncio.wait_for(worker.submit("backward", ([bad], [bad]), 1), 10)
+            assert not optimizer.started.is_set()
+            good = torch.ones(1, 4)
+            await asyncio.wait_for(worker.submit("backward", ([good], [good]), 1), 10)
+            (out,), _ = await asyncio.wait_for(worker.submit("forward", ([good],), 1), 10)
+            assert out.shape == (1, 4)
+        assert optimizer.num_done == 1
+
+    arun(main())
+
+
+def test_a_failed_step_is_logged_and_the_worker_goes_on(
+    arun: Arun, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)
+    worker, optimizer = _gated_worker(nn.Linear(4, 4))
+    optimizer.gate.set()
+    optimizer.failures = 1
+    x = torch.randn(1, 4)
+
+    async def main() -> None:
+        async with _working(worker):
+            (grad_x,), _ = await asyncio.wait_for(worker.submit("backward", ([x], [x]), 1), 10)
+            assert grad_x is not None
+            assert grad_x.shape == (1, 4)
+            await asyncio.wait_for(worker.submit("backward", ([x], [x]), 1), 10)
+            await asyncio.wait_for(worker.submit("forward", ([x],), 1), 10)
+        assert optimizer.num_done == 1
+
+    with caplog.at_level("WARNING", logger="swarm.experts.worker"):
+        arun(main())
+    assert any("optimizer step failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_cancelled_during_a_step_stops_only_after_it(
+    arun: Arun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parameters are never left half-stepped: ``run`` returns once the step is done."""
+    monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)
+    worker, optimizer = _gated_worker(nn.Linear(4, 4))
+    x = torch.randn(1, 4)
+
+    async def main() -> None:
+        running = asyncio.create_task(worker.run())
+        await asyncio.wait_for(worker.submit("backward", ([x], [x]), 1), 10)
+        assert optimizer.started.wait(10)
+        running.cancel()
+        done, _ = await asyncio.wait([running], timeout=0.3)
+        assert not done  # bounded wait: still stepping
+        optimizer.gate.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(running, 10)
+        assert optimizer.num_done == 1
+
+    arun(main())
