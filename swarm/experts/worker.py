@@ -10,24 +10,23 @@ torch works, and torch releases the GIL in its kernels); smaller work runs inlin
 saving two thread switches per request. After a backward batch, the replies go out
 first and the optimizer step follows, before the module's next batch: a backward that
 ran in a thread hands its results to the loop and steps in that same thread at once,
-so the step's Python is behind it before the loop, sending the replies, wants the GIL
-(started from the loop after the replies, it waited 0.3-0.7 ms for it at batch 1).
-One worker per
-module, so a forward never reads parameters a step is writing; code outside that reads
-or changes the parameters (replica averaging) goes through :meth:`ModuleWorker.exclusive`
-for the same reason. A caller that gives up leaves the queue at once.
+so the step is under way before the loop, sending the replies, wants the GIL (started
+from the loop after the replies, the step began 0.6-0.8 ms after a batch-1 backward,
+waiting for it). One worker per module, so a forward never reads parameters a step is
+writing; code outside that reads or changes the parameters (replica averaging) goes
+through :meth:`ModuleWorker.exclusive` for the same reason. Work in a thread is awaited
+to its end even by a cancelled worker. A caller that gives up leaves the queue at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -73,7 +72,6 @@ class ModuleWorker:
         self._jobs: dict[int, _Job] = {}
         self._tickets = itertools.count()
         self._wake = asyncio.Event()
-        self._stepping: asyncio.Future[None] | None = None
         self._exclusive = asyncio.Lock()  # held by each batch (and its step), or by exclusive()
 
     async def submit(
@@ -102,14 +100,10 @@ class ModuleWorker:
                 del self._jobs[ticket]
 
     async def run(self) -> None:
-        """Serve the queue until cancelled; a step in progress then finishes first (it
-        changes the parameters, and a half-known state would be worse)."""
-        try:
-            await self._serve()
-        finally:
-            if self._stepping is not None:
-                with contextlib.suppress(Exception):  # logged by the other path
-                    await asyncio.shield(self._stepping)
+        """Serve the queue until cancelled; work in a thread (a batch, an optimizer step)
+        then finishes first (it may be changing the parameters, and a half-known state
+        would be worse)."""
+        await self._serve()
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -135,12 +129,7 @@ class ModuleWorker:
         parameters. Raises what ``fn`` raises. A cancelled caller still holds the module
         until ``fn`` has finished (a half-written parameter must not be computed with)."""
         async with self._exclusive:
-            future = asyncio.ensure_future(asyncio.to_thread(fn))
-            try:
-                return await asyncio.shield(future)
-            finally:
-                if not future.done():
-                    await asyncio.wait([future])
+            return await _finish(asyncio.ensure_future(asyncio.to_thread(fn)))
 
     def _inline(self, kind: Kind, num_samples: int) -> bool:
         """Whether work of this kind and size is expected to be cheap enough for the loop."""
@@ -158,61 +147,43 @@ class ModuleWorker:
             self.backend.add_compute_seconds(time.perf_counter() - started)
 
     async def _run_batch(self, batch: Batch[int], jobs: list[_Job]) -> None:
-        def compute() -> list[tuple[Result, KeptForward | None]]:
-            return self._compute(batch.kind, jobs)
-
-        if batch.kind == "backward" and not self._inline("backward", batch.num_samples):
-            await self._backward_then_step(batch, jobs, compute)
-            return
-        try:
-            if self._inline(batch.kind, batch.num_samples):
-                results, seconds = self._timed(compute)
-            else:
-                results, seconds = await asyncio.to_thread(self._timed, compute)
-        except Exception as e:  # the module's own failure: every caller of this batch hears it
-            self._fail(batch, jobs, e)
-            return
-        self._deliver(batch, jobs, results, seconds)
-        if batch.kind == "backward":
-            self._stepping = asyncio.ensure_future(self._step_after_replies())
-            try:
-                await asyncio.shield(self._stepping)  # a cancelled worker still finishes it
-            except Exception as e:  # the callers have their gradients; the step is ours
-                logger.warning("%s optimizer step failed: %r", self.backend.uid, e)
-            self._stepping = None
-
-    async def _backward_then_step(
-        self,
-        batch: Batch[int],
-        jobs: list[_Job],
-        compute: Callable[[], list[tuple[Result, KeptForward | None]]],
-    ) -> None:
-        """A backward batch in a thread that, once it has the gradients, hands them to
-        the loop and goes straight on to the optimizer step (the module docstring says
-        why). Awaited to the end of the step, shielded: a cancelled worker still steps
-        before the module computes again."""
+        """Compute, hand each caller its share (or the module's error), and after a
+        backward step the optimizer. Work in a thread is awaited to its end even by a
+        cancelled worker, so the module is never released mid-computation."""
         loop = asyncio.get_running_loop()
+        threaded = not self._inline(batch.kind, batch.num_samples)
+        step_here = batch.kind == "backward" and threaded
 
-        def backward_then_step() -> None:
-            results, seconds = self._timed(compute)  # raises the module's failure: no step
-            loop.call_soon_threadsafe(self._deliver, batch, jobs, results, seconds)
+        def hand(fn: Callable[..., None], *args: Any) -> None:
+            if threaded:  # to the loop, which owns the callers' futures
+                loop.call_soon_threadsafe(fn, *args)
+            else:
+                fn(*args)
+
+        def work() -> bool:
+            """Compute and hand over; in a backward's thread, then step at once."""
             try:
-                self.backend.step()
-            except Exception as e:  # the callers have their gradients; the step is ours
-                logger.warning("%s optimizer step failed: %r", self.backend.uid, e)
+                results, seconds = self._timed(lambda: self._compute(batch.kind, jobs))
+            except Exception as e:  # the module's own failure: every caller hears it
+                hand(self._fail, batch, jobs, e)
+                return False
+            hand(self._deliver, batch, jobs, results, seconds)
+            if step_here:
+                self._step()
+            return True
 
-        self._stepping = asyncio.ensure_future(asyncio.to_thread(backward_then_step))
+        if not threaded:
+            computed = work()
+        else:
+            computed = await _finish(asyncio.ensure_future(asyncio.to_thread(work)))
+        if computed and batch.kind == "backward" and not step_here:
+            await _finish(asyncio.ensure_future(self._step_after_replies()))
+
+    def _step(self) -> None:
         try:
-            await asyncio.shield(self._stepping)
-        except Exception as e:  # the module's backward failed: every caller hears it
-            self._fail(batch, jobs, e)
-        finally:
-            stepping, self._stepping = self._stepping, None
-            if not stepping.done():  # cancelled: the thread still runs; wait it out
-                await asyncio.wait([stepping])
-                error = None if stepping.cancelled() else stepping.exception()
-                if error is not None:
-                    self._fail(batch, jobs, error)
+            self.backend.step()
+        except Exception as e:  # the callers have their gradients; the step is ours
+            logger.warning("%s optimizer step failed: %r", self.backend.uid, e)
 
     def _fail(self, batch: Batch[int], jobs: list[_Job], error: BaseException) -> None:
         logger.info("%s %s failed: %r", self.backend.uid, batch.kind, error)
@@ -227,23 +198,28 @@ class ModuleWorker:
         results: list[tuple[Result, KeptForward | None]],
         seconds: float,
     ) -> None:
-        """Hand each caller its share, and learn the batch's speed."""
-        rate = batch.num_samples / max(seconds, 1e-9)
-        weight = THROUGHPUT_SMOOTHING if self.throughput else 1.0
-        self.throughput += weight * (rate - self.throughput)
-        per_sample = seconds / batch.num_samples
-        before = self._seconds_per_sample.get(batch.kind, per_sample)
-        self._seconds_per_sample[batch.kind] = before + THROUGHPUT_SMOOTHING * (per_sample - before)
-        for job, result in zip(jobs, results, strict=True):
-            if not job.future.done():  # its caller may have given up meanwhile
-                job.future.set_result(result)
+        """Hand each caller its share, and learn the batch's speed. A fault of ours here
+        fails the callers rather than leave them waiting for their deadlines."""
+        try:
+            rate = batch.num_samples / max(seconds, 1e-9)
+            weight = THROUGHPUT_SMOOTHING if self.throughput else 1.0
+            self.throughput += weight * (rate - self.throughput)
+            per_sample = seconds / batch.num_samples
+            before = self._seconds_per_sample.get(batch.kind, per_sample)
+            smoothed = before + THROUGHPUT_SMOOTHING * (per_sample - before)
+            self._seconds_per_sample[batch.kind] = smoothed
+            for job, result in zip(jobs, results, strict=True):
+                if not job.future.done():  # its caller may have given up meanwhile
+                    job.future.set_result(result)
+        except Exception as e:
+            self._fail(batch, jobs, e)
 
     async def _step_after_replies(self) -> None:
         # after an inline backward: the callers' handlers first, so they encode and send
-        # the gradients in their next turn on the loop. Inside the shielded future, so a
-        # worker cancelled meanwhile still steps.
+        # the gradients in their next turn on the loop. A future of its own, awaited to
+        # its end: a worker cancelled meanwhile still steps.
         await asyncio.sleep(0)
-        await asyncio.to_thread(self.backend.step)
+        await asyncio.to_thread(self._step)
 
     def _compute(self, kind: Kind, jobs: Sequence[_Job]) -> list[tuple[Result, KeptForward | None]]:
         """Join, compute, split. A forward keeps its graph only if it ran alone; a
@@ -280,3 +256,21 @@ def _split(outputs: Sequence[torch.Tensor | None], sizes: list[int]) -> list[Res
         return [list(outputs)]
     pieces = [[None] * len(sizes) if t is None else list(torch.split(t, sizes)) for t in outputs]
     return [[column[i] for column in pieces] for i in range(len(sizes))]
+
+
+async def _finish(future: asyncio.Future[R]) -> R:
+    """What ``future`` gives, awaited to its end even if the caller is cancelled meanwhile
+    (work in a thread cannot be stopped, and the module must stay held until it ends,
+    however many times the caller is cancelled); a cancelled caller then gets
+    CancelledError."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not future.cancelled():
+            future.exception()  # retrieved; the work hands its own failures over
+        raise asyncio.CancelledError
+    return future.result()
