@@ -49,9 +49,9 @@ def unsent(buffers: Sequence[Buffer], sent: int) -> list[Buffer]:
     """What is left of ``buffers`` (contiguous) after their first ``sent`` bytes."""
     left: list[Buffer] = []
     for i, buffer in enumerate(buffers):
-        size = memoryview(buffer).nbytes
-        if sent < size:
-            left.append(memoryview(buffer).cast("B")[sent:] if sent else buffer)
+        size = buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
+        if sent < size:  # no view is made on the way: this runs on every flush
+            left.append(_as_bytes(memoryview(buffer))[sent:] if sent else buffer)
             left.extend(buffers[i + 1 :])
             break
         sent -= size
