@@ -5,7 +5,7 @@ Handlers ``submit`` a request and await its share of a batch. The worker asks it
 computes, and splits the results. Work expected to take more than
 ``INLINE_COMPUTE_SECONDS`` (judged by the measured time per sample of its kind, forward
 or backward: a backward costs about twice a forward) runs in a thread
-(``asyncio.to_thread``: the event loop keeps moving bytes and enforcing deadlines while
+(the loop's default executor: the event loop keeps moving bytes and enforcing deadlines while
 torch works, and torch releases the GIL in its kernels); smaller work runs inline,
 saving two thread switches per request. After a backward batch, the replies go out
 first and the optimizer step follows, before the module's next batch: a backward that
@@ -129,7 +129,7 @@ class ModuleWorker:
         parameters. Raises what ``fn`` raises. A cancelled caller still holds the module
         until ``fn`` has finished (a half-written parameter must not be computed with)."""
         async with self._exclusive:
-            return await _finish(asyncio.ensure_future(asyncio.to_thread(fn)))
+            return await _finish(_in_thread(fn))
 
     def _inline(self, kind: Kind, num_samples: int) -> bool:
         """Whether work of this kind and size is expected to be cheap enough for the loop."""
@@ -175,7 +175,7 @@ class ModuleWorker:
         if not threaded:
             computed = work()
         else:
-            computed = await _finish(asyncio.ensure_future(asyncio.to_thread(work)))
+            computed = await _finish(_in_thread(work))
         if computed and batch.kind == "backward" and not step_here:
             await _finish(asyncio.ensure_future(self._step_after_replies()))
 
@@ -219,7 +219,7 @@ class ModuleWorker:
         # the gradients in their next turn on the loop. A future of its own, awaited to
         # its end: a worker cancelled meanwhile still steps.
         await asyncio.sleep(0)
-        await asyncio.to_thread(self._step)
+        await _in_thread(self._step)
 
     def _compute(self, kind: Kind, jobs: Sequence[_Job]) -> list[tuple[Result, KeptForward | None]]:
         """Join, compute, split. A forward keeps its graph only if it ran alone; a
@@ -256,6 +256,12 @@ def _split(outputs: Sequence[torch.Tensor | None], sizes: list[int]) -> list[Res
         return [list(outputs)]
     pieces = [[None] * len(sizes) if t is None else list(torch.split(t, sizes)) for t in outputs]
     return [[column[i] for column in pieces] for i in range(len(sizes))]
+
+
+def _in_thread(fn: Callable[[], R]) -> asyncio.Future[R]:
+    """``fn()`` submitted to the loop's default executor at once (``asyncio.to_thread``
+    would first start a task for it, one more turn of the loop on the critical path)."""
+    return asyncio.get_running_loop().run_in_executor(None, fn)
 
 
 async def _finish(future: asyncio.Future[R]) -> R:
