@@ -107,11 +107,18 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def _functorch_level() -> int | None:
+    """The innermost active ``torch.func`` transform's level, None outside any."""
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return None if level is None else level()
+
+
 def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
     """The rows of this call's product if it is one for oneDNN, else 0 (one for torch's
     own ``F.linear``): anything but float32 on the CPU with matching 2-D weight and
     contiguous 1-D bias; a product under the bounds; autocast (which would pick another
-    dtype) or forward-mode AD (whose tangents only torch's ops carry)."""
+    dtype), forward-mode AD (whose tangents only torch's ops carry) or a ``torch.func``
+    transform (which an autograd function without ``setup_context`` refuses)."""
     if (
         x.dtype != torch.float32
         or weight.dtype != torch.float32
@@ -123,6 +130,7 @@ def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         or (bias is not None and (bias.dim() != 1 or not bias.is_contiguous()))
         or torch.is_autocast_enabled("cpu")
         or getattr(forward_ad, "_current_level", -1) >= 0
+        or _functorch_level() is not None
     ):
         return 0
     rows = x.numel() // x.shape[-1] if x.shape[-1] > 0 else 0

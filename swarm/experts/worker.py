@@ -219,7 +219,7 @@ class ModuleWorker:
         # the gradients in their next turn on the loop. A future of its own, awaited to
         # its end: a worker cancelled meanwhile still steps.
         await asyncio.sleep(0)
-        await _in_thread(self._step)
+        await _finish(_in_thread(self._step))
 
     def _compute(self, kind: Kind, jobs: Sequence[_Job]) -> list[tuple[Result, KeptForward | None]]:
         """Join, compute, split. A forward keeps its graph only if it ran alone; a

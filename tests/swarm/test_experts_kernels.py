@@ -74,6 +74,27 @@ def test_values_and_gradients_match_torchs_below_and_above_every_bound(
 
 
 @needs_onednn
+@pytest.mark.parametrize("wanted", ["weight", "bias", "input", "all"])
+def test_one_row_gives_each_wanted_gradient_as_torch_does(wanted: str) -> None:
+    """One row, batched as [1, 1, N]: only the wanted gradients, equal to torch's (the
+    weight's, one product per element, bit for bit), laid out as the weight is."""
+    torch.manual_seed(7)
+    weight = torch.randn(4096, 1024, requires_grad=wanted in ("weight", "all"))
+    bias = torch.randn(4096, requires_grad=wanted in ("bias", "all"))
+    x = torch.randn(1, 1, 1024, requires_grad=wanted in ("input", "all"))
+    grad = torch.randn(1, 1, 4096)
+    leaves = [t for t in (x, weight, bias) if t.requires_grad]
+    ours = torch.autograd.grad(linear(x, weight, bias), leaves, grad)
+    theirs = torch.autograd.grad(torch.nn.functional.linear(x, weight, bias), leaves, grad)
+    for mine, other, leaf in zip(ours, theirs, leaves, strict=True):
+        assert mine.shape == leaf.shape and mine.stride() == leaf.stride()
+        _close(mine, other)
+    if weight.requires_grad:
+        at = next(i for i, leaf in enumerate(leaves) if leaf is weight)
+        assert torch.equal(ours[at], theirs[at])
+
+
+@needs_onednn
 def test_each_product_goes_to_onednn_exactly_where_its_bounds_say(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -185,8 +206,8 @@ def test_the_switch_refuses_an_unknown_kind_and_auto_follows_the_probe(
 @needs_onednn
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_calls_it_cannot_take_go_to_torch_unchanged() -> None:  # (make_dual's warning)
-    """A strided bias, autocast, forward-mode AD and shape errors: F.linear's results
-    and errors, not oneDNN's."""
+    """A strided bias, autocast, forward-mode AD, torch.func transforms and shape errors:
+    F.linear's results and errors, not oneDNN's."""
     torch.manual_seed(5)
     x, weight = torch.randn(64, 512), torch.randn(512, 512)
     strided_bias = torch.randn(1024)[::2]
@@ -203,6 +224,10 @@ def test_calls_it_cannot_take_go_to_torch_unchanged() -> None:  # (make_dual's w
         linear(torch.randn(64, 256), weight, None)  # 256 columns into a 512-wide layer
     vector = torch.randn(512)  # a 1-D weight, which F.linear takes (a matrix-vector product)
     _close(linear(x, vector, None), torch.nn.functional.linear(x, vector))
+    for rows in (1, 64):  # torch.func transforms, which refuse our autograd function
+        row = x[:rows]
+        grad_weight = torch.func.grad(lambda w, r=row: linear(r, w, None).square().sum())(weight)
+        _close(grad_weight, 2 * (row @ weight.t()).t() @ row)
 
 
 @needs_onednn
