@@ -107,10 +107,14 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+#: torch's query for the innermost active ``torch.func`` transform (None outside any),
+#: looked up once: :func:`linear` asks it on every call.
+_MAYBE_FUNCTORCH_LEVEL = getattr(torch._C._functorch, "maybe_current_level", None)
+
+
 def _functorch_level() -> int | None:
     """The innermost active ``torch.func`` transform's level, None outside any."""
-    level = getattr(torch._C._functorch, "maybe_current_level", None)
-    return None if level is None else level()
+    return None if _MAYBE_FUNCTORCH_LEVEL is None else _MAYBE_FUNCTORCH_LEVEL()
 
 
 def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:

@@ -4,10 +4,10 @@ Handlers ``submit`` a request and await its share of a batch. The worker asks it
 :class:`Batcher` what to run, joins the requests of a batch along the batch dimension,
 computes, and splits the results. Work expected to take more than
 ``INLINE_COMPUTE_SECONDS`` (judged by the measured time per sample of its kind, forward
-or backward: a backward costs about twice a forward) runs in a thread
-(the loop's default executor: the event loop keeps moving bytes and enforcing deadlines while
-torch works, and torch releases the GIL in its kernels); smaller work runs inline,
-saving two thread switches per request. After a backward batch, the replies go out
+or backward: a backward costs about twice a forward) runs in a thread of the loop's
+default executor (the event loop keeps moving bytes and enforcing deadlines while torch
+works, and torch releases the GIL in its kernels); smaller work runs inline, saving two
+thread switches per request. After a backward batch, the replies go out
 first and the optimizer step follows, before the module's next batch: a backward that
 ran in a thread hands its results to the loop and steps in that same thread at once,
 so the step is under way before the loop, sending the replies, wants the GIL (started
