@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 import base58
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
@@ -161,7 +161,9 @@ class PublicKey:
                 if not isinstance(key, rsa.RSAPublicKey):
                     return False
                 key.verify(signature, data, padding.PKCS1v15(), hashes.SHA256())
-        except (InvalidSignature, ValueError, TypeError):
+        except (InvalidSignature, UnsupportedAlgorithm, ValueError, TypeError):
+            # UnsupportedAlgorithm: a key on a curve cryptography does not know is a key
+            # nobody can have signed with, not our error.
             return False
         return True
 
