@@ -259,7 +259,8 @@ class StateServer:
             raise ValueError("announcing needs a DHT, a prefix and a state")
         value = {
             "version": max(self._snapshots),
-            "addrs": [str(a) for a in self.peer.listen_addrs],
+            # Relayed addresses too: a donor behind NAT serves through its relays.
+            "addrs": [str(a) for a in self.peer.advertised_addrs],
         }
         return await self.dht.store(
             state_key(self.prefix),

@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import psutil
 from multiaddr import Multiaddr
 
 from peers.addresses import tcp_multiaddr, tcp_target
@@ -28,16 +29,33 @@ class AddressBook:
                 known.append(addr)
         del known[: max(0, len(known) - MAX_ADDRESSES_PER_PEER)]
 
+    def remove(self, peer_id: PeerID, addr: Multiaddr) -> None:
+        """Forget ``addr`` for ``peer_id`` (it leads to someone else)."""
+        known = self.addrs.get(peer_id)
+        if known is not None and addr in known:
+            known.remove(addr)
+
 
 def expand_wildcard(addr: Multiaddr) -> list[Multiaddr]:
     """A wildcard bind (0.0.0.0, ::) as the concrete addresses others can dial: loopback
-    and this host's addresses (as libp2p resolves unspecified listen addresses)."""
+    and the addresses of this host's interfaces (as libp2p resolves unspecified listen
+    addresses). The interfaces are asked, not the host name: a name that resolves to
+    127.0.1.1 (Debian's default) or to another network's address (a container's, seen
+    from inside a network namespace) would name nothing others can reach."""
     target = tcp_target(addr)
     if target.host not in ("0.0.0.0", "::"):
         return [addr]
     family = socket.AF_INET if target.host == "0.0.0.0" else socket.AF_INET6
     hosts = {"127.0.0.1" if family == socket.AF_INET else "::1"}
-    with contextlib.suppress(OSError):
-        for info in socket.getaddrinfo(socket.gethostname(), None, family):
-            hosts.add(str(info[4][0]))
+    hosts.update(_interface_addresses(family))
     return [tcp_multiaddr(h, target.port) for h in sorted(hosts)]
+
+
+def _interface_addresses(family: socket.AddressFamily) -> set[str]:
+    found: set[str] = set()
+    with contextlib.suppress(OSError):
+        for entries in psutil.net_if_addrs().values():
+            for entry in entries:
+                if entry.family == family and "%" not in entry.address:  # no link-local scope
+                    found.add(entry.address)
+    return found

@@ -16,8 +16,11 @@ from peers.errors import AddressError
 from peers.identity import PeerID
 
 __all__ = [
+    "CircuitAddress",
     "Multiaddr",
     "TcpTarget",
+    "circuit_address",
+    "is_circuit",
     "parse_multiaddr",
     "split_peer_id",
     "tcp_target",
@@ -100,3 +103,42 @@ def tcp_multiaddr(host: str, port: int) -> Multiaddr:
     """The multiaddr of a bound socket address."""
     proto = "ip6" if ":" in host else "ip4"
     return Multiaddr(f"/{proto}/{host}/tcp/{port}")
+
+
+@dataclass(frozen=True, slots=True)
+class CircuitAddress:
+    """A relayed address, ``RELAY_ADDR/p2p/RELAY/p2p-circuit[/p2p/DEST]`` (circuit relay v2):
+    where the relay is, who it is, and whom to reach through it (``None`` if unnamed)."""
+
+    relay_addr: Multiaddr
+    relay: PeerID
+    destination: PeerID | None
+
+
+def is_circuit(addr: Multiaddr) -> bool:
+    """Whether ``addr`` goes through a relay."""
+    return any(p.name == "p2p-circuit" for p, _ in addr.items())
+
+
+def circuit_address(addr: Multiaddr) -> CircuitAddress:
+    """The parts of a relayed address; :class:`AddressError` if it is not one we can dial
+    (a relay reached directly over TCP, named by its PeerID; one hop only)."""
+    items = list(addr.items())
+    names = [p.name for p, _ in items]
+    if names.count("p2p-circuit") != 1:
+        raise AddressError(f"not a one-hop relayed address: {addr}")
+    cut = names.index("p2p-circuit")
+    if cut < 1 or names[cut - 1] != "p2p":
+        raise AddressError(f"a relayed address names its relay with /p2p/ID: {addr}")
+    tail = items[cut + 1 :]
+    if len(tail) > 1 or (tail and tail[0][0].name != "p2p"):
+        raise AddressError(f"only /p2p/ID may follow /p2p-circuit: {addr}")
+    relay_text = "".join(
+        f"/{p.name}/{v}" if v is not None else f"/{p.name}" for p, v in items[:cut]
+    )
+    relay_addr = parse_multiaddr(relay_text)
+    transport, relay = split_peer_id(relay_addr)
+    assert relay is not None
+    tcp_target(transport)  # the relay itself must be dialable directly
+    destination = PeerID.from_base58(tail[0][1]) if tail and tail[0][1] else None
+    return CircuitAddress(relay_addr=relay_addr, relay=relay, destination=destination)

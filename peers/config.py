@@ -8,6 +8,7 @@ from peers import limits
 from peers.addresses import parse_multiaddr
 from peers.identity import KeyPair
 from peers.noise import NOISE_CIPHERS
+from peers.relay.resources import RelayResourceConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,6 +21,26 @@ class PeerConfig:
     """Multiaddrs to listen on (``/ip4|ip6/HOST/tcp/PORT``; port 0 picks a free one)."""
     announce_addrs: tuple[str, ...] = ()
     """Addresses to tell others instead of the bound ones (e.g. a public IP behind NAT)."""
+    reuse_port: bool = True
+    """Listen with ``SO_REUSEPORT`` and dial non-loopback peers from the listen port, so
+    that a NAT maps our outbound connections to the port others must dial and TCP hole
+    punching can work. Off: dials leave from ephemeral ports."""
+    reachability: str = "auto"
+    """``"auto"``: find out with AutoNAT whether others can dial us (when we listen on a
+    non-loopback address); ``"public"`` or ``"private"`` to say so instead (a server
+    with a forwarded port; a peer that should always go through relays)."""
+    relay_service: bool = True
+    """Serve as a circuit relay v2 hop for peers behind NAT while we are not private
+    (within :mod:`peers.relay.resources`' limits)."""
+    relay_limits: RelayResourceConfig | None = None
+    """Limits of our relay service (reservations, circuits, bytes and seconds per relayed
+    connection); ``None`` for :mod:`peers.relay.resources`' defaults."""
+    use_relays: bool = True
+    """Once found private, reserve slots on relays and announce ``/p2p-circuit``
+    addresses; off: a private peer is reachable only over connections it opens."""
+    hole_punching: bool = True
+    """Try to turn relayed connections into direct ones (DCUtR: TCP simultaneous open
+    from the listen port); on failure the relayed connection stays."""
     dial_timeout: float = 10.0
     """Seconds for TCP connect plus the whole upgrade, per address tried."""
     handshake_timeout: float = limits.HANDSHAKE_TIMEOUT_SECONDS
@@ -54,6 +75,10 @@ class PeerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.reachability not in ("auto", "public", "private"):
+            raise ValueError(
+                f"reachability must be 'auto', 'public' or 'private', got {self.reachability!r}"
+            )
         for addr in (*self.listen_addrs, *self.announce_addrs):
             parse_multiaddr(addr)
         ciphers: object = self.noise_ciphers

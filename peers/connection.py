@@ -385,6 +385,9 @@ class Connection:
         self.remote_public_key = remote_public_key
         self.remote_address = remote_address
         self.outbound = outbound
+        #: Whether the connection runs through a circuit relay (inside one of the relay
+        #: connection's streams) rather than directly over TCP.
+        self.relayed = False
         self._initial_plaintext = initial_plaintext
         self._on_inbound_stream = on_inbound_stream
         self._streams: dict[int, Stream] = {}

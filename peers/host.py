@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
+import socket
 import time
 from collections import defaultdict
 from collections.abc import (
@@ -30,7 +32,15 @@ from multiaddr import Multiaddr
 
 from peers import rpc
 from peers.address_book import AddressBook, expand_wildcard
-from peers.addresses import parse_multiaddr, split_peer_id, tcp_multiaddr, tcp_target, with_peer_id
+from peers.addresses import (
+    circuit_address,
+    is_circuit,
+    parse_multiaddr,
+    split_peer_id,
+    tcp_multiaddr,
+    tcp_target,
+    with_peer_id,
+)
 from peers.config import PeerConfig, PeerStatistics
 from peers.connection import Connection, Stream
 from peers.errors import (
@@ -49,8 +59,9 @@ from peers.identity import KeyPair, PeerID
 from peers.multistream import MultistreamDialer, MultistreamListener
 from peers.noise import NOISE_CIPHERS
 from peers.rpc import CallContext
-from peers.socket_reader import SocketReader, open_connection, start_server
-from peers.upgrade import upgrade
+from peers.socket_reader import SocketReader, can_reuse_port, open_connection, start_server
+from peers.stream_socket import stream_as_socket
+from peers.upgrade import UpgradedConnection, upgrade
 from peers.yamux import HEADER_BYTES as YAMUX_HEADER_BYTES
 from peers.yamux import YamuxSession
 
@@ -95,12 +106,26 @@ class Peer:
         self._address_book = AddressBook()
         self._counters = _Counters()
         self._closing = False
+        self._reuse_port = self.config.reuse_port and can_reuse_port()
+        #: (host, port) of our TCP listeners, by address family: where dials leave from.
+        self._bound: dict[int, tuple[str, int]] = {}
         # Imported here: identify and ping register themselves through the public API.
         from peers.identify import install_identify
         from peers.ping import install_ping
 
         install_identify(self)
         install_ping(self)
+        from peers.nat import ForcedReachability, NatManager
+
+        #: Reachability, AutoNAT, relays: see :mod:`peers.nat`.
+        self.nat = NatManager(
+            self,
+            forced=ForcedReachability(self.config.reachability),
+            relay_hop=self.config.relay_service,
+            use_relays=self.config.use_relays,
+            relay_limits=self.config.relay_limits,
+            hole_punching=self.config.hole_punching,
+        )
 
     # --- lifecycle ---------------------------------------------------------------
 
@@ -111,6 +136,10 @@ class Peer:
         try:
             for text in self.config.listen_addrs:
                 await self._listen(parse_multiaddr(text))
+            if self._bound or self.config.reachability != "auto":
+                # Only a peer others might reach from elsewhere needs to find out whether
+                # they can; one on loopback alone is a local test or tool.
+                self._spawn(self.nat.run())
             listening = True
         finally:
             if not listening:  # an address we cannot bind, or cancellation: undo
@@ -140,7 +169,11 @@ class Peer:
         target = tcp_target(addr)
         try:
             server = await start_server(
-                self._on_tcp_connection, target.host, target.port, limit=STREAM_LIMIT_BYTES
+                self._on_tcp_connection,
+                target.host,
+                target.port,
+                limit=STREAM_LIMIT_BYTES,
+                reuse_port=self._reuse_port,
             )
         except OSError as e:
             raise AddressError(f"cannot listen on {addr}: {e.strerror or e}") from e
@@ -148,17 +181,60 @@ class Peer:
         for sock in server.sockets:
             host, port = sock.getsockname()[:2]
             self._listen_addrs.append(tcp_multiaddr(host, port))
+            if not ipaddress.ip_address(host).is_loopback:
+                self._bound.setdefault(sock.family, (host, port))
         self._full_listen_addrs = None
+
+    def bound_addrs(self) -> list[Multiaddr]:
+        """The addresses our listeners are bound to, wildcards made concrete (without
+        ``/p2p``): what this machine listens on, not what others can dial."""
+        return [concrete for a in self._listen_addrs for concrete in expand_wildcard(a)]
 
     @property
     def listen_addrs(self) -> list[Multiaddr]:
-        """The addresses we are reachable at, each ending in ``/p2p/OUR_ID``."""
+        """The addresses others can dial us at directly, each ending in ``/p2p/OUR_ID``:
+        ``announce_addrs`` if configured; none once AutoNAT found us private (behind
+        NAT: we are reached through relays, :attr:`circuit_addrs`); else the addresses
+        dial-backs confirmed, then our bound addresses (loopback ones only when we have
+        nothing else: a remote machine could not use them)."""
         if self._full_listen_addrs is None:
-            base = [parse_multiaddr(a) for a in self.config.announce_addrs] or [
-                concrete for a in self._listen_addrs for concrete in expand_wildcard(a)
-            ]
-            self._full_listen_addrs = [with_peer_id(a, self.peer_id) for a in base]
+            self._full_listen_addrs = [with_peer_id(a, self.peer_id) for a in self._direct_addrs()]
         return list(self._full_listen_addrs)
+
+    def _direct_addrs(self) -> list[Multiaddr]:
+        from peers.reachability import Reachability, is_public_candidate
+
+        if self.config.announce_addrs:
+            return [parse_multiaddr(a) for a in self.config.announce_addrs]
+        reachability = self.nat.reachability
+        if reachability == Reachability.PRIVATE:
+            return []
+        bound = self.bound_addrs()
+        public = [a for a in bound if is_public_candidate(a)]
+        if reachability == Reachability.PUBLIC:
+            return list(dict.fromkeys([*self.nat.confirmed_addrs(), *(public or bound)]))
+        return public or bound
+
+    @property
+    def circuit_addrs(self) -> list[Multiaddr]:
+        """Our addresses through the relays we hold reservations on (``/p2p-circuit``)."""
+        return [with_peer_id(a, self.peer_id) for a in self.nat.circuit_addrs()]
+
+    @property
+    def advertised_addrs(self) -> list[Multiaddr]:
+        """Every address others may reach us at: direct ones first, then relayed ones."""
+        return [*self.listen_addrs, *self.circuit_addrs]
+
+    def addresses_changed(self) -> None:
+        """Our reachability or relays changed: recompute what we announce."""
+        self._full_listen_addrs = None
+        self.nat.notify_changed()
+
+    def is_relay_allowed(self) -> bool:
+        """Whether we serve as a circuit relay hop now (configured, and not private)."""
+        from peers.reachability import Reachability
+
+        return self.config.relay_service and self.nat.reachability != Reachability.PRIVATE
 
     @property
     def protocols(self) -> list[str]:
@@ -222,13 +298,7 @@ class Peer:
         try:
             try:
                 async with asyncio.timeout(self.config.handshake_timeout):
-                    upgraded = await upgrade(
-                        reader,
-                        writer,
-                        identity=self.identity,
-                        outbound=False,
-                        ciphers=self._noise_ciphers,
-                    )
+                    upgraded = await self._upgrade(reader, writer, outbound=False)
             except (TimeoutError, PeersError, ConnectionError, OSError) as e:
                 self._counters.handshake_failures += 1
                 logger.info("inbound handshake from %s failed: %r", remote, e)
@@ -242,18 +312,33 @@ class Peer:
         finally:
             self._num_connections -= 1
 
+    async def _upgrade(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        outbound: bool,
+        expected: PeerID | None = None,
+    ) -> UpgradedConnection:
+        """The whole connection upgrade with our identity and ciphers (the caller bounds it)."""
+        return await upgrade(
+            reader,
+            writer,
+            identity=self.identity,
+            outbound=outbound,
+            expected_peer_id=expected,
+            ciphers=self._noise_ciphers,
+        )
+
     def _make_connection(
         self,
         reader: SocketReader,
         writer: asyncio.StreamWriter,
-        upgraded: object,
+        upgraded: UpgradedConnection,
         remote: Multiaddr,
         *,
         outbound: bool,
     ) -> Connection:
-        from peers.upgrade import UpgradedConnection
-
-        assert isinstance(upgraded, UpgradedConnection)
         return Connection(
             reader=reader,
             writer=writer,
@@ -281,6 +366,7 @@ class Peer:
             return False
         live.append(conn)
         self._connections[conn.remote_peer_id] = live
+        self.nat.on_connection(conn)
         return True
 
     async def _run_connection(self, conn: Connection) -> None:
@@ -292,6 +378,7 @@ class Peer:
                 conns.remove(conn)
                 if not conns:
                     del self._connections[conn.remote_peer_id]
+            self.nat.notify_changed()
 
     async def _on_inbound_stream(self, stream: Stream) -> None:
         listener = MultistreamListener(self._handlers.keys())
@@ -350,10 +437,14 @@ class Peer:
         return list(self._address_book.addrs.get(peer_id, ()))
 
     def connection_to(self, peer_id: PeerID) -> Connection | None:
+        """A live connection to ``peer_id``, a direct one if there is one."""
+        relayed: Connection | None = None
         for conn in self._connections.get(peer_id, ()):
             if not conn.is_closed:
-                return conn
-        return None
+                if not conn.relayed:
+                    return conn
+                relayed = relayed or conn
+        return relayed
 
     def connected_peers(self) -> list[PeerID]:
         return [
@@ -411,22 +502,47 @@ class Peer:
             del future  # the raised error's frames must not keep the future (and it)
 
     async def _dial_known(self, peer_id: PeerID) -> Connection:
-        addrs = self.known_addresses(peer_id)
+        # Direct addresses first: a relay is the way of last resort.
+        addrs = sorted(self.known_addresses(peer_id), key=is_circuit)
         if not addrs:
             raise DialError(f"no known address for {peer_id}")
         errors: list[str] = []
+        mismatches: list[PeerIDMismatch] = []
         for addr in addrs:
             try:
                 return await self._dial_address(addr, peer_id)
-            except PeerIDMismatch:
-                raise
+            except PeerIDMismatch as e:
+                mismatches.append(e)
+                # Someone else answers there: most often another volunteer's LAN with
+                # the same private address. The address is wrong for this peer, not an
+                # error of the dial: forget it quietly and try the next one.
+                logger.debug("%s leads to another peer than %s: %s", addr, peer_id, e)
+                self._address_book.remove(peer_id, addr)
+                errors.append(f"{addr}: another peer answers there")
             except (DialError, HandshakeError) as e:
                 errors.append(f"{addr}: {e}")
+        if len(mismatches) == len(addrs):  # every address we had leads to someone else
+            raise mismatches[0]
         raise DialError(f"could not reach {peer_id}: " + "; ".join(errors))
 
-    async def _dial_address(self, addr: Multiaddr, expected: PeerID | None) -> Connection:
+    async def dial_direct(
+        self, addr: Multiaddr, expected: PeerID, *, as_initiator: bool, timeout: float
+    ) -> Connection:
+        """Open a new direct TCP connection to ``addr`` from our listen port, taking the
+        given role in the upgrade whoever's SYN went first: a DCUtR hole punch, where
+        both sides dial at once (a TCP simultaneous open) and the spec says who is the
+        client. Raises DialError, HandshakeError or PeerIDMismatch; TimeoutError after
+        ``timeout``."""
+        async with asyncio.timeout(timeout):
+            return await self._dial_address(addr, expected, as_initiator=as_initiator)
+
+    async def _dial_address(
+        self, addr: Multiaddr, expected: PeerID | None, *, as_initiator: bool = True
+    ) -> Connection:
         if self._closing:
             raise DialError("peer is closing")
+        if is_circuit(addr):
+            return await self._dial_circuit(addr, expected)
         target = tcp_target(addr)
         self._num_connections += 1
         registered = False
@@ -434,7 +550,10 @@ class Peer:
             try:
                 async with asyncio.timeout(self.config.dial_timeout):
                     reader, writer = await open_connection(
-                        target.host, target.port, limit=STREAM_LIMIT_BYTES
+                        target.host,
+                        target.port,
+                        limit=STREAM_LIMIT_BYTES,
+                        local_addr=self._local_addr_for(target.host),
                     )
             except TimeoutError as e:
                 raise DialError(f"timed out connecting to {addr}") from e
@@ -443,13 +562,8 @@ class Peer:
             upgraded = None
             try:
                 async with asyncio.timeout(self.config.dial_timeout):
-                    upgraded = await upgrade(
-                        reader,
-                        writer,
-                        identity=self.identity,
-                        outbound=True,
-                        expected_peer_id=expected,
-                        ciphers=self._noise_ciphers,
+                    upgraded = await self._upgrade(
+                        reader, writer, outbound=as_initiator, expected=expected
                     )
             except TimeoutError as e:
                 raise HandshakeError(f"{addr} did not complete the handshake in time") from e
@@ -460,7 +574,7 @@ class Peer:
             finally:
                 if upgraded is None:
                     writer.close()
-            conn = self._make_connection(reader, writer, upgraded, addr, outbound=True)
+            conn = self._make_connection(reader, writer, upgraded, addr, outbound=as_initiator)
             if not self._register(conn):
                 writer.close()
                 raise LimitExceeded(f"too many connections to {conn.remote_peer_id}")
@@ -472,6 +586,139 @@ class Peer:
         finally:
             if not registered:
                 self._num_connections -= 1
+
+    async def check_dialable(self, addr: Multiaddr, peer_id: PeerID, *, timeout: float) -> bool:
+        """Whether a new connection to ``addr`` reaches ``peer_id`` within ``timeout``
+        (TCP and the whole upgrade, from an ephemeral port; closed at once, never
+        registered): an AutoNAT dial-back."""
+        try:
+            target = tcp_target(addr)
+        except AddressError:
+            return False
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await open_connection(
+                    target.host, target.port, limit=STREAM_LIMIT_BYTES
+                )
+                await self._upgrade(reader, writer, outbound=True, expected=peer_id)
+            return True
+        except (TimeoutError, PeersError, ConnectionError, OSError):
+            return False
+        finally:
+            if writer is not None:
+                writer.close()
+
+    async def _dial_circuit(self, addr: Multiaddr, expected: PeerID | None) -> Connection:
+        """Reach a peer through a relay (circuit relay v2): a hop CONNECT on a stream to
+        the relay, then a whole connection upgrade inside that stream."""
+        from peers.relay.client import open_circuit
+
+        circuit = circuit_address(addr)
+        destination = circuit.destination or expected
+        if destination is None:
+            raise DialError(f"a relayed address must name the peer to reach: {addr}")
+        if expected is not None and destination != expected:
+            raise PeerIDMismatch(f"{addr} leads to {destination}, not {expected}")
+        if circuit.relay == self.peer_id or destination == self.peer_id:
+            raise DialError(f"cannot relay to or through ourselves: {addr}")
+        async with asyncio.timeout(self.config.dial_timeout):
+            try:
+                stream = await open_circuit(self, circuit.relay_addr, destination)
+            except TimeoutError as e:
+                raise DialError(f"the relay in {addr} did not connect us in time") from e
+            ready: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+            self._spawn(
+                self._serve_relayed(
+                    stream, outbound=True, expected=destination, remote=addr, ready=ready
+                )
+            )
+            try:
+                conn = await ready
+            finally:
+                if not ready.done():
+                    ready.cancel()
+        self.add_addresses(destination, [addr])
+        return conn
+
+    async def accept_relayed(
+        self, stream: Stream, remote: Multiaddr, *, expected: PeerID | None = None
+    ) -> None:
+        """Run the connection a relay opened to us inside ``stream`` (the stop side of
+        circuit relay v2, after its STATUS OK) until it closes; the handshake fails
+        unless the remote is ``expected`` (the peer the relay said is connecting)."""
+        await self._serve_relayed(
+            stream, outbound=False, expected=expected, remote=remote, ready=None
+        )
+
+    async def _serve_relayed(
+        self,
+        stream: Stream,
+        *,
+        outbound: bool,
+        expected: PeerID | None,
+        remote: Multiaddr,
+        ready: asyncio.Future[Connection] | None,
+    ) -> None:
+        if self._closing or self._num_connections >= self.config.max_connections:
+            stream.reset()
+            if ready is not None and not ready.done():
+                ready.set_exception(DialError("connection limit reached"))
+            return
+        reader, writer, bridge = await stream_as_socket(stream, limit=STREAM_LIMIT_BYTES)
+        self._num_connections += 1
+        try:
+            async with asyncio.TaskGroup() as group:
+                bridge_task = group.create_task(bridge)
+                try:
+                    try:
+                        async with asyncio.timeout(self.config.handshake_timeout):
+                            upgraded = await self._upgrade(
+                                reader, writer, outbound=outbound, expected=expected
+                            )
+                    except TimeoutError as e:
+                        raise HandshakeError(f"{remote}: no relayed handshake in time") from e
+                    except (ConnectionError, OSError) as e:
+                        raise HandshakeError(f"{remote}: relayed handshake broke: {e}") from e
+                    conn = self._make_connection(
+                        reader, writer, upgraded, remote, outbound=outbound
+                    )
+                    conn.relayed = True
+                    if not self._register(conn):
+                        raise LimitExceeded(f"too many connections to {conn.remote_peer_id}")
+                except PeersError as e:
+                    self._counters.handshake_failures += 1
+                    writer.close()
+                    bridge_task.cancel()
+                    if ready is None:
+                        logger.info("relayed connection from %s failed: %r", remote, e)
+                    elif not ready.done():
+                        ready.set_exception(e)
+                    return
+                if ready is not None:
+                    if ready.done():  # the dialer gave up meanwhile
+                        conn.close()
+                    else:
+                        ready.set_result(conn)
+                await self._run_connection(conn)
+        finally:
+            self._num_connections -= 1
+
+    def _local_addr_for(self, host: str) -> tuple[str, int] | None:
+        """Where a dial to ``host`` leaves from: our listen port (reused), so NATs map it
+        as they map our listener and hole punching can work; ``None`` (an ephemeral
+        port) for loopback, which never crosses a NAT, or when we do not listen."""
+        if not self._reuse_port:
+            return None
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:  # a DNS name: assume it is not loopback
+            family = socket.AF_INET
+        else:
+            if ip.is_loopback:
+                return None
+            family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+        return self._bound.get(family)
 
     async def _run_outbound(self, conn: Connection) -> None:
         try:

@@ -7,13 +7,14 @@ protocols = 3 (repeated), observedAddr = 4, protocolVersion = 5, agentVersion = 
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from multiaddr import Multiaddr
 
 from peers import limits
-from peers.addresses import parse_multiaddr
+from peers.addresses import parse_multiaddr, split_peer_id, tcp_target
 from peers.connection import Stream
 from peers.errors import AddressError, RemoteProtocolError
 from peers.identity import PeerID, PublicKey
@@ -41,6 +42,27 @@ class IdentifyInfo:
     observed_addr: Multiaddr | None
 
 
+def addrs_for(peer: Peer, remote: Multiaddr) -> list[Multiaddr]:
+    """What we tell the peer at ``remote`` we can be reached at: never a loopback address
+    unless it is on this machine too (loopback elsewhere is the remote's own)."""
+    addrs = peer.advertised_addrs
+    try:
+        host = tcp_target(remote).host
+        local = ipaddress.ip_address(host).is_loopback
+    except (AddressError, ValueError):
+        local = False
+    if local:
+        return addrs
+    return [a for a in addrs if not _is_loopback(a)]
+
+
+def _is_loopback(addr: Multiaddr) -> bool:
+    try:
+        return ipaddress.ip_address(tcp_target(addr).host).is_loopback
+    except (AddressError, ValueError):
+        return False
+
+
 def encode_identify(peer: Peer, stream: Stream) -> bytes:
     observed = stream.connection.remote_address
     fields: list[tuple[int, int | bytes]] = [
@@ -48,9 +70,7 @@ def encode_identify(peer: Peer, stream: Stream) -> bytes:
         (6, peer.config.agent_version.encode()),
         (1, peer.identity.public_key.to_protobuf()),
     ]
-    fields += [
-        (2, a.decapsulate(Multiaddr(f"/p2p/{peer.peer_id}")).to_bytes()) for a in peer.listen_addrs
-    ]
+    fields += [(2, split_peer_id(a)[0].to_bytes()) for a in addrs_for(peer, observed)]
     fields.append((4, observed.to_bytes()))
     fields += [(3, p.encode()) for p in peer.protocols]
     return encode_fields(fields)

@@ -22,6 +22,8 @@ cost 256 KiB, not 256 MiB.
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, SupportsIndex, cast
@@ -134,14 +136,56 @@ class _Diverted(asyncio.BufferedProtocol):
 
 
 async def open_connection(
-    host: str, port: int, *, limit: int
+    host: str, port: int, *, limit: int, local_addr: tuple[str, int] | None = None
 ) -> tuple[SocketReader, asyncio.StreamWriter]:
-    """``asyncio.open_connection`` with a :class:`SocketReader`."""
+    """``asyncio.open_connection`` with a :class:`SocketReader`.
+
+    With ``local_addr``, the connection leaves from that address and port, which a
+    listener of ours also holds (both set ``SO_REUSEPORT``): a NAT then maps the
+    connection to the mapping our listen port already has, which is what lets observed
+    addresses name a port that reaches us, and what TCP hole punching needs (libp2p
+    DCUtR spec). If the kernel cannot give that port for this destination (a connection
+    to the same endpoint still in TIME_WAIT), the dial leaves from an ephemeral port.
+    """
     loop = asyncio.get_running_loop()
     reader = SocketReader(limit)
     protocol = asyncio.StreamReaderProtocol(reader)
-    transport, _ = await loop.create_connection(lambda: protocol, host, port)
+    sock = None
+    if local_addr is not None:
+        try:
+            sock = await _connect_from(host, port, local_addr)
+        except OSError as e:
+            if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                raise
+    if sock is not None:
+        transport, _ = await loop.create_connection(lambda: protocol, sock=sock)
+    else:
+        transport, _ = await loop.create_connection(lambda: protocol, host, port)
     return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+
+async def _connect_from(host: str, port: int, local_addr: tuple[str, int]) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    family = socket.AF_INET6 if ":" in local_addr[0] else socket.AF_INET
+    infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(errno.EADDRNOTAVAIL, f"no {family.name} address for {host}")
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(local_addr)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, infos[0][4])
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def can_reuse_port() -> bool:
+    """Whether this platform lets a listener and outbound connections share a port."""
+    return hasattr(socket, "SO_REUSEPORT")
 
 
 async def start_server(
@@ -150,8 +194,15 @@ async def start_server(
     port: int,
     *,
     limit: int,
+    reuse_port: bool = False,
 ) -> asyncio.Server:
-    """``asyncio.start_server`` with a :class:`SocketReader` per connection."""
+    """``asyncio.start_server`` with a :class:`SocketReader` per connection.
+
+    ``reuse_port`` sets ``SO_REUSEPORT`` so outbound connections can leave from the
+    listen port (see :func:`open_connection`). A fixed port that another socket
+    holds is still refused: the port is first bound without the option, so two
+    processes never share a listen port by accident.
+    """
     loop = asyncio.get_running_loop()
 
     def factory() -> asyncio.StreamReaderProtocol:
@@ -159,4 +210,9 @@ async def start_server(
         callback: Any = on_connection  # StreamReaderProtocol's callback type is loose
         return asyncio.StreamReaderProtocol(reader, callback)
 
-    return await loop.create_server(factory, host, port)
+    if reuse_port and port:
+        family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host or "", port))  # OSError(EADDRINUSE) if someone holds it
+    return await loop.create_server(factory, host, port, reuse_port=reuse_port or None)

@@ -108,12 +108,18 @@ class PeerProcess:
         self.popen.stdin.flush()
 
     def wait_report(self, event: str, timeout: float) -> dict[str, Any]:
-        """The next report whose ``event`` field equals ``event`` (others are skipped)."""
+        """The next report whose ``event`` field equals ``event`` (others are skipped);
+        :class:`SwarmError` at once if the target failed instead (its ``error`` report)."""
         deadline = time.monotonic() + timeout
         while True:
             report = self.next_report(max(0.0, deadline - time.monotonic()))
             if report.get("event") == event:
                 return report
+            if report.get("event") == "error":
+                raise SwarmError(
+                    f"peer {self.index} (pid {self.pid}) failed: {report.get('error')}; "
+                    + "".join(self._stderr_tail[-20:])
+                )
 
     @property
     def alive(self) -> bool:
@@ -134,28 +140,40 @@ class LocalSwarm(ClosesOnExit):
         target: str = "peers.testing:serve_forever",
         options: dict[str, Any] | None = None,
         per_peer_options: list[dict[str, Any]] | None = None,
+        namespaces: list[str | None] | None = None,
     ) -> list[PeerProcess]:
         """Start ``num_peers`` processes at once and wait until each is listening.
 
         ``options`` go to every target; ``per_peer_options[i]`` are merged in for the
-        i-th. Raises :class:`SwarmError` if one does not start in time.
+        i-th. Options ``listen`` (multiaddrs) and ``peer_config`` (keyword arguments of
+        :class:`peers.PeerConfig` with plain values, e.g. ``{"reachability": "private"}``)
+        configure the peer itself. ``namespaces[i]`` runs the i-th inside that network
+        namespace (``ip netns exec``; see :mod:`peers.netlab`). Raises
+        :class:`SwarmError` if one does not start in time.
         """
         started: list[PeerProcess] = []
         for i in range(num_peers):
             merged = dict(options or {})
             if per_peer_options is not None:
                 merged.update(per_peer_options[i])
-            started.append(self._spawn(target, merged))
+            namespace = namespaces[i] if namespaces is not None else None
+            started.append(self._spawn(target, merged, namespace))
         for proc in started:
             ready = proc.wait_report("ready", self.startup_timeout)
             proc.peer_id = ready["peer_id"]
             proc.addrs = list(ready["addrs"])
         return started
 
-    def _spawn(self, target: str, options: dict[str, Any]) -> PeerProcess:
+    def _spawn(
+        self, target: str, options: dict[str, Any], namespace: str | None = None
+    ) -> PeerProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # ``ip netns exec`` enters the namespace and execs the command: the PID we hold
+        # is the interpreter's own, so signals reach the peer itself.
+        prefix = ["ip", "netns", "exec", namespace] if namespace is not None else []
         popen = subprocess.Popen(
             [
+                *prefix,
                 sys.executable,
                 "-m",
                 "peers.testing",
@@ -266,7 +284,9 @@ async def _child_main(target: Target, options: dict[str, Any]) -> None:
         loop.add_signal_handler(sig, stop.set)
     identity = KeyPair.from_seed(bytes.fromhex(options["seed"])) if "seed" in options else None
     config = PeerConfig(
-        identity=identity, listen_addrs=tuple(options.get("listen", ["/ip4/127.0.0.1/tcp/0"]))
+        identity=identity,
+        listen_addrs=tuple(options.get("listen", ["/ip4/127.0.0.1/tcp/0"])),
+        **options.get("peer_config", {}),
     )
     async with Peer(config) as peer:
         node = Node(peer=peer, options=options)

@@ -36,7 +36,7 @@ class PeerPresence:
 async def announce(dht: DHT, agent: str) -> bool:
     """Announce this peer once; True if a replica accepted it."""
     now = dht_time()
-    value = {"addrs": [str(a) for a in dht.peer.listen_addrs], "agent": agent, "time": now}
+    value = {"addrs": [str(a) for a in dht.peer.advertised_addrs], "agent": agent, "time": now}
     return await dht.store(
         PRESENCE_KEY, value, now + PRESENCE_TTL_SECONDS, subkey=owner_marker(dht.peer.peer_id)
     )
