@@ -31,6 +31,7 @@ from peers import (
     PeersError,
     parse_multiaddr,
     run,
+    with_peer_id,
 )
 from peers.dht import DHT, DHTConfig, dht_time
 from peers.dht.presence import announce_forever, list_peers
@@ -47,8 +48,7 @@ async def _bootstrap(args: argparse.Namespace) -> int:
     stop = _stop_on_signals()
     async with Peer(config) as peer, DHT(peer, dht_config) as dht, asyncio.TaskGroup() as group:
         install_echo(peer)
-        for addr in peer.listen_addrs:
-            print(addr, flush=True)
+        _print_addrs(peer)
         announcer = group.create_task(announce_forever(dht, peer.config.agent_version))
         await stop.wait()
         announcer.cancel()
@@ -96,12 +96,42 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_addrs(peer: Peer) -> None:
+    """The addresses to give others: the announced ones, or every address we listen on
+    (loopback too, for peers on this machine). Reachability is not known yet at start;
+    a peer behind NAT is reached through relays once AutoNAT has found it private."""
+    addrs = (
+        peer.listen_addrs
+        if peer.config.announce_addrs
+        else [with_peer_id(a, peer.peer_id) for a in peer.bound_addrs()]
+    )
+    for addr in addrs:
+        print(addr, flush=True)
+
+
+def _add_reachability_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reachability",
+        choices=["auto", "public", "private"],
+        default="auto",
+        help="whether others can dial us: found out with AutoNAT (auto), or said",
+    )
+    parser.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="neither serve as a circuit relay for peers behind NAT nor use relays",
+    )
+
+
 def _server_peer_config(args: argparse.Namespace) -> tuple[PeerConfig, DHTConfig]:
     identity = KeyPair.load_or_create(args.identity) if args.identity else None
     peer_config = PeerConfig(
         identity=identity,
         listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
         announce_addrs=tuple(args.announce or []),
+        reachability=args.reachability,
+        relay_service=not args.no_relay,
+        use_relays=not args.no_relay,
     )
     dht_config = DHTConfig(initial_peers=tuple(args.initial_peers or ()), client_mode=False)
     return peer_config, dht_config
@@ -150,8 +180,7 @@ async def _serve_stage(args: argparse.Namespace) -> int:
     def ready(server: StageServer) -> None:
         nonlocal announced
         if not announced:
-            for addr in peer.listen_addrs:
-                print(addr, flush=True)
+            _print_addrs(peer)
             announced = True
         stage = server.statistics().stage
         print(f"serving {args.uid_prefix}.{stage} of {model.num_stages} stages", flush=True)
@@ -230,6 +259,9 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
         run_id=args.run_id,
         initial_peers=tuple(args.initial_peers or ()),
         listen=tuple(args.listen or [DEFAULT_LISTEN]),
+        announce=tuple(args.announce or ()),
+        reachability=args.reachability,
+        relay=not args.no_relay,
         rank=args.rank,
         num_peers=args.num_peers,
         local_batch_size=args.local_batch_size,
@@ -367,6 +399,13 @@ def _add_train_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
             help=f"listen address (default {DEFAULT_LISTEN}); repeatable",
         )
         p.add_argument(
+            "--announce",
+            action="append",
+            metavar="MADDR",
+            help="address to announce instead of the bound ones (port forwarding); repeatable",
+        )
+        _add_reachability_options(p)
+        p.add_argument(
             "--progress",
             choices=["auto", "bar", "lines", "json", "none"],
             default="auto",
@@ -454,6 +493,7 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--announce", action="append", metavar="MADDR", help="address to announce")
     parser.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers to join through")
     parser.add_argument("--identity", metavar="PATH", help="key file; created if missing")
+    _add_reachability_options(parser)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -538,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="key file (libp2p protobuf); created with mode 0600 if missing",
     )
+    _add_reachability_options(boot)
 
     ping = sub.add_parser("ping", help="dial a peer, identify it and ping it")
     ping.add_argument("maddr", metavar="MADDR", help="e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")

@@ -96,7 +96,7 @@ def run_train(
             display.message("others join it with")
             display.message(f"  {join_command(config, [_dialable(addrs)])}")
         display.message(f"training {config.task} (run {config.run_id!r}) ...")
-        result = train(config, display.on_step)
+        result = train(config, display.on_step, display.message)
     display.finish(result)
     return result
 

@@ -49,6 +49,12 @@ class TrainerConfig:
     """Multiaddrs of peers already in the swarm; empty: this peer starts the swarm."""
     listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     """Where this peer listens (empty: client mode, dials out only)."""
+    announce: tuple[str, ...] = ()
+    """Addresses to announce instead of the bound ones (a port-forwarded machine)."""
+    reachability: str = "auto"
+    """``auto`` (find out with AutoNAT), ``public`` or ``private``: see peers.PeerConfig."""
+    relay: bool = True
+    """Serve as a relay while public and use relays while private (``--no-relay``: no)."""
     rank: int = 0
     """Which shard of the sample stream this peer trains on (``0 <= rank < num_peers``)."""
     num_peers: int = 1
@@ -138,8 +144,14 @@ class TrainResult:
 ProgressCallback = Callable[[OptimizerStatistics, float], None]
 
 
-def train(config: TrainerConfig, on_step: ProgressCallback | None = None) -> TrainResult:
-    """Join (or start) the swarm and train; see the module docstring."""
+def train(
+    config: TrainerConfig,
+    on_step: ProgressCallback | None = None,
+    on_network: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Join (or start) the swarm and train; see the module docstring. ``on_network``
+    hears a line about how this peer is connected (behind NAT, relays, hole punching)
+    whenever that changes, looked at most every :data:`NETWORK_REPORT_SECONDS`."""
     task = get_task(config.task)
     recipe = task.recipe
     plan = plan_run(config, recipe)
@@ -156,7 +168,13 @@ def train(config: TrainerConfig, on_step: ProgressCallback | None = None) -> Tra
     start_epoch = _resume(config.checkpoint, params, inner)
     dht = BlockingDHT(
         config=DHTConfig(initial_peers=config.initial_peers),
-        peer_config=PeerConfig(listen_addrs=config.listen),
+        peer_config=PeerConfig(
+            listen_addrs=config.listen,
+            announce_addrs=config.announce,
+            reachability=config.reachability,
+            relay_service=config.relay,
+            use_relays=config.relay,
+        ),
     )
     collaborative = CollaborativeConfig(
         run_id=config.run_id,
@@ -175,7 +193,9 @@ def train(config: TrainerConfig, on_step: ProgressCallback | None = None) -> Tra
                 config.rank, config.num_peers, local_batch, config.seed, start_step=opt.epoch
             )
             loss_value = math.nan
+            network = _NetworkReport(dht, on_network)
             for batch in itertools.takewhile(lambda _: opt.epoch < total_epochs, batches):
+                network.maybe_report()
                 loss = task.loss(model, batch)
                 loss.backward()  # type: ignore[no-untyped-call]
                 loss_value = loss.item()
@@ -194,6 +214,36 @@ def train(config: TrainerConfig, on_step: ProgressCallback | None = None) -> Tra
         statistics=stats,
         final_loss=loss_value,
     )
+
+
+#: Seconds between two looks at how we are connected (a cross-thread call each).
+NETWORK_REPORT_SECONDS = 5.0
+
+
+class _NetworkReport:
+    """Tells ``callback`` how we are connected when that changes (see :func:`train`)."""
+
+    def __init__(self, dht: BlockingDHT, callback: Callable[[str], None] | None) -> None:
+        self._dht = dht
+        self._callback = callback
+        self._last = ""
+        self._next = 0.0
+
+    def maybe_report(self) -> None:
+        now = time.monotonic()
+        if self._callback is None or now < self._next:
+            return
+        self._next = now + NETWORK_REPORT_SECONDS
+        facade = self._dht.peer
+
+        async def describe() -> str:
+            nat = facade.peer.nat
+            return nat.describe() if nat.active else ""
+
+        text = facade.run(describe(), timeout=NETWORK_REPORT_SECONDS)
+        if text and text != self._last:
+            self._last = text
+            self._callback(text)
 
 
 def _resume(path: Path | None, params: list[torch.Tensor], inner: torch.optim.Optimizer) -> int:

@@ -45,3 +45,17 @@ def test_allreduce_benchmark_runs_and_checks_results() -> None:
         assert f"256K_{codec}_fraction_of_bound" in ratios
     assert figures["256K_raw_per_peer_MB_per_s"] > 0
     assert not [n for n in notes if str(n).startswith("ours") and "WRONG" in str(n)]
+
+
+@pytest.mark.timeout(300)
+def test_nat_benchmark_runs() -> None:
+    from peers.netlab import lab_available
+
+    args = ["--quick"] if lab_available()[0] else ["--quick", "--no-lab"]
+    result = _run("bench_nat.py", *args, timeout=280)
+    assert result["benchmark"] == "nat"
+    ratios = result["ratios"]
+    assert isinstance(ratios, dict)
+    assert 0 < ratios["relayed_throughput_fraction_of_direct"]
+    if "--no-lab" not in args:
+        assert "hole_punch_success_fraction" in ratios

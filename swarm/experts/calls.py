@@ -71,7 +71,11 @@ class Forwarded(NamedTuple):
 
 
 def _dial_info(peer: Peer, location: ExpertLocation) -> None:
-    if location.addrs and not peer.known_addresses(location.peer_id):
+    # Only while not connected: a call over a live connection needs no address, and the
+    # hot path stays a dictionary lookup. A server's addresses change (one behind NAT
+    # first announces its bound address, then relayed ones once AutoNAT finds it
+    # private), so the newest announced ones are added each time we must dial.
+    if location.addrs and peer.connection_to(location.peer_id) is None:
         peer.add_addresses(location.peer_id, location.addrs)
 
 

@@ -192,7 +192,9 @@ class ExpertServer:
     # --- announcing ----------------------------------------------------------------
 
     def announcements(self) -> list[Announcement]:
-        addrs = tuple(str(a) for a in self.peer.listen_addrs)
+        # Relayed addresses too: a server behind NAT (a GPU at home) is reached through
+        # its relays, and hole punching makes the connection direct where it can.
+        addrs = tuple(str(a) for a in self.peer.advertised_addrs)
         return [
             Announcement(
                 ExpertLocation(uid, self.peer.peer_id, addrs),

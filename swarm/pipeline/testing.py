@@ -8,12 +8,16 @@ three times as long); ``average_interval``; ``run_id``; ``rebalance_interval`` (
 never move); ``max_batch_size``; ``linear_kernels`` (:class:`ServerConfig`'s). Reports
 ``serving`` (``stage``, ``loaded_version``) each time it serves a stage, and answers
 ``{"op": "stats"}`` with ``stats``: ``stage``, ``forward_samples``, ``backward_samples``,
-``steps``, ``rounds`` (averaged with others), ``alone``, ``moves``.
+``steps``, ``rounds`` (averaged with others), ``alone``, ``moves``, and the peer's
+``reachability`` and ``advertised_addrs`` (see :mod:`peers.nat`); ``{"op":
+"wait_private", "timeout": S}`` answers the same once the peer found itself behind NAT
+and holds a relay reservation (or after S seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import torch
@@ -89,8 +93,26 @@ async def stage_server(node: Node) -> None:
         group.create_task(server.run(stop, ready))
         while True:
             command = await node.receive()
-            if command.get("op") == "stats":
-                node.report({"event": "stats", **_stats(server)})
+            if command.get("op") == "wait_private":
+                await _wait_private(node, float(command.get("timeout", 30.0)))
+            if command.get("op") in ("stats", "wait_private"):
+                report = {"event": "stats", **_stats(server)}
+                report["reachability"] = node.peer.nat.reachability.value
+                report["advertised_addrs"] = [str(a) for a in node.peer.advertised_addrs]
+                node.report(report)
+
+
+async def _wait_private(node: Node, timeout: float) -> None:
+    """Until the peer knows it is behind NAT and announces relayed addresses (bounded)."""
+    peer = node.peer
+
+    def done() -> bool:
+        return peer.nat.reachability.value == "private" and bool(peer.circuit_addrs)
+
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            while not done():
+                await peer.nat.wait_changed()
 
 
 def _stats(server: StageServer) -> dict[str, Any]:

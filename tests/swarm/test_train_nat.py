@@ -1,0 +1,86 @@
+"""``swarm train`` and ``swarm join`` across home routers (the namespace lab).
+
+The scenario of the report that opened the NAT work: a public peer runs ``swarm train``,
+and two laptops, each behind its own home router and both with the same private
+address, run ``swarm join``. Before address hygiene they announced that shared private
+address, dialed each other's routers' LANs by mistake and split the swarm; now they find
+themselves behind NAT, announce no direct address, take part as clients, and the three
+end with one model.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from peers.netlab import Lab, lab_available
+
+AVAILABLE, REASON = lab_available()
+pytestmark = [pytest.mark.skipif(not AVAILABLE, reason=REASON), pytest.mark.timeout(300)]
+
+SWARM = [sys.executable, "-m", "swarm.cli"]
+STEPS = 50
+SIZES = ["--num-peers", "3", "--num-samples", str(64 * STEPS), "--num-threads", "1"]
+#: ``swarm train`` hosts a bootstrap peer besides its trainer, both on ``--listen``: a
+#: fixed port would be taken twice, so the public peer takes free ports.
+SERVER_LISTEN = ["--listen", "/ip4/0.0.0.0/tcp/0", "--progress", "lines"]
+LAPTOP_LISTEN = ["--listen", "/ip4/0.0.0.0/tcp/4001", "--progress", "lines"]
+
+
+def test_two_laptops_behind_nat_with_one_private_address_train_with_a_public_peer() -> None:
+    with Lab() as lab:
+        server = lab.add_public_host("server")
+        laptops = [
+            lab.add_lan_host(lab.add_home_router("home1", nat="endpoint-independent"), "laptop1"),
+            lab.add_lan_host(lab.add_home_router("home2", nat="symmetric"), "laptop2"),
+        ]
+        first = server.popen(
+            [*SWARM, "train", *SERVER_LISTEN, "--rank", "0", *SIZES],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert first.stdout is not None
+        head = []
+        for line in first.stdout:  # bounded by the pytest timeout
+            head.append(line)
+            found = re.search(r" join --initial-peers (/ip4/198\.18\.\S+)", line)
+            if found:
+                break
+        else:
+            raise AssertionError(f"no join command printed: {''.join(head)}")
+        joiners = [
+            laptop.popen(
+                [
+                    *SWARM,
+                    "join",
+                    "--initial-peers",
+                    found.group(1),
+                    *LAPTOP_LISTEN,
+                    "--rank",
+                    str(rank),
+                    *SIZES,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank, laptop in enumerate(laptops, 1)
+        ]
+        out_first, err_first = first.communicate(timeout=240)
+        results = [proc.communicate(timeout=120) for proc in joiners]
+    assert first.returncode == 0, err_first
+    outputs = ["".join(head) + out_first, *(out for out, _ in results)]
+    for proc, (out, err) in zip(joiners, results, strict=True):
+        assert proc.returncode == 0, out + err
+        assert "behind NAT: reachable through" in out, out
+    for out in outputs:
+        assert f"done: {STEPS} epochs" in out, out
+        assert "the swarm split" not in out, out
+    metrics = [re.search(r"test metrics: loss (\S+), accuracy (\S+)", out) for out in outputs]
+    assert all(m is not None for m in metrics), outputs
+    # One model: gradient averaging makes every peer's parameters the same.
+    assert len({m.groups() for m in metrics if m is not None}) == 1, metrics
