@@ -2,8 +2,9 @@
 
 Commands (one JSON object each, answered by one report):
 - ``{"cmd": "wait_relays", "n": N, "timeout": S}``: until we hold N relay reservations.
-- ``{"cmd": "dial", "addr": A, "direct_within": S}``: connect, wait up to S seconds for a
-  direct connection (hole punching); report whether it became direct and when.
+- ``{"cmd": "dial", "addr": A, "direct_within": S, "fresh": F}``: connect (first closing
+  any connection to that peer if F), wait up to S seconds for a direct connection (hole
+  punching); report whether it became direct and when.
 - ``{"cmd": "bulk", "peer": ID, "num_bytes": N}``: send N bytes on one stream to the
   peer's sink, which answers with the count it received; report the seconds.
 - ``{"cmd": "ping", "peer": ID, "n": K}``: K pings; report the round trips.
@@ -19,6 +20,7 @@ import os
 import time
 from typing import Any
 
+from peers.addresses import parse_multiaddr, split_peer_id
 from peers.connection import Stream
 from peers.identity import PeerID
 from peers.testing import Node
@@ -63,6 +65,10 @@ async def _handle(node: Node, command: dict[str, Any]) -> dict[str, Any]:
         await _until(node, lambda: len(peer.nat.relays) >= command["n"], command["timeout"])
         return {"event": name, "circuit_addrs": [str(a) for a in peer.circuit_addrs]}
     if name == "dial":
+        if command.get("fresh"):  # a new circuit: the relay's data limit is per circuit
+            _, named = split_peer_id(parse_multiaddr(command["addr"]))
+            if named is not None:
+                peer.disconnect(named)
         started = time.perf_counter()
         remote = await peer.connect(command["addr"])
         connected = time.perf_counter() - started

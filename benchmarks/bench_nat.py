@@ -78,6 +78,8 @@ def loopback(num_bytes: int, reps: int, num_pings: int) -> dict[str, Any]:
             order = ["direct", "relayed"] if rep % 2 == 0 else ["relayed", "direct"]
             for kind in order:
                 proc = direct if kind == "direct" else relayed
+                if kind == "relayed":  # a fresh circuit each time: the relay limits each
+                    ask(relayed, {"cmd": "dial", "addr": circuit, "fresh": True})
                 cpu_before = ask(relay, {"cmd": "cpu"})["seconds"]
                 result = ask(proc, {"cmd": "bulk", "peer": private.peer_id, "num_bytes": num_bytes})
                 cpu = ask(relay, {"cmd": "cpu"})["seconds"] - cpu_before
