@@ -34,7 +34,12 @@ from peers.connection import Connection
 from peers.dcutr.holepunch import HolePuncher, HolePunchResult
 from peers.errors import PeersError
 from peers.identity import PeerID
-from peers.reachability import Reachability, ReachabilityTracker, is_public_candidate
+from peers.reachability import (
+    NatMapping,
+    Reachability,
+    ReachabilityTracker,
+    is_public_candidate,
+)
 from peers.relay.client import ReservationInfo, reserve
 from peers.relay.hop import RelayService
 from peers.relay.messages import HOP_PROTOCOL_ID
@@ -73,6 +78,7 @@ class ForcedReachability(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class NatStatistics:
     reachability: Reachability
+    mapping: NatMapping
     confirmed_addrs: tuple[Multiaddr, ...]
     observed_addrs: tuple[Multiaddr, ...]
     relays: tuple[PeerID, ...]
@@ -140,6 +146,7 @@ class NatManager:
         conns = [self.peer.connection_to(p) for p in self.peer.connected_peers()]
         return NatStatistics(
             reachability=self.reachability,
+            mapping=self.tracker.mapping(),
             confirmed_addrs=tuple(self.confirmed_addrs()),
             observed_addrs=tuple(self.tracker.observed_addrs()),
             relays=tuple(self._reservations),
@@ -174,6 +181,11 @@ class NatManager:
 
     async def _punch(self, remote: PeerID) -> None:
         assert self.hole_puncher is not None
+        if self.tracker.mapping() == NatMapping.SYMMETRIC:
+            # Our router gives each destination its own port: the one the other side
+            # would dial is never the one our SYN leaves from. Stay relayed.
+            logger.info("not hole punching to %s: our NAT is symmetric", remote)
+            return
         await self.hole_puncher.punch(remote)
 
     @property
@@ -222,6 +234,12 @@ class NatManager:
             self._protocols[peer_id] = frozenset(info.protocols)
             if info.observed_addr is not None and conn.outbound:
                 self.tracker.observed(info.observed_addr, peer_id)
+        # What we know of peers we are no longer connected to would grow without bound
+        # on a long-lived public peer; a reconnecting peer is identified again.
+        connected = set(self.peer.connected_peers())
+        for table in (self._protocols, self._failed_at):
+            for gone in [p for p in table if p not in connected]:
+                del table[gone]
         return live
 
     def _candidates(self) -> list[Multiaddr]:
@@ -313,7 +331,11 @@ def describe(stats: NatStatistics, num_punched: int = 0) -> str:
             if relays
             else ("no relay yet: reachable only over connections it opens")
         )
-        return f"behind NAT: {how}; {peers_part}"
+        mapping = {
+            NatMapping.ENDPOINT_INDEPENDENT: " (endpoint-independent)",
+            NatMapping.SYMMETRIC: " (symmetric: no hole punching)",
+        }.get(stats.mapping, "")
+        return f"behind NAT{mapping}: {how}; {peers_part}"
     if stats.reachability == Reachability.PUBLIC:
         where = ", ".join(str(a) for a in stats.confirmed_addrs[:2]) or "its listen addresses"
         return f"public: reachable at {where}; {peers_part}"

@@ -41,6 +41,19 @@ MAX_OBSERVED_ADDRS = 16
 MAX_OBSERVERS_PER_ADDR = 8
 
 
+class NatMapping(enum.Enum):
+    """How our NAT (if any) maps our listen port, judged from observed addresses."""
+
+    UNKNOWN = "unknown"
+    """Fewer than two remotes have told us what they saw."""
+    ENDPOINT_INDEPENDENT = "endpoint-independent"
+    """Two remotes saw the same address and port: every destination sees one mapping,
+    which is what TCP hole punching needs (most home routers)."""
+    SYMMETRIC = "symmetric"
+    """Every remote saw another port: each destination gets its own mapping, so the
+    port the other side of a hole punch would dial is never the one we use."""
+
+
 class Reachability(enum.Enum):
     UNKNOWN = "unknown"
     """Nobody has tried to dial us back yet (or we only listen on loopback)."""
@@ -53,6 +66,7 @@ class Reachability(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class ReachabilityStatistics:
     reachability: Reachability
+    mapping: NatMapping
     confirmed_addrs: tuple[Multiaddr, ...]
     observed_addrs: tuple[Multiaddr, ...]
     num_dial_backs_ok: int
@@ -157,6 +171,19 @@ class ReachabilityTracker:
         the addresses a hole punch tells the other side)."""
         return sorted(self._observed, key=lambda a: -len(self._observed[a]))
 
+    def mapping(self) -> NatMapping:
+        """From observed addresses: the same ``ip:port`` seen by two remotes means one
+        mapping for all destinations; two or more remotes that each saw a different
+        port on the same IP mean one per destination."""
+        if any(len(observers) >= 2 for observers in self._observed.values()):
+            return NatMapping.ENDPOINT_INDEPENDENT
+        by_ip: dict[str, set[PeerID]] = {}
+        for addr, observers in self._observed.items():
+            by_ip.setdefault(tcp_target(addr).host, set()).update(observers)
+        if any(len(observers) >= 2 for observers in by_ip.values()):
+            return NatMapping.SYMMETRIC
+        return NatMapping.UNKNOWN
+
     def num_servers_asked(self, now: float) -> int:
         return len(self._live(now))
 
@@ -167,6 +194,7 @@ class ReachabilityTracker:
     def statistics(self, now: float) -> ReachabilityStatistics:
         return ReachabilityStatistics(
             reachability=self.reachability(now),
+            mapping=self.mapping(),
             confirmed_addrs=tuple(self.confirmed_addrs(now)),
             observed_addrs=tuple(self.observed_addrs()),
             num_dial_backs_ok=self._num_ok,

@@ -96,6 +96,10 @@ def test_laptops_find_themselves_private_and_reserve_on_both_relays(world: World
         assert len(status["relays"]) == 2, status
         assert len(status["circuit_addrs"]) == 2, status
         assert all("/p2p-circuit/p2p/" in a for a in status["circuit_addrs"]), status
+    # Two relays saw each laptop: the same port through the endpoint-independent
+    # routers, a different port each through the symmetric one.
+    mappings = [ask(laptop, {"cmd": "status"}, "status")["mapping"] for laptop in world.laptops]
+    assert mappings == ["endpoint-independent", "endpoint-independent", "symmetric"], mappings
 
 
 def circuit_addrs(laptop: PeerProcess) -> list[str]:

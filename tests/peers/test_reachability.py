@@ -136,10 +136,12 @@ def test_an_address_that_leads_to_another_peer_is_forgotten_quietly(arun: Run) -
 
 def test_describe_says_how_a_peer_is_connected() -> None:
     from peers.nat import NatStatistics, describe
+    from peers.reachability import NatMapping
 
     relay = SERVERS[0]
     behind = NatStatistics(
         reachability=Reachability.PRIVATE,
+        mapping=NatMapping.ENDPOINT_INDEPENDENT,
         confirmed_addrs=(),
         observed_addrs=(WAN,),
         relays=(relay, SERVERS[1]),
@@ -148,10 +150,12 @@ def test_describe_says_how_a_peer_is_connected() -> None:
         num_direct_connections=3,
     )
     assert describe(behind, 2) == (
-        "behind NAT: reachable through 2 relays; direct to 3 of 4 peers (2 by hole punching)"
+        "behind NAT (endpoint-independent): reachable through 2 relays;"
+        " direct to 3 of 4 peers (2 by hole punching)"
     )
     public = NatStatistics(
         reachability=Reachability.PUBLIC,
+        mapping=NatMapping.UNKNOWN,
         confirmed_addrs=(WAN,),
         observed_addrs=(WAN,),
         relays=(),
@@ -160,3 +164,19 @@ def test_describe_says_how_a_peer_is_connected() -> None:
         num_direct_connections=1,
     )
     assert describe(public) == f"public: reachable at {WAN}; direct to 1 of 1 peers"
+
+
+def test_mapping_is_judged_from_what_remotes_saw() -> None:
+    from peers.reachability import NatMapping
+
+    tracker = ReachabilityTracker()
+    assert tracker.mapping() == NatMapping.UNKNOWN
+    tracker.observed(WAN, SERVERS[0])
+    assert tracker.mapping() == NatMapping.UNKNOWN  # one remote says nothing about mapping
+    tracker.observed(WAN, SERVERS[1])
+    assert tracker.mapping() == NatMapping.ENDPOINT_INDEPENDENT
+
+    symmetric = ReachabilityTracker()
+    symmetric.observed(Multiaddr("/ip4/198.18.0.10/tcp/50001"), SERVERS[0])
+    symmetric.observed(Multiaddr("/ip4/198.18.0.10/tcp/61234"), SERVERS[1])
+    assert symmetric.mapping() == NatMapping.SYMMETRIC

@@ -33,6 +33,7 @@ def status(node: Node) -> dict[str, Any]:
     return {
         "event": "status",
         "reachability": nat.reachability.value,
+        "mapping": nat.mapping.value,
         "listen_addrs": [str(a) for a in peer.listen_addrs],
         "circuit_addrs": [str(a) for a in peer.circuit_addrs],
         "observed_addrs": [str(a) for a in nat.observed_addrs],
