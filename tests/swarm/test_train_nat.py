@@ -10,6 +10,7 @@ end with one model.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -83,4 +84,58 @@ def test_two_laptops_behind_nat_with_one_private_address_train_with_a_public_pee
     metrics = [re.search(r"test metrics: loss (\S+), accuracy (\S+)", out) for out in outputs]
     assert all(m is not None for m in metrics), outputs
     # One model: gradient averaging makes every peer's parameters the same.
+    assert len({m.groups() for m in metrics if m is not None}) == 1, metrics
+
+
+def test_a_laptop_killed_mid_training_costs_the_others_nothing() -> None:
+    sizes = ["--num-peers", "4", "--num-samples", str(64 * STEPS), "--num-threads", "1"]
+    with Lab() as lab:
+        server = lab.add_public_host("server")
+        kinds = ("endpoint-independent", "endpoint-independent", "symmetric")
+        laptops = [
+            lab.add_lan_host(lab.add_home_router(f"home{i}", nat=kind), f"laptop{i}")
+            for i, kind in enumerate(kinds, 1)
+        ]
+        first = server.popen(
+            [*SWARM, "train", *SERVER_LISTEN, "--rank", "0", *sizes],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert first.stdout is not None
+        head = []
+        for line in first.stdout:  # bounded by the pytest timeout
+            head.append(line)
+            found = re.search(r" join --initial-peers (/ip4/198\.18\.\S+)", line)
+            if found:
+                break
+        else:
+            raise AssertionError(f"no join command printed: {''.join(head)}")
+        joiners = []
+        for rank, laptop in enumerate(laptops, 1):
+            progress = "json" if rank == 3 else "lines"
+            argv = [*SWARM, "join", "--initial-peers", found.group(1), *sizes]
+            argv += ["--listen", "/ip4/0.0.0.0/tcp/4001", "--progress", progress]
+            argv += ["--rank", str(rank)]
+            joiners.append(
+                laptop.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            )
+        victim = joiners[2]  # behind the symmetric NAT: reached through nobody but itself
+        assert victim.stdout is not None
+        for line in victim.stdout:  # bounded by the pytest timeout
+            record = json.loads(line) if line.startswith("{") else {}
+            if record.get("samples", 0) >= 64 * 15:
+                break
+        victim.kill()  # SIGKILL, a laptop whose lid closed mid-round
+        victim.communicate(timeout=30)
+        out_first, err_first = first.communicate(timeout=240)
+        results = [proc.communicate(timeout=120) for proc in joiners[:2]]
+    assert first.returncode == 0, err_first
+    outputs = ["".join(head) + out_first, *(out for out, _ in results)]
+    for proc, (out, err) in zip(joiners[:2], results, strict=True):
+        assert proc.returncode == 0, out + err
+    for out in outputs:
+        assert f"done: {STEPS} epochs" in out, out
+    metrics = [re.search(r"test metrics: loss (\S+), accuracy (\S+)", out) for out in outputs]
+    assert all(m is not None for m in metrics), outputs
     assert len({m.groups() for m in metrics if m is not None}) == 1, metrics
