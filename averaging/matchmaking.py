@@ -214,10 +214,16 @@ class Matchmaker:
         for active in self._searches.values():
             self._release(active, "the matchmaker is closing")
 
+    def _reachable(self) -> bool:
+        """Whether others can send us work: we are no DHT client, or we are behind a NAT
+        that hole punching gets through (reached through a relay, then directly)."""
+        return not self.dht.client_mode or self.peer.nat.punchable
+
     def _my_addrs(self) -> tuple[str, ...]:
-        if self.dht.client_mode:
+        if not self._reachable():
             return ()
-        addrs = [str(split_peer_id(a)[0]) for a in self.peer.listen_addrs]
+        # Relayed addresses after the direct ones: a peer behind NAT is dialed there.
+        addrs = [str(split_peer_id(a)[0]) for a in self.peer.advertised_addrs]
         return tuple(addrs[:MAX_CONTACT_ADDRS])
 
     # --- searching ----------------------------------------------------------------
@@ -256,7 +262,7 @@ class Matchmaker:
         if key in self._searches:
             raise ValueError(f"already looking for a group under key {key!r}")
         loop = asyncio.get_running_loop()
-        client_mode = self.dht.client_mode
+        client_mode = not self._reachable()
         me = MemberInfo(
             self.peer.peer_id, self._my_addrs(), client_mode, float(bandwidth), metadata
         )

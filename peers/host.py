@@ -72,6 +72,9 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
+#: Longest wait, after a relayed dial, for the other side to begin a hole punch: a
+#: relayed handshake's time bounds a round trip, and a second covers the slowest links.
+PUNCH_START_WAIT_SECONDS = 1.0
 #: A socket reader's buffer limit during the handshake (afterwards it buffers nothing).
 STREAM_LIMIT_BYTES = 2**20
 
@@ -633,13 +636,21 @@ class Peer:
                     stream, outbound=True, expected=destination, remote=addr, ready=ready
                 )
             )
+            started = asyncio.get_running_loop().time()
             try:
                 conn = await ready
             finally:
                 if not ready.done():
                     ready.cancel()
         self.add_addresses(destination, [addr])
-        return conn
+        # The peer we reached starts a hole punch at once (DCUtR: the side that accepted
+        # the relayed connection does). Its first message comes about a round trip
+        # after the connection is up, which took at least one and a half.
+        elapsed = asyncio.get_running_loop().time() - started
+        await self.nat.wait_for_direct(
+            destination, start_within=min(PUNCH_START_WAIT_SECONDS, max(0.2, elapsed))
+        )
+        return self.connection_to(destination) or conn
 
     async def accept_relayed(
         self, stream: Stream, remote: Multiaddr, *, expected: PeerID | None = None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from multiaddr import Multiaddr
 
+from peers.addresses import tcp_target
 from peers.autonat.messages import AUTONAT_PROTOCOL_ID, ResponseStatus
 from peers.autonat.service import AutoNATServer, request_dial_back
 from peers.connection import Connection
@@ -135,6 +136,33 @@ class NatManager:
     def confirmed_addrs(self) -> list[Multiaddr]:
         return self.tracker.confirmed_addrs(time.monotonic())
 
+    def mapping(self) -> NatMapping:
+        """How our router maps our listen port (see :meth:`ReachabilityTracker.mapping`)."""
+        ports = {tcp_target(a).port for a in self.peer.bound_addrs()}
+        return self.tracker.mapping(ports)
+
+    @property
+    def punchable(self) -> bool:
+        """Whether we are private yet others should still send us work (a butterfly
+        part to reduce): we hold a relay reservation, punch holes, and our router maps
+        endpoint-independently, so a connection that reaches us through a relay can be
+        made direct. A symmetric NAT's peer stays a client: everything sent to it would
+        cross the relay."""
+        return (
+            self.hole_puncher is not None
+            and self.reachability == Reachability.PRIVATE
+            and bool(self._reservations)
+            and self.mapping() == NatMapping.ENDPOINT_INDEPENDENT
+        )
+
+    async def wait_for_direct(self, remote: PeerID, *, start_within: float) -> None:
+        """After dialing ``remote`` through a relay: give the hole punch it starts (if
+        one starts within ``start_within`` seconds) the time to finish, so streams that
+        follow take the direct connection. Returns when there is one, or there will be
+        none."""
+        if self.hole_puncher is not None:
+            await self.hole_puncher.wait_for_direct(remote, start_within=start_within)
+
     def circuit_addrs(self) -> list[Multiaddr]:
         return [a for r in self._reservations.values() for a in r.circuit_addrs]
 
@@ -146,7 +174,7 @@ class NatManager:
         conns = [self.peer.connection_to(p) for p in self.peer.connected_peers()]
         return NatStatistics(
             reachability=self.reachability,
-            mapping=self.tracker.mapping(),
+            mapping=self.mapping(),
             confirmed_addrs=tuple(self.confirmed_addrs()),
             observed_addrs=tuple(self.tracker.observed_addrs()),
             relays=tuple(self._reservations),
@@ -181,7 +209,7 @@ class NatManager:
 
     async def _punch(self, remote: PeerID) -> None:
         assert self.hole_puncher is not None
-        if self.tracker.mapping() == NatMapping.SYMMETRIC:
+        if self.mapping() == NatMapping.SYMMETRIC:
             # Our router gives each destination its own port: the one the other side
             # would dial is never the one our SYN leaves from. Stay relayed.
             logger.info("not hole punching to %s: our NAT is symmetric", remote)

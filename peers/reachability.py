@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from multiaddr import Multiaddr
@@ -171,10 +172,13 @@ class ReachabilityTracker:
         the addresses a hole punch tells the other side)."""
         return sorted(self._observed, key=lambda a: -len(self._observed[a]))
 
-    def mapping(self) -> NatMapping:
+    def mapping(self, listen_ports: Collection[int] = ()) -> NatMapping:
         """From observed addresses: the same ``ip:port`` seen by two remotes means one
         mapping for all destinations; two or more remotes that each saw a different
-        port on the same IP mean one per destination."""
+        port on the same IP mean one per destination. With one remote so far, a port
+        it saw equal to one of ``listen_ports`` (we dial from the listen port) says the
+        router kept our port, as endpoint-independent routers do; a symmetric one that
+        randomises ports would keep it once in tens of thousands."""
         if any(len(observers) >= 2 for observers in self._observed.values()):
             return NatMapping.ENDPOINT_INDEPENDENT
         by_ip: dict[str, set[PeerID]] = {}
@@ -182,6 +186,8 @@ class ReachabilityTracker:
             by_ip.setdefault(tcp_target(addr).host, set()).update(observers)
         if any(len(observers) >= 2 for observers in by_ip.values()):
             return NatMapping.SYMMETRIC
+        if any(tcp_target(addr).port in listen_ports for addr in self._observed):
+            return NatMapping.ENDPOINT_INDEPENDENT
         return NatMapping.UNKNOWN
 
     def num_servers_asked(self, now: float) -> int:

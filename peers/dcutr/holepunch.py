@@ -76,6 +76,10 @@ class HolePuncher:
         self.results: list[HolePunchResult] = []
         #: Side A: peers whose last attempt failed, so the next takes the other role.
         self._swapped: set[PeerID] = set()
+        #: Side A: peers whose DCUtR exchange with us is under way, each set when it ends.
+        self._under_way: dict[PeerID, asyncio.Event] = {}
+        #: Side A: set when any exchange begins, for :meth:`wait_for_direct`.
+        self._began = asyncio.Event()
         peer.set_stream_handler(DCUTR_PROTOCOL_ID, self._serve)
 
     def _our_addrs(self) -> tuple[Multiaddr, ...]:
@@ -119,11 +123,46 @@ class HolePuncher:
 
     # --- side A: we dialed through the relay; the other side starts -----------------
 
+    async def wait_for_direct(self, remote: PeerID, *, start_within: float) -> Connection | None:
+        """Side A, right after dialing ``remote`` through a relay: wait until the hole
+        punch the other side starts has ended, if it starts within ``start_within``
+        seconds; the direct connection, or ``None`` (no punch came, or it failed).
+
+        A caller about to send bulk data (a butterfly round's parts) would otherwise
+        open its streams on the relayed connection, where they stay."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + start_within
+        while remote not in self._under_way and self._direct(remote) is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            began = self._began  # replaced by a fresh one each time it is set
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await began.wait()
+        ended = self._under_way.get(remote)
+        if ended is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(EXCHANGE_TIMEOUT_SECONDS + DIAL_TIMEOUT_SECONDS):
+                    await ended.wait()
+        return self._direct(remote)
+
     async def _serve(self, stream: Stream) -> None:
         remote = stream.remote_peer_id
         if not stream.connection.relayed or self._direct(remote) is not None:
             stream.reset()
             return
+        ended = self._under_way.setdefault(remote, asyncio.Event())
+        self._began.set()
+        self._began = asyncio.Event()
+        try:
+            await self._serve_exchange(stream, remote)
+        finally:
+            ended.set()
+            if self._under_way.get(remote) is ended:
+                del self._under_way[remote]
+
+    async def _serve_exchange(self, stream: Stream, remote: PeerID) -> None:
         try:
             async with asyncio.timeout(EXCHANGE_TIMEOUT_SECONDS):
                 connect = await self._receive(stream, HolePunchType.CONNECT)
