@@ -274,37 +274,78 @@ class NatManager:
         bound = [a for a in self.peer.bound_addrs() if is_public_candidate(a)]
         return list(dict.fromkeys([*self.tracker.observed_addrs(), *bound]))
 
-    async def _probe(self) -> None:
-        now = time.monotonic()
-        candidates = self._candidates()
-        if not candidates:
-            return
-        for peer_id, protocols in list(self._protocols.items()):
+    def _servers_to_ask(self, now: float) -> list[PeerID]:
+        """AutoNAT servers among our direct peers that have not answered lately, as
+        many as a verdict still needs (one more than the confirmations, for a tie)."""
+        room = self.tracker.confirmations + 1 - self.tracker.num_servers_asked(now)
+        servers: list[PeerID] = []
+        for peer_id, protocols in self._protocols.items():
+            if len(servers) >= room:
+                break
             if AUTONAT_PROTOCOL_ID not in protocols or self.tracker.has_answer_from(peer_id, now):
                 continue
             if now - self._failed_at.get(peer_id, -RETRY_SECONDS) < RETRY_SECONDS:
                 continue
-            if self.tracker.num_servers_asked(now) >= self.tracker.confirmations + 1:
-                break
             conn = self.peer.connection_to(peer_id)
-            if conn is None or conn.relayed:
-                continue
-            try:
-                answer = await request_dial_back(self.peer, peer_id, candidates)
-            except (TimeoutError, PeersError) as e:
-                logger.info("AutoNAT probe by %s failed: %r", peer_id, e)
-                self._failed_at[peer_id] = now
-                continue
-            before = self.reachability
-            if answer.status == ResponseStatus.OK:
-                self.tracker.dial_back(peer_id, ok=True, addr=answer.addr, now=time.monotonic())
+            if conn is not None and not conn.relayed:
+                servers.append(peer_id)
+        return servers
+
+    def verdict_pending(self) -> bool:
+        """Whether a reachability verdict may still come: we are not forced, the
+        verdict is unknown, and a peer we are directly connected to has not been
+        identified yet or is an AutoNAT server we may still ask."""
+        if not self.active or self.forced is not ForcedReachability.AUTO:
+            return False
+        if self.reachability != Reachability.UNKNOWN or not self._candidates():
+            return False
+        direct = [
+            p
+            for p in self.peer.connected_peers()
+            if (conn := self.peer.connection_to(p)) is not None and not conn.relayed
+        ]
+        unidentified = any(p not in self._protocols for p in direct)
+        return unidentified or bool(self._servers_to_ask(time.monotonic()))
+
+    async def wait_for_verdict(self, timeout: float) -> Reachability:
+        """Wait (at most ``timeout`` seconds) until AutoNAT has decided whether others
+        can dial us, or no server is left to ask; the reachability then. A trainer
+        does this before its first round, so that it does not offer the swarm an
+        address nobody can dial."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while self.verdict_pending():
+                    await self.wait_changed()
+        return self.reachability
+
+    async def _probe(self) -> None:
+        now = time.monotonic()
+        candidates = self._candidates()
+        servers = self._servers_to_ask(now) if candidates else []
+        if not servers:
+            return
+        # All at once: each dial-back to a NATed address takes its whole timeout.
+        answers = await asyncio.gather(
+            *(request_dial_back(self.peer, server, candidates) for server in servers),
+            return_exceptions=True,
+        )
+        before = self.reachability
+        for server, answer in zip(servers, answers, strict=True):
+            if isinstance(answer, TimeoutError | PeersError):
+                logger.info("AutoNAT probe by %s failed: %r", server, answer)
+                self._failed_at[server] = now
+            elif isinstance(answer, BaseException):  # not the server's word: skip it
+                logger.warning("AutoNAT probe by %s broke: %r", server, answer)
+                self._failed_at[server] = now
+            elif answer.status == ResponseStatus.OK:
+                self.tracker.dial_back(server, ok=True, addr=answer.addr, now=time.monotonic())
             elif answer.status == ResponseStatus.E_DIAL_ERROR:
-                self.tracker.dial_back(peer_id, ok=False, addr=None, now=time.monotonic())
+                self.tracker.dial_back(server, ok=False, addr=None, now=time.monotonic())
             else:  # refused or bad request: this server says nothing about us
-                self._failed_at[peer_id] = now
-            if self.reachability != before:
-                logger.info("reachability: %s", self.reachability.value)
-                self.peer.addresses_changed()
+                self._failed_at[server] = now
+        if self.reachability != before:
+            logger.info("reachability: %s", self.reachability.value)
+        self.peer.addresses_changed()  # also wakes whoever waits for a verdict
 
     async def _keep_reservations(self) -> None:
         now_unix = time.time()

@@ -184,6 +184,7 @@ def train(
     )
     started = time.monotonic()
     try:
+        _wait_for_reachability(dht)
         with CollaborativeOptimizer(inner, dht, collaborative) as opt:
             opt.epoch = start_epoch
             if not opt.load_state_from_peers() and config.num_peers > 1:
@@ -218,6 +219,24 @@ def train(
 
 #: Seconds between two looks at how we are connected (a cross-thread call each).
 NETWORK_REPORT_SECONDS = 5.0
+#: Longest wait for AutoNAT's verdict before the first round: a dial-back to an
+#: address behind NAT takes its whole 5 s timeout, servers are asked at once, and a
+#: loaded machine or a slow link may need a few rounds of that.
+REACHABILITY_WAIT_SECONDS = 20.0
+
+
+def _wait_for_reachability(dht: BlockingDHT) -> None:
+    """Before training, learn whether others can dial us (if that is being found out):
+    a peer behind NAT that joined a round before knowing it would offer the swarm an
+    address nobody can dial, and its rounds would fail until the verdict came."""
+    facade = dht.peer
+
+    async def wait() -> None:
+        nat = facade.peer.nat
+        if nat.active:
+            await nat.wait_for_verdict(REACHABILITY_WAIT_SECONDS)
+
+    facade.run(wait(), timeout=REACHABILITY_WAIT_SECONDS + 5.0)
 
 
 class _NetworkReport:
