@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from peers.netlab import Lab, lab_available
+from peers.netlab import Lab, PublicHost, lab_available
 
 AVAILABLE, REASON = lab_available()
 pytestmark = [pytest.mark.skipif(not AVAILABLE, reason=REASON), pytest.mark.timeout(300)]
@@ -31,6 +31,27 @@ SERVER_LISTEN = ["--listen", "/ip4/0.0.0.0/tcp/0", "--progress", "lines"]
 LAPTOP_LISTEN = ["--listen", "/ip4/0.0.0.0/tcp/4001", "--progress", "lines"]
 
 
+def start_public_trainer(
+    server: PublicHost, sizes: list[str]
+) -> tuple[subprocess.Popen[str], list[str], str]:
+    """``swarm train`` on a public host: the process, what it printed up to its join
+    command, and the address that command names."""
+    proc = server.popen(
+        [*SWARM, "train", *SERVER_LISTEN, "--rank", "0", *sizes],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    head = []
+    for line in proc.stdout:  # bounded by the pytest timeout
+        head.append(line)
+        found = re.search(r" join --initial-peers (/ip4/198\.18\.\S+)", line)
+        if found:
+            return proc, head, found.group(1)
+    raise AssertionError(f"no join command printed: {''.join(head)}")
+
+
 def test_two_laptops_behind_nat_with_one_private_address_train_with_a_public_peer() -> None:
     with Lab() as lab:
         server = lab.add_public_host("server")
@@ -38,28 +59,14 @@ def test_two_laptops_behind_nat_with_one_private_address_train_with_a_public_pee
             lab.add_lan_host(lab.add_home_router("home1", nat="endpoint-independent"), "laptop1"),
             lab.add_lan_host(lab.add_home_router("home2", nat="symmetric"), "laptop2"),
         ]
-        first = server.popen(
-            [*SWARM, "train", *SERVER_LISTEN, "--rank", "0", *SIZES],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert first.stdout is not None
-        head = []
-        for line in first.stdout:  # bounded by the pytest timeout
-            head.append(line)
-            found = re.search(r" join --initial-peers (/ip4/198\.18\.\S+)", line)
-            if found:
-                break
-        else:
-            raise AssertionError(f"no join command printed: {''.join(head)}")
+        first, head, join_addr = start_public_trainer(server, SIZES)
         joiners = [
             laptop.popen(
                 [
                     *SWARM,
                     "join",
                     "--initial-peers",
-                    found.group(1),
+                    join_addr,
                     *LAPTOP_LISTEN,
                     "--rank",
                     str(rank),
@@ -96,25 +103,11 @@ def test_a_laptop_killed_mid_training_costs_the_others_nothing() -> None:
             lab.add_lan_host(lab.add_home_router(f"home{i}", nat=kind), f"laptop{i}")
             for i, kind in enumerate(kinds, 1)
         ]
-        first = server.popen(
-            [*SWARM, "train", *SERVER_LISTEN, "--rank", "0", *sizes],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert first.stdout is not None
-        head = []
-        for line in first.stdout:  # bounded by the pytest timeout
-            head.append(line)
-            found = re.search(r" join --initial-peers (/ip4/198\.18\.\S+)", line)
-            if found:
-                break
-        else:
-            raise AssertionError(f"no join command printed: {''.join(head)}")
+        first, head, join_addr = start_public_trainer(server, sizes)
         joiners = []
         for rank, laptop in enumerate(laptops, 1):
             progress = "json" if rank == 3 else "lines"
-            argv = [*SWARM, "join", "--initial-peers", found.group(1), *sizes]
+            argv = [*SWARM, "join", "--initial-peers", join_addr, *sizes]
             argv += ["--listen", "/ip4/0.0.0.0/tcp/4001", "--progress", progress]
             argv += ["--rank", str(rank)]
             joiners.append(
