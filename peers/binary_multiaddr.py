@@ -15,12 +15,11 @@ import ipaddress
 from multiaddr import Multiaddr
 from multiaddr.transforms import bytes_iter
 
-from peers.addresses import parse_multiaddr
+from peers.addresses import is_circuit, parse_multiaddr
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 #: The protocol name of a relayed (circuit) hop; an address with it is not direct.
-CIRCUIT_PROTOCOL = "p2p-circuit"
 
 
 def parse_binary_multiaddr(raw: bytes) -> Multiaddr | None:
@@ -39,11 +38,6 @@ def parse_binary_multiaddr(raw: bytes) -> Multiaddr | None:
     return addr
 
 
-def is_relayed(addr: Multiaddr) -> bool:
-    """True if ``addr`` goes through a circuit relay (has a ``/p2p-circuit`` part)."""
-    return any(proto.name == CIRCUIT_PROTOCOL for proto in addr.protocols())
-
-
 def normalize_ip(ip: str | IPAddress) -> IPAddress:
     """``ip`` as an address object, an IPv4-mapped IPv6 address as the IPv4 address it maps
     (a dual-stack socket reports IPv4 peers that way). Raises ``ValueError`` if it is not
@@ -58,7 +52,7 @@ def ip_of(addr: Multiaddr) -> IPAddress | None:
     """The IP an ``/ip4/...`` or ``/ip6/...`` address starts with, or ``None`` when it
     starts with anything else (a DNS name, ``/ip6zone``) or is relayed: a relayed
     connection's address says nothing checkable about the remote's own IP."""
-    if is_relayed(addr):
+    if is_circuit(addr):
         return None
     items = list(addr.items())
     if not items or items[0][0].name not in ("ip4", "ip6") or items[0][1] is None:

@@ -15,12 +15,12 @@ from collections.abc import Iterable
 
 from multiaddr import Multiaddr
 
+from peers.addresses import is_circuit
 from peers.autonat.messages import AutoNATProtocolError, Dial
 from peers.binary_multiaddr import (
     IPAddress,
     components,
     ip_of,
-    is_relayed,
     normalize_ip,
     parse_binary_multiaddr,
 )
@@ -90,7 +90,7 @@ def dial_back_addresses(
     seen: set[bytes] = set()
     for requested in requested_addrs:
         addr = parse_binary_multiaddr(requested) if isinstance(requested, bytes) else requested
-        if addr is None or is_relayed(addr):
+        if addr is None or is_circuit(addr):
             continue
         parts = _dialable_parts(addr)
         ip = None if parts is None else ip_of(addr)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from multiaddr import Multiaddr
 
-from peers.binary_multiaddr import is_relayed, parse_binary_multiaddr
+from peers.addresses import is_circuit
+from peers.binary_multiaddr import parse_binary_multiaddr
 from peers.errors import LocalProtocolError, RemoteProtocolError
 from peers.protobuf import ProtobufError, encode_fields
 from peers.protofields import Fields
@@ -105,4 +106,4 @@ def decode_hole_punch(data: bytes) -> HolePunch:
 def direct_addresses(addrs: Iterable[Multiaddr]) -> list[Multiaddr]:
     """``addrs`` without relayed ones: hole punching dials only direct addresses (go-libp2p
     drops ``/p2p-circuit`` addresses from a CONNECT before dialing)."""
-    return [addr for addr in addrs if not is_relayed(addr)]
+    return [addr for addr in addrs if not is_circuit(addr)]
