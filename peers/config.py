@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peers import limits
-from peers.addresses import parse_multiaddr
+from peers.addresses import parse_multiaddr, tcp_target
 from peers.identity import KeyPair
 from peers.noise import NOISE_CIPHERS
 from peers.relay.resources import RelayResourceConfig
@@ -80,7 +80,7 @@ class PeerConfig:
                 f"reachability must be 'auto', 'public' or 'private', got {self.reachability!r}"
             )
         for addr in (*self.listen_addrs, *self.announce_addrs):
-            parse_multiaddr(addr)
+            tcp_target(parse_multiaddr(addr))  # AddressError: not a TCP address
         ciphers: object = self.noise_ciphers
         if (
             not isinstance(ciphers, tuple)

@@ -33,6 +33,7 @@ from peers import (
     run,
     with_peer_id,
 )
+from peers.addresses import tcp_target
 from peers.dht import DHT, DHTConfig, dht_time
 from peers.dht.presence import announce_forever, list_peers
 from peers.echo import install_echo
@@ -401,6 +402,7 @@ def _add_train_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         p.add_argument(
             "--announce",
             action="append",
+            type=_announce_addr,
             metavar="MADDR",
             help="address to announce instead of the bound ones (port forwarding); repeatable",
         )
@@ -461,6 +463,15 @@ def _stage(text: str) -> int | None:
     return value
 
 
+def _announce_addr(text: str) -> str:
+    """An address others can dial: ``/ip4|ip6|dns/HOST/tcp/PORT``."""
+    try:
+        tcp_target(parse_multiaddr(text))
+    except PeersError as e:
+        raise argparse.ArgumentTypeError(f"{e} (announce /ip4/HOST/tcp/PORT)") from None
+    return text
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -490,7 +501,13 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         help="seconds between DHT announcements; they live 3x this (default 30)",
     )
     parser.add_argument("--listen", action="append", metavar="MADDR", help="listen address")
-    parser.add_argument("--announce", action="append", metavar="MADDR", help="address to announce")
+    parser.add_argument(
+        "--announce",
+        action="append",
+        type=_announce_addr,
+        metavar="MADDR",
+        help="address to announce",
+    )
     parser.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers to join through")
     parser.add_argument("--identity", metavar="PATH", help="key file; created if missing")
     _add_reachability_options(parser)
@@ -564,6 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument(
         "--announce",
         action="append",
+        type=_announce_addr,
         metavar="MADDR",
         help="address to announce instead of the bound ones; repeatable",
     )
