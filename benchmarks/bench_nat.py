@@ -11,6 +11,11 @@
    dropped). Each trial starts two fresh laptop processes on a fresh port; one dials
    the other through the relay, and DCUtR tries to punch a direct connection. Figures:
    success rate, seconds from the relayed connection to the direct one.
+3. Training in the lab, real ``swarm train``/``swarm join`` processes: five peers train
+   ``digits`` (global batch 64), once with four of them laptops behind home routers (two
+   endpoint-independent, two symmetric, all with one private address) and once with all
+   five on public addresses (the limit). Figure: global samples per second after the
+   first steps, read from the public peer's progress, and their ratio (goal >= 0.9).
 
 There is no hivemind column: go-libp2p's relays cap a relayed connection at 128 KiB
 (p2pd's defaults differ but still reset it), and hivemind never punches holes itself;
@@ -23,7 +28,12 @@ the comparison that matters is against the direct path, which is the limit.
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +154,70 @@ def hole_punching(trials: int) -> dict[str, Any]:
     }
 
 
+SWARM = [sys.executable, "-m", "swarm.cli"]
+#: Global steps of the training runs, and how many to leave out at the start (the
+#: first rounds open connections, reserve relays and punch holes).
+TRAIN_STEPS = {True: 60, False: 200}
+WARM_STEPS = 10
+
+
+def training(private: bool, steps: int) -> float:
+    """Global samples per second of five peers training ``digits`` in the lab, after
+    ``WARM_STEPS`` steps: four behind NAT if ``private``, else all public."""
+    batch = 64
+    with Lab() as lab, tempfile.TemporaryDirectory() as logs:
+        server = lab.add_public_host("server")
+        if private:
+            kinds = ("endpoint-independent", "symmetric") * 2
+            hosts: list[Any] = [
+                lab.add_lan_host(lab.add_home_router(f"home{i}", nat=kind), f"laptop{i}")
+                for i, kind in enumerate(kinds)
+            ]
+        else:
+            hosts = [lab.add_public_host(f"peer{i}") for i in range(4)]
+        argv = [*SWARM, "train", "--listen", "/ip4/0.0.0.0/tcp/0", "--num-peers", "5"]
+        argv += ["--num-samples", str(batch * steps), "--num-threads", "1", "--progress", "json"]
+        first = server.popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert first.stdout is not None
+        joiners: list[subprocess.Popen[str]] = []
+        try:
+            join: list[str] = []
+            for line in first.stdout:  # the join command comes before any progress
+                found = re.search(r" (join --initial-peers /ip4/198\.18\.\S+ .*)", line)
+                if found:
+                    join = found.group(1).split()
+                    break
+            for i, host in enumerate(hosts):
+                with open(Path(logs) / f"{i}.log", "w") as log:
+                    argv = [*SWARM, *join, "--num-threads", "1", "--progress", "none"]
+                    joiners.append(host.popen(argv, stdout=log, stderr=log, text=True))
+            start: tuple[float, int] | None = None
+            end: tuple[float, int] | None = None
+            for line in first.stdout:  # bounded: the run ends after ``steps`` steps
+                record = json.loads(line) if line.startswith("{") else {}
+                # progress lines come at most every 0.25 s; the last one marks the end
+                # (not the result line, which follows leaving the swarm and evaluating)
+                if record.get("event") == "progress" and record["samples"] >= batch * WARM_STEPS:
+                    start = start or (time.monotonic(), record["samples"])
+                    end = (time.monotonic(), record["samples"])
+            first.wait(timeout=60)
+            for proc in joiners:
+                proc.wait(timeout=60)
+            if start is None or end is None or end[0] <= start[0] or first.returncode != 0:
+                raise RuntimeError(f"the training run did not finish (exit {first.returncode})")
+            return (end[1] - start[1]) / (end[0] - start[0])
+        finally:
+            for proc in [first, *joiners]:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a reduced run (under two minutes)")
@@ -175,6 +249,18 @@ def main() -> None:
             f"{figures['hole_punch_successes']}/{figures['hole_punch_trials']} succeeded, "
             f"p50 {figures['hole_punch_seconds_p50']} s"
         )
+        steps, reps = TRAIN_STEPS[args.quick], 1 if args.quick else 3
+        rates: dict[str, list[float]] = {"private": [], "public": []}
+        for _ in range(reps):  # alternating, so a slow spell of the machine hits both
+            for kind in rates:
+                rates[kind].append(training(kind == "private", steps))
+        figures["training_samples_per_s_4_of_5_private"] = median(rates["private"])
+        figures["training_samples_per_s_all_public"] = median(rates["public"])
+        print(
+            f"\ntraining digits, 5 peers, {steps} steps of 64, median of {reps}: "
+            f"{figures['training_samples_per_s_4_of_5_private']:.0f} samples/s with 4 behind "
+            f"NAT, {figures['training_samples_per_s_all_public']:.0f} with all public"
+        )
     ratios: dict[str, float] = {
         "relayed_throughput_fraction_of_direct": figures["relayed_MB_per_s"]
         / figures["direct_MB_per_s"],
@@ -184,6 +270,10 @@ def main() -> None:
     if "hole_punch_trials" in figures:
         ratios["hole_punch_success_fraction"] = (
             figures["hole_punch_successes"] / figures["hole_punch_trials"]
+        )
+        ratios["training_private_fraction_of_public"] = (
+            figures["training_samples_per_s_4_of_5_private"]
+            / figures["training_samples_per_s_all_public"]
         )
     emit_result("nat", figures, ratios, notes=notes)
 

@@ -160,8 +160,9 @@ class NatManager:
         one starts within ``start_within`` seconds) the time to finish, so streams that
         follow take the direct connection. Returns when there is one, or there will be
         none."""
-        if self.hole_puncher is not None:
+        if self.hole_puncher is not None and self.mapping() != NatMapping.SYMMETRIC:
             await self.hole_puncher.wait_for_direct(remote, start_within=start_within)
+        # behind a symmetric NAT no punch can succeed (and _serve refuses one at once)
 
     def circuit_addrs(self) -> list[Multiaddr]:
         return [a for r in self._reservations.values() for a in r.circuit_addrs]
@@ -250,18 +251,20 @@ class NatManager:
             conn = self.peer.connection_to(peer_id)
             if conn is None or conn.relayed:
                 continue
-            live.add(conn)
             if conn in identified:
+                live.add(conn)
                 continue
             try:
                 async with asyncio.timeout(IDENTIFY_TIMEOUT_SECONDS):
                     info = await self.peer.identify(peer_id)
             except (TimeoutError, PeersError) as e:
                 logger.debug("identify of %s failed: %r", peer_id, e)
-                continue
+                continue  # tried again next time round
+            live.add(conn)
             self._protocols[peer_id] = frozenset(info.protocols)
             if info.observed_addr is not None and conn.outbound:
                 self.tracker.observed(info.observed_addr, peer_id)
+            self.notify_changed()
         # What we know of peers we are no longer connected to would grow without bound
         # on a long-lived public peer; a reconnecting peer is identified again.
         connected = set(self.peer.connected_peers())
@@ -294,18 +297,20 @@ class NatManager:
     def verdict_pending(self) -> bool:
         """Whether a reachability verdict may still come: we are not forced, the
         verdict is unknown, and a peer we are directly connected to has not been
-        identified yet or is an AutoNAT server we may still ask."""
+        identified yet (so we may not know our observed address yet either), or we have
+        an address to test and an AutoNAT server we may still ask."""
         if not self.active or self.forced is not ForcedReachability.AUTO:
             return False
-        if self.reachability != Reachability.UNKNOWN or not self._candidates():
+        if self.reachability != Reachability.UNKNOWN:
             return False
         direct = [
             p
             for p in self.peer.connected_peers()
             if (conn := self.peer.connection_to(p)) is not None and not conn.relayed
         ]
-        unidentified = any(p not in self._protocols for p in direct)
-        return unidentified or bool(self._servers_to_ask(time.monotonic()))
+        if any(p not in self._protocols for p in direct):
+            return True  # its identify may bring an observed address and a server
+        return bool(self._candidates()) and bool(self._servers_to_ask(time.monotonic()))
 
     async def wait_for_verdict(self, timeout: float) -> Reachability:
         """Wait (at most ``timeout`` seconds) until AutoNAT has decided whether others

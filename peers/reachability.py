@@ -109,6 +109,7 @@ class ReachabilityTracker:
     _results: dict[PeerID, _Result] = field(default_factory=dict)
     _num_ok: int = 0
     _num_failed: int = 0
+    _verdict: Reachability = Reachability.UNKNOWN
 
     # --- inputs ------------------------------------------------------------------
 
@@ -154,10 +155,15 @@ class ReachabilityTracker:
         if num_servers_known is not None:
             needed = max(1, min(needed, num_servers_known))
         if num_ok and num_ok >= num_failed:
-            return Reachability.PUBLIC
-        if num_failed >= needed and num_failed > num_ok:
-            return Reachability.PRIVATE
-        return Reachability.UNKNOWN
+            self._verdict = Reachability.PUBLIC
+        elif num_failed >= needed and num_failed > num_ok:
+            self._verdict = Reachability.PRIVATE
+        elif not results:
+            self._verdict = Reachability.UNKNOWN
+        # else: a verdict reached with fewer servers than are known now (one was found
+        # since) holds until the new ones answer otherwise; going back to "unknown"
+        # would announce addresses nobody can dial for the seconds that takes
+        return self._verdict
 
     def confirmed_addrs(self, now: float) -> list[Multiaddr]:
         """Addresses a server reached us at, most often confirmed first."""

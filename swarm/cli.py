@@ -263,7 +263,6 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
         announce=tuple(args.announce or ()),
         reachability=args.reachability,
         relay=not args.no_relay,
-        rank=args.rank,
         num_peers=args.num_peers,
         local_batch_size=args.local_batch_size,
         target_batch_size=args.target_batch_size,
@@ -352,19 +351,18 @@ def _add_train_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         p.add_argument("--task", default="digits", help="built-in task: digits, charlm (digits)")
         p.add_argument("--run-id", default="demo", help="the training run to join (demo)")
         p.add_argument(
-            "--rank", type=_non_negative_int, default=0, help="this peer's data shard (0)"
-        )
-        p.add_argument(
             "--num-peers",
             type=_positive_int,
             default=1,
-            help="shards the data is dealt into: the swarm's expected size (1)",
+            help="before the first step, wait (up to 60 s) until this many peers are in the "
+            "run; those who join then wait with them (1: start at once)",
         )
         p.add_argument(
             "--local-batch-size",
             type=_non_negative_int,
             default=0,
-            help="samples per local step (default: global batch / --num-peers)",
+            help="at most this many samples per local step (default: this peer's whole "
+            "part of each global batch)",
         )
         p.add_argument(
             "--target-batch-size",

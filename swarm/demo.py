@@ -1,8 +1,8 @@
 """``swarm demo``: a whole local swarm trains a small model, then meets its baseline.
 
 The demo process hosts the bootstrap peer (a DHT node in this process) and starts
-``num_peers`` trainer processes, each ``swarm train --progress json`` on its own shard
-of the bundled data (:mod:`swarm.train_display` describes the JSON lines). It shows
+``num_peers`` trainer processes, each ``swarm train --progress json`` on its slots of each
+global batch of the bundled data (:mod:`swarm.train_display` describes the JSON lines). It shows
 their combined progress as one bar and the command that joins the swarm from another
 terminal, then trains the single-process baseline (:func:`swarm.baseline.run_baseline`:
 the same global batch, examples, optimizer and seed) and prints both side by side.
@@ -78,15 +78,14 @@ class DemoConfig:
             raise TaskError(f"num_peers must be in [2, {MAX_DEMO_PEERS}], got {self.num_peers!r}")
         if not self.timeout > 0:
             raise TaskError(f"timeout must be positive, got {self.timeout!r}")
-        self.trainer_config(0)  # validates task, sizes, seed and run id
+        self.trainer_config()  # validates task, sizes, seed and run id
 
-    def trainer_config(self, rank: int, initial_peers: tuple[str, ...] = ()) -> TrainerConfig:
-        """What peer ``rank`` trains."""
+    def trainer_config(self, initial_peers: tuple[str, ...] = ()) -> TrainerConfig:
+        """What each trainer runs (they wait for each other before the first step)."""
         return TrainerConfig(
             task=self.task,
             run_id=self.run_id,
             initial_peers=initial_peers,
-            rank=rank,
             num_peers=self.num_peers,
             num_samples=self.num_samples,
             seed=self.seed,
@@ -114,8 +113,6 @@ def _child_command(config: TrainerConfig) -> list[str]:
         config.task,
         "--run-id",
         config.run_id,
-        "--rank",
-        str(config.rank),
         "--num-peers",
         str(config.num_peers),
         "--num-samples",
@@ -139,7 +136,7 @@ class _Children:
         self.children: list[_Child] = []
         self.events: queue.Queue[tuple[_Child, dict[str, Any] | None]] = queue.Queue()
 
-    def start(self, config: TrainerConfig) -> None:
+    def start(self, index: int, config: TrainerConfig) -> None:
         popen = subprocess.Popen(
             _child_command(config),
             stdin=subprocess.PIPE,
@@ -149,7 +146,7 @@ class _Children:
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
             start_new_session=True,  # Ctrl-C reaches the demo, which stops them cleanly
         )
-        child = _Child(config.rank, popen)
+        child = _Child(index, popen)
         self.children.append(child)
         threading.Thread(target=self._pump_stdout, args=(child,), daemon=True).start()
         threading.Thread(target=self._pump_stderr, args=(child,), daemon=True).start()
@@ -206,13 +203,14 @@ def run_demo(config: DemoConfig, out: TextIO | None = None) -> None:
     started = time.monotonic()
     torch.set_num_threads(1)  # the baseline must add up in the order the peers do
     task = get_task(config.task)
-    plan = plan_run(config.trainer_config(0), task.recipe)
+    plan = plan_run(config.trainer_config(), task.recipe)
     total = plan.total_epochs * plan.samples_per_epoch
     _say(
         out,
         f"swarm demo: {config.num_peers} peers train the {config.task!r} task together "
         f"({total:,} samples, global batch {plan.target_batch_size}, "
-        f"{plan.local_batch_size} per peer per step), then the result meets one process "
+        f"about {plan.target_batch_size // config.num_peers} per peer per step), then the "
+        "result meets one process "
         "trained on the same examples.",
     )
     bootstrap = BlockingDHT(peer_config=PeerConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",)))
@@ -222,10 +220,10 @@ def run_demo(config: DemoConfig, out: TextIO | None = None) -> None:
             boot_addr = str(bootstrap.peer.listen_addrs[0])
             _say(out, f"bootstrap peer (this process): {boot_addr}")
             _say(out, "join this swarm from another terminal while it trains:")
-            _say(out, f"  {join_command(config.trainer_config(0), [boot_addr])}")
+            _say(out, f"  {join_command(config.trainer_config(), [boot_addr])}")
             _say(out, f"starting {config.num_peers} trainer processes ...")
             for rank in range(config.num_peers):
-                children.start(config.trainer_config(rank, (boot_addr,)))
+                children.start(rank, config.trainer_config((boot_addr,)))
             swarm = _follow(children, config, total, out)
         finally:
             children.stop()

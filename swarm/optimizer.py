@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -91,6 +92,8 @@ class CollaborativeOptimizer:
         self._rate_samples = 0
         self._counts = {"rounds": 0, "alone": 0, "loads": 0, "bytes": 0, "splits": 0}
         self._records: dict[PeerID, PeerProgress] = {}
+        self._expect = 1
+        self._first_read = threading.Event()
         self._view: SwarmProgress | None = None
         self._outer: torch.optim.Optimizer | None = None
         self._anchor: list[torch.Tensor] = []
@@ -122,13 +125,23 @@ class CollaborativeOptimizer:
         """Account for a local batch of ``batch_size`` samples whose gradients are in the
         parameters' ``.grad``; take a swarm step when the swarm is ready. Gradients are
         consumed (zeroed). Blocks during averaging and state downloads."""
-        if self._closed:
-            raise OptimizerError("the optimizer is closed")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise OptimizerError("batch_size must be a positive int")
-        self._local_steps += 1
-        self._local_samples += batch_size
-        self._measure(batch_size)
+        self._step(batch_size)
+
+    def wait(self) -> None:
+        """Nothing new to add (this peer did its part of the global batch): wait, at most
+        ``max_wait_seconds``, for the swarm's step and take it if it comes. Gradient mode;
+        in DiLoCo mode it returns at once."""
+        self._step(0)
+
+    def _step(self, batch_size: int) -> None:
+        if self._closed:
+            raise OptimizerError("the optimizer is closed")
+        if batch_size:
+            self._local_steps += 1
+            self._local_samples += batch_size
+            self._measure(batch_size)
         if self._behind():
             self._zero_grads()
             self._load_state()
@@ -147,18 +160,20 @@ class CollaborativeOptimizer:
             self._load_state(donors=branch[1], fingerprint=branch[0])
             return
         if self.config.diloco is not None:
-            self._diloco_step(batch_size)
+            if batch_size:
+                self._diloco_step(batch_size)
         else:
             self._gradient_step(batch_size)
 
     def _gradient_step(self, batch_size: int) -> None:
-        with torch.no_grad():
-            for p, b in zip(self.params, self.buffers, strict=True):
-                if p.grad is not None:
-                    b.add_(p.grad, alpha=float(batch_size))
-        self._zero_grads()
-        self._samples += batch_size
-        view = self._wait_for_swarm()
+        if batch_size:
+            with torch.no_grad():
+                for p, b in zip(self.params, self.buffers, strict=True):
+                    if p.grad is not None:
+                        b.add_(p.grad, alpha=float(batch_size))
+            self._zero_grads()
+            self._samples += batch_size
+        view = self._wait_for_swarm(always=not batch_size)
         if not view.ready:
             return
         self._averaging = True
@@ -237,13 +252,13 @@ class CollaborativeOptimizer:
             return False
         return True
 
-    def _wait_for_swarm(self) -> SwarmProgress:
-        """Once this peer has its share of the global batch, wait (a bounded time) for
-        the others to fill theirs rather than run ahead: the step then averages the
-        global batch the config asks for, as one big machine would."""
+    def _wait_for_swarm(self, *, always: bool = False) -> SwarmProgress:
+        """Once this peer has its share of the global batch (or ``always``), wait (a
+        bounded time) for the others to fill theirs rather than run ahead: the step then
+        averages the global batch the config asks for, as one big machine would."""
         view = self._summary()
-        share = self.config.target_batch_size / max(view.num_peers, 1)
-        if view.ready or self._samples < share:
+        share = self.config.target_batch_size // max(view.num_peers, 1)
+        if view.ready or (self._samples < share and not always):
             return view
         self._publish_now()
         deadline = time.monotonic() + self.config.max_wait_seconds
@@ -308,8 +323,49 @@ class CollaborativeOptimizer:
 
     def _mine(self) -> PeerProgress:
         return PeerProgress(
-            self.epoch, self._samples, self._rate, dht_time(), self._averaging, self._fingerprint
+            self.epoch,
+            self._samples,
+            self._rate,
+            dht_time(),
+            self._averaging,
+            self._fingerprint,
+            self._expect,
         )
+
+    def _live(self) -> dict[PeerID, PeerProgress]:
+        now, me = dht_time(), self.dht.peer.peer_id
+        live = {
+            p: r
+            for p, r in self._records.items()
+            if p != me and now - r.time <= self.config.progress_expiration
+        }
+        live[me] = self._mine()
+        return live
+
+    def members(self) -> list[PeerID]:
+        """The live peers of the run as this peer sees them, itself included (those whose
+        progress record has not expired): who shares the next global batch."""
+        return sorted(self._live())
+
+    def delivered(self) -> set[PeerID]:
+        """Members that added samples to this peer's epoch (or are past it)."""
+        return {
+            p
+            for p, r in self._live().items()
+            if r.epoch > self.epoch or (r.epoch == self.epoch and (r.samples or r.averaging))
+        }
+
+    @property
+    def accumulated(self) -> int:
+        """Samples this peer added toward the step that ends its epoch."""
+        return self._samples
+
+    @property
+    def inner_step(self) -> int:
+        """DiLoCo: local steps taken since the last outer step (0 in gradient mode)."""
+        if self.config.diloco is None:
+            return 0
+        return self._inner_steps % self.config.diloco.inner_steps
 
     def _summary(self) -> SwarmProgress:
         self._view = summarize(
@@ -353,6 +409,7 @@ class CollaborativeOptimizer:
                 found = await node.get(self._progress_key)
                 if isinstance(found, dict):
                     self._records = _parse_records(found)
+            self._first_read.set()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.progress_interval):
                     await self._stop.wait()
@@ -415,13 +472,23 @@ class CollaborativeOptimizer:
         """Wait until ``num_peers`` peers (this one included) publish progress, or
         ``timeout`` seconds; returns how many were seen. Peers that start together call
         it before their first step: two halves of a swarm that cannot see each other yet
-        would otherwise take their first steps in two groups, and drift apart."""
+        would otherwise take their first steps in two groups, and drift apart.
+
+        The wait is for the largest number any peer of the run waits for (its progress
+        record says so), so a volunteer who joins a run that has not started yet waits
+        with the others without being told how many to expect."""
         deadline = time.monotonic() + timeout
-        seen = self._summary().num_peers
-        while seen < num_peers and time.monotonic() < deadline:
+        self._expect = max(1, num_peers)
+        self._publish_now()
+        self._first_read.wait(timeout)
+        while time.monotonic() < deadline:
+            live = self._live()
+            wanted = max((r.expect for r in live.values() if r.epoch == 0), default=1)
+            if len(live) >= wanted or any(r.epoch > 0 for r in live.values()):
+                break
             time.sleep(self.config.progress_interval)
-            seen = self._summary().num_peers
-        return seen
+        self._expect = 1
+        return len(self._live())
 
     def load_state_from_peers(self) -> bool:
         """Join a running swarm: download its state now if it is ahead of us. True if

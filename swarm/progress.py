@@ -29,6 +29,9 @@ from peers.identity import PeerID
 PLAUSIBLE_FACTOR = 4.0
 #: A round fingerprint in a progress record: 16 bytes tell rounds apart.
 MAX_FINGERPRINT_BYTES = 32
+#: The most peers a record may ask the run to wait for: a hostile record cannot make
+#: joiners wait for a swarm that will never come (they wait a bounded time anyway).
+MAX_EXPECTED_PEERS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,22 +48,30 @@ class PeerProgress:
     """It has started averaging for ``epoch``: peers in that epoch should join it now."""
     fingerprint: bytes = b""
     """Of the round that ended its previous epoch: peers that stepped together share it."""
+    expect: int = 1
+    """Peers this one waits for before the run's first step (``swarm train --num-peers``):
+    peers joining at the start wait for as many, so the run does not begin with a part
+    of the swarm."""
 
     @classmethod
     def from_wire(cls, value: object) -> PeerProgress | None:
         """Parse a record; ``None`` for anything malformed (a remote's garbage)."""
-        if not isinstance(value, list) or len(value) != 6:
+        if not isinstance(value, list) or len(value) != 7:
             return None
-        epoch, samples, rate, when, averaging, fingerprint = value
+        epoch, samples, rate, when, averaging, fingerprint, expect = value
         if not isinstance(fingerprint, bytes) or len(fingerprint) > MAX_FINGERPRINT_BYTES:
             return None
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, samples)):
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in (epoch, samples, expect)
+        ):
+            return None
+        if not 1 <= expect <= MAX_EXPECTED_PEERS:
             return None
         if not all(isinstance(v, int | float) and math.isfinite(v) for v in (rate, when)):
             return None
         if epoch < 0 or samples < 0 or rate < 0 or not isinstance(averaging, bool):
             return None
-        return cls(epoch, samples, float(rate), float(when), averaging, fingerprint)
+        return cls(epoch, samples, float(rate), float(when), averaging, fingerprint, expect)
 
     def to_wire(self) -> list[object]:
         return [
@@ -70,6 +81,7 @@ class PeerProgress:
             self.time,
             self.averaging,
             self.fingerprint,
+            self.expect,
         ]
 
 

@@ -3,13 +3,13 @@
 
 The peer trains until the swarm has taken ``num_samples / target_batch_size`` global
 steps (global samples, whoever processed them), then evaluates and returns a summary.
-Its data is its own shard of the task's sample stream (``rank`` of ``num_peers``), so
-peers never train on the same examples within an epoch.
+Its data is its slot of each global batch (:mod:`swarm.shares`): the batch of global
+step ``t`` is what a single process takes at step ``t``, the live peers divide it by
+their identities, and no peer needs a rank or the size of the swarm.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -22,19 +22,23 @@ import torch
 
 from peers.config import PeerConfig
 from peers.dht import BlockingDHT, DHTConfig
+from peers.identity import PeerID
 from swarm.checkpoint import read_state, write_state
 from swarm.errors import CheckpointError, TaskError
 from swarm.optim_spec import OptimizerSpec
 from swarm.optimizer import CollaborativeOptimizer
 from swarm.optimizer_config import CollaborativeConfig, DiLoCoConfig, OptimizerStatistics
+from swarm.progress import MAX_EXPECTED_PEERS
+from swarm.shares import Slot, my_slot, share_order, takeover_slots
 from swarm.tasks import TASKS, get_task
-from swarm.tasks.base import Recipe, check_seed
+from swarm.tasks.base import Recipe, SampleStream, check_seed
 from swarm.training_state import pack_state, unpack_state
 
 logger = logging.getLogger(__name__)
 
-#: Seconds peers started together wait to see each other before their first step.
-STARTUP_WAIT_SECONDS = 30.0
+#: Seconds peers started together wait to see each other before their first step: a
+#: laptop behind NAT needs its AutoNAT verdict (up to 20 s) and torch's import first.
+STARTUP_WAIT_SECONDS = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,12 +59,13 @@ class TrainerConfig:
     """``auto`` (find out with AutoNAT), ``public`` or ``private``: see peers.PeerConfig."""
     relay: bool = True
     """Serve as a relay while public and use relays while private (``--no-relay``: no)."""
-    rank: int = 0
-    """Which shard of the sample stream this peer trains on (``0 <= rank < num_peers``)."""
     num_peers: int = 1
-    """Shards the sample stream is dealt into (the swarm's expected size)."""
+    """Peers to wait for (at most :data:`STARTUP_WAIT_SECONDS`) before the run's first
+    step, for peers started together; 1: start at once. Peers joining before the first
+    step wait for as many as any peer of the run asks for."""
     local_batch_size: int = 0
-    """Samples per local step; 0: the task's global batch divided by ``num_peers``."""
+    """At most this many samples per local step (a memory cap); 0: this peer's whole
+    slot of each global batch at once."""
     target_batch_size: int = 0
     """Global batch; 0: the task's recipe."""
     num_samples: int = 0
@@ -83,8 +88,8 @@ class TrainerConfig:
             )
         if not isinstance(self.num_peers, int) or self.num_peers < 1:
             raise TaskError(f"num_peers must be >= 1, got {self.num_peers!r}")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.num_peers:
-            raise TaskError(f"rank must be in [0, {self.num_peers}), got {self.rank!r}")
+        if self.num_peers > MAX_EXPECTED_PEERS:
+            raise TaskError(f"num_peers must be <= {MAX_EXPECTED_PEERS}, got {self.num_peers}")
         for name in ("local_batch_size", "target_batch_size", "num_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -102,26 +107,24 @@ class RunPlan:
 
     target_batch_size: int
     local_batch_size: int
+    """0: a peer's whole slot of each global batch at once."""
     num_samples: int
     total_epochs: int
     """Global steps (outer steps in DiLoCo mode) after which peers stop."""
     samples_per_epoch: int
-    """Global samples one epoch stands for: the global batch, or in DiLoCo mode every
-    peer's ``inner_steps`` local batches."""
+    """Global samples one epoch stands for: the global batch, or in DiLoCo mode
+    ``inner_steps`` global batches (every peer takes its slot of each)."""
 
 
 def plan_run(config: TrainerConfig, recipe: Recipe) -> RunPlan:
     """Resolve ``config``'s defaults from its task's ``recipe``."""
     target = config.target_batch_size or recipe.batch_size
-    local_batch = config.local_batch_size or max(1, target // config.num_peers)
     num_samples = config.num_samples or recipe.num_samples
-    if config.diloco is None:
-        per_epoch = target
-    else:  # outer steps: every peer takes inner_steps local batches per outer step
-        per_epoch = local_batch * config.num_peers * config.diloco.inner_steps
+    inner_steps = 1 if config.diloco is None else config.diloco.inner_steps
+    per_epoch = target * inner_steps
     return RunPlan(
         target_batch_size=target,
-        local_batch_size=local_batch,
+        local_batch_size=config.local_batch_size,
         num_samples=num_samples,
         total_epochs=max(1, num_samples // per_epoch),
         samples_per_epoch=per_epoch,
@@ -155,11 +158,7 @@ def train(
     task = get_task(config.task)
     recipe = task.recipe
     plan = plan_run(config, recipe)
-    target, local_batch, total_epochs = (
-        plan.target_batch_size,
-        plan.local_batch_size,
-        plan.total_epochs,
-    )
+    target, total_epochs = plan.target_batch_size, plan.total_epochs
     num_samples = plan.num_samples
     model = task.make_model(config.seed)
     model.train()
@@ -187,20 +186,23 @@ def train(
         _wait_for_reachability(dht)
         with CollaborativeOptimizer(inner, dht, collaborative) as opt:
             opt.epoch = start_epoch
-            if not opt.load_state_from_peers() and config.num_peers > 1:
+            if not opt.load_state_from_peers() and opt.epoch == 0:
                 opt.wait_for_peers(config.num_peers, timeout=STARTUP_WAIT_SECONDS)
                 opt.load_state_from_peers()  # one may have stepped meanwhile
-            batches = task.batches(
-                config.rank, config.num_peers, local_batch, config.seed, start_step=opt.epoch
-            )
+            stream = SampleStream(task.num_train, config.seed)
+            dealer = _Dealer(opt, config.run_id, plan)
             loss_value = math.nan
             network = _NetworkReport(dht, on_network)
-            for batch in itertools.takewhile(lambda _: opt.epoch < total_epochs, batches):
+            while opt.epoch < total_epochs:
                 network.maybe_report()
-                loss = task.loss(model, batch)
+                slot = dealer.next_slot()
+                if slot is None:  # our part is done: the others are still on theirs
+                    opt.wait()
+                    continue
+                loss = task.loss(model, task.examples(stream.indices(slot.start, slot.stop)))
                 loss.backward()  # type: ignore[no-untyped-call]
                 loss_value = loss.item()
-                opt.step(local_batch)
+                opt.step(slot.size)
                 if on_step is not None:
                     on_step(opt.statistics(), loss_value)
             stats = opt.statistics()
@@ -215,6 +217,55 @@ def train(
         statistics=stats,
         final_loss=loss_value,
     )
+
+
+class _Dealer:
+    """Which samples this peer trains on next (see :mod:`swarm.shares`).
+
+    Gradient mode: at the start of each epoch, this peer's slot of the global batch
+    among the members it sees (in pieces of at most ``local_batch_size``); once that is
+    done and the swarm has not stepped within ``max_wait_seconds``, the slots it is to
+    fill for members that delivered nothing (a dead peer, or one that has not started);
+    then nothing (``None``: wait). DiLoCo mode: its slot of global step
+    ``epoch * inner_steps + inner_step`` each local step."""
+
+    def __init__(self, opt: CollaborativeOptimizer, run_id: str, plan: RunPlan) -> None:
+        self._opt = opt
+        self._run_id = run_id
+        self._plan = plan
+        self._me = opt.dht.peer.peer_id
+        self._epoch = -1
+        self._order: list[PeerID] = []
+        self._pending: list[Slot] = []
+        self._taken: set[PeerID] = set()
+
+    def next_slot(self) -> Slot | None:
+        opt, target = self._opt, self._plan.target_batch_size
+        if opt.config.diloco is not None:
+            step = opt.epoch * opt.config.diloco.inner_steps + opt.inner_step
+            return my_slot(share_order(opt.members(), self._run_id, step), self._me, step, target)
+        if opt.epoch != self._epoch or (not self._pending and not opt.accumulated):
+            # a new epoch, or our samples were dropped (a resync): deal this epoch afresh
+            self._epoch = opt.epoch
+            self._order = share_order(opt.members(), self._run_id, opt.epoch)
+            self._pending = self._pieces(my_slot(self._order, self._me, opt.epoch, target))
+            self._taken = {self._me}
+        elif not self._pending:
+            delivered = opt.delivered() | self._taken
+            taken = takeover_slots(self._order, self._me, delivered, opt.epoch, target)
+            for peer, slot in taken.items():
+                self._pending += self._pieces(slot)
+                self._taken.add(peer)
+            if taken:
+                logger.info(
+                    "epoch %d: taking the slots of %d peers that delivered nothing in time",
+                    opt.epoch,
+                    len(taken),
+                )
+        return self._pending.pop(0) if self._pending else None
+
+    def _pieces(self, slot: Slot) -> list[Slot]:
+        return slot.chunks(self._plan.local_batch_size)
 
 
 #: Seconds between two looks at how we are connected (a cross-thread call each).

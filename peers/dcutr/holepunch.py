@@ -40,6 +40,7 @@ from peers.dcutr.messages import (
 from peers.delimited import encode_delimited, read_delimited
 from peers.errors import ConnectionClosed, HandshakeError, PeersError
 from peers.identity import PeerID
+from peers.reachability import NatMapping
 
 if TYPE_CHECKING:
     from peers.host import Peer
@@ -150,6 +151,13 @@ class HolePuncher:
     async def _serve(self, stream: Stream) -> None:
         remote = stream.remote_peer_id
         if not stream.connection.relayed or self._direct(remote) is not None:
+            stream.reset()
+            return
+        if self.peer.nat.mapping() == NatMapping.SYMMETRIC:
+            # Our router picks a new port for each destination: the other side would
+            # dial ports that lead nowhere, for its three attempts, while our traffic
+            # waits. Refuse at once; the relayed connection stays.
+            logger.info("refusing a hole punch from %s: our NAT is symmetric", remote)
             stream.reset()
             return
         ended = self._under_way.setdefault(remote, asyncio.Event())

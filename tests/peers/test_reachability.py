@@ -57,6 +57,20 @@ def test_private_needs_two_servers_unless_only_one_exists() -> None:
     assert tracker.confirmed_addrs(1.0) == []
 
 
+def test_a_verdict_holds_when_another_server_is_found_until_it_answers() -> None:
+    """A laptop that knew one server (its bootstrap) is private; finding a second server
+    does not send it back to "unknown" (announcing its private address for the seconds
+    the next dial-back takes): the second one's answer decides."""
+    tracker = ReachabilityTracker()
+    tracker.dial_back(SERVERS[0], ok=False, addr=None, now=0.0)
+    assert tracker.reachability(1.0, num_servers_known=1) == Reachability.PRIVATE
+    assert tracker.reachability(2.0, num_servers_known=2) == Reachability.PRIVATE
+    tracker.dial_back(SERVERS[1], ok=True, addr=WAN, now=3.0)
+    assert tracker.reachability(4.0, num_servers_known=2) == Reachability.PUBLIC
+    # with every answer expired, nothing is known any more
+    assert tracker.reachability(3.0 + RESULT_TTL_SECONDS + 1.0) == Reachability.UNKNOWN
+
+
 def test_a_lying_server_cannot_outvote_dial_backs_that_worked() -> None:
     tracker = ReachabilityTracker()
     tracker.dial_back(SERVERS[0], ok=True, addr=WAN, now=0.0)

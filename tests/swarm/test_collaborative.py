@@ -33,9 +33,7 @@ def _baseline() -> dict[str, float]:
     return run_baseline(config, task=task).metrics
 
 
-def _start(
-    swarm: LocalSwarm, boot: PeerProcess, ranks: list[int], **options: Any
-) -> list[PeerProcess]:
+def _start(swarm: LocalSwarm, boot: PeerProcess, count: int, **options: Any) -> list[PeerProcess]:
     base = {
         "task": "digits",
         "initial_peers": [boot.maddr],
@@ -45,7 +43,7 @@ def _start(
         "collaborative": FAST,
         "report_every": 20,
     }
-    return [swarm.start(1, target=TARGET, options={**base, **options, "rank": r})[0] for r in ranks]
+    return [swarm.start(1, target=TARGET, options={**base, **options})[0] for _ in range(count)]
 
 
 def _close_to(metrics: dict[str, float], baseline: dict[str, float]) -> bool:
@@ -59,7 +57,7 @@ def test_four_peers_match_the_single_process_baseline() -> None:
     baseline = _baseline()
     with LocalSwarm() as swarm:
         (boot,) = swarm.start(1, target="peers.dht.testing:dht_node")
-        peers = _start(swarm, boot, list(range(NUM_PEERS)))
+        peers = _start(swarm, boot, NUM_PEERS)
         results = [p.wait_report("trained", 240) for p in peers]
     print("baseline", baseline, "swarm", [r["metrics"] for r in results])
     for r in results:
@@ -70,11 +68,35 @@ def test_four_peers_match_the_single_process_baseline() -> None:
     assert len({round(r["metrics"]["loss"], 6) for r in results}) == 1
 
 
+def test_three_peers_without_ranks_fill_each_global_batch_exactly() -> None:
+    """64 samples per step among 3 peers: slots of 22, 21 and 21, never a second local
+    batch (which made 126 samples a step), and every peer's part adds up to the run."""
+    steps = 20
+    with LocalSwarm() as swarm:
+        (boot,) = swarm.start(1, target="peers.dht.testing:dht_node")
+        peers = _start(
+            swarm,
+            boot,
+            3,
+            num_peers=3,
+            num_samples=GLOBAL_BATCH * steps,
+            # a peer that waits this long for the others takes over no slot (no timing)
+            collaborative={**FAST, "max_wait_seconds": 60.0, "progress_expiration": 60.0},
+        )
+        results = [p.wait_report("trained", 180) for p in peers]
+    stats = [r["statistics"] for r in results]
+    assert all(r["epochs"] == steps for r in results)
+    assert sum(s["local_samples"] for s in stats) == GLOBAL_BATCH * steps, stats
+    assert all(s["local_steps"] == steps for s in stats), stats
+    assert all(21 * steps <= s["local_samples"] <= 22 * steps for s in stats), stats
+    assert len({round(r["metrics"]["loss"], 6) for r in results}) == 1
+
+
 def test_a_killed_peer_restarts_syncs_and_the_result_still_matches() -> None:
     baseline = _baseline()
     with LocalSwarm() as swarm:
         (boot,) = swarm.start(1, target="peers.dht.testing:dht_node")
-        peers = _start(swarm, boot, list(range(NUM_PEERS)))
+        peers = _start(swarm, boot, NUM_PEERS)
         victim = peers[2]
         while victim.wait_report("progress", 120)["epoch"] < 100:
             pass
@@ -82,7 +104,7 @@ def test_a_killed_peer_restarts_syncs_and_the_result_still_matches() -> None:
         survivors = [p for p in peers if p is not victim]
         for p in survivors:  # the others keep training without error
             p.wait_report("progress", 60)
-        (restarted,) = _start(swarm, boot, [2])
+        (restarted,) = _start(swarm, boot, 1)
         results = [p.wait_report("trained", 240) for p in [*survivors, restarted]]
     print("baseline", baseline, "swarm", [(r["metrics"], r["statistics"]) for r in results])
     assert results[-1]["statistics"]["num_state_loads"] >= 1  # it synced from the others
@@ -113,7 +135,7 @@ def test_diloco_sends_40x_fewer_bytes_for_a_comparable_loss() -> None:
                 },
             ),
         ):
-            peers = _start(swarm, boot, [0, 1], num_peers=2, **options)
+            peers = _start(swarm, boot, 2, num_peers=2, **options)
             results = [p.wait_report("trained", 240) for p in peers]
             figures[mode] = {
                 "bytes_sent": sum(r["statistics"]["bytes_sent"] for r in results),

@@ -58,15 +58,22 @@ def test_stale_and_malformed_records_are_ignored() -> None:
         expiration_seconds=5,
     )
     assert view.epoch == 3 and view.num_peers == 1
+    good = [1, 2, 1.0, now, False, b"", 3]
+    assert PeerProgress.from_wire(good) == PeerProgress(1, 2, 1.0, now, False, b"", 3)
     for garbage in (
         None,
         [1, 2, 3],
-        [1, -5, 0.0, now, False],
-        [1, 2, float("nan"), now, False],
-        [True, 2, 1.0, now, False],
-        [1, 2, 1.0, now, "yes"],
+        good[:6],
+        [1, -5, 0.0, now, False, b"", 1],
+        [1, 2, float("nan"), now, False, b"", 1],
+        [True, 2, 1.0, now, False, b"", 1],
+        [1, 2, 1.0, now, "yes", b"", 1],
+        [1, 2, 1.0, now, False, b"x" * 33, 1],
+        [1, 2, 1.0, now, False, b"", 0],
+        [1, 2, 1.0, now, False, b"", 10**6],  # would make joiners wait for a crowd
+        [1, 2, 1.0, now, False, b"", True],
     ):
-        assert PeerProgress.from_wire(garbage) is None
+        assert PeerProgress.from_wire(garbage) is None, garbage
 
 
 def test_a_liar_on_the_dht_does_not_make_an_honest_peer_ready() -> None:
