@@ -62,8 +62,9 @@ from averaging.butterfly_records import (
     RoundSpec,
     Withdrawn,
 )
-from averaging.compression import EncodedTensor, NoneCodec, decode_tensor
+from averaging.compression import EncodedTensor, EncodeError, NoneCodec, decode_tensor
 from averaging.partition import chunk_ranges
+from peers.connection import Stream
 from peers.errors import PeersError, RemoteProtocolError
 from peers.host import Peer
 from peers.identity import PeerID
@@ -250,10 +251,7 @@ class RoundRunner:
         at my own value."""
         if self.round.is_done() or self.round.excluded_by:
             return
-        for m in self.round.missing_senders():
-            self._handle(self.round.on_sender_failed(m, "still missing at the round deadline"))
-        for i in self.round.undelivered_parts():
-            self._handle(self.round.abandon_part(i, "still missing at the round deadline"))
+        self._handle(self.round.give_up("still missing at the round deadline"))
 
     # --- events from the state machine ------------------------------------------------
 
@@ -424,13 +422,20 @@ class RoundRunner:
             self._link_failed(link, e)
 
     def _encode_values(self, values: torch.Tensor) -> EncodedTensor:
-        if self.config.codec.name == "none" and values.dtype == torch.float32:
-            # Exact values need no codec work: our vector was checked finite when the
-            # round began and stays unchanged until it ends, so a view of it goes out
-            # as it is (the codec would check its range and copy it first).
-            array = values.contiguous().numpy()
-            return EncodedTensor("none", "float32", [values.numel()], {"values": array})
-        return self.config.codec.encode(values)
+        if self.config.codec.name != "none" or values.dtype != torch.float32:
+            try:
+                return self.config.codec.encode(values)
+            except EncodeError as e:
+                # Our own values do not fit the codec (float16 above 65504): this chunk
+                # travels exact. It costs this chunk's compression, never a peer (the
+                # receivers decode by the codec each chunk names).
+                logger.info("round %s: a chunk goes uncompressed: %s", self._tag, e)
+                values = values.to(torch.float32)
+        # Exact values need no codec work: our vector was checked finite when the round
+        # began and stays unchanged until it ends, so a view of it goes out as it is
+        # (the codec would check its range and copy it first).
+        array = values.contiguous().numpy()
+        return EncodedTensor("none", "float32", [values.numel()], {"values": array})
 
     def _encode(self, item: _Item) -> list[object]:
         if isinstance(item, Outgoing):
@@ -454,19 +459,25 @@ class RoundRunner:
         writers = [link.writer for link in self.links.values() if link.writer is not None]
         if writers:  # each writer returns once its outbox is flushed
             await asyncio.wait(writers, timeout=FLUSH_SECONDS)
-        for link in self.links.values():
-            if link.framed is None:
-                continue
-            stream = link.framed.stream
-            with contextlib.suppress(TimeoutError, PeersError, OSError):
-                async with asyncio.timeout(FLUSH_SECONDS):
-                    await stream.close()
-            stream.reset()
+        # All at once: one slow or dead remote must not hold the others' closes (and
+        # the round's return) for FLUSH_SECONDS each.
+        await asyncio.gather(
+            *(_close_stream(link.framed.stream) for link in self.links.values() if link.framed)
+        )
         for task in self._link_tasks:
             task.cancel()
         for link in self.links.values():
             if link.framed is not None:
                 self._bytes_received += link.framed.bytes_read
+
+
+async def _close_stream(stream: Stream) -> None:
+    """Close ``stream`` (its remote sees the end), waiting at most FLUSH_SECONDS, then
+    reset whatever is left of it."""
+    with contextlib.suppress(TimeoutError, PeersError, OSError):
+        async with asyncio.timeout(FLUSH_SECONDS):
+            await stream.close()
+    stream.reset()
 
 
 _NONE = NoneCodec()

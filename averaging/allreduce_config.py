@@ -45,9 +45,10 @@ class AllReduceConfig:
     running several peers, set ``torch.set_num_threads(1)``: chunks this size are split
     over torch's thread pool, which oversubscribes shared cores."""
     codec: Codec = field(default_factory=NoneCodec)
-    """How chunks and averaged parts are encoded on the wire. Must be stateless (no error
-    feedback: a round sends each value once). Lossy codecs are fine: every member holds
-    what the others decoded, so results stay identical."""
+    """How chunks and averaged parts are encoded on the wire. Must be round-safe
+    (``Codec.round_safe``: stateless, no coordinate dropped; top-k and PowerSGD are
+    refused). Lossy codecs are fine: every member holds what the others decoded, so
+    results stay identical."""
 
     def __post_init__(self) -> None:
         for name in ("sender_timeout", "reducer_timeout", "round_timeout", "join_timeout"):
@@ -62,6 +63,13 @@ class AllReduceConfig:
             raise AllReduceError("chunk_elements must be a positive int")
         if not isinstance(self.codec, Codec):
             raise AllReduceError("codec must be an averaging.compression.Codec")
+        if not self.codec.round_safe:
+            raise AllReduceError(
+                f"the {self.codec.name!r} codec cannot carry a round (it sends each value "
+                "once, with no error feedback to catch up what the codec drops): use "
+                "NoneCodec, Float16Codec, BFloat16Codec, Uniform8BitCodec or "
+                "Blockwise8BitCodec"
+            )
 
 
 @dataclass(frozen=True, slots=True)

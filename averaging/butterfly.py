@@ -358,6 +358,22 @@ class ButterflyRound:
             return []
         return self._abandon(part_index, reason)
 
+    def give_up(self, reason: str = "still missing at the round deadline") -> list[RoundEvent]:
+        """The round's final deadline: exclude the senders my parts still lack and leave
+        the parts others reduce that have not fully arrived at my own value, until every
+        part is resolved. One pass is not enough: excluding a sender that was also a
+        reducer can hand me its part, whose other senders never sent me their chunks of
+        it. Afterwards :meth:`is_done` holds; it never raises."""
+        events: list[RoundEvent] = []
+        for _ in range(len(self._members) + 1):  # each pass excludes someone, or ends
+            if self.is_done():
+                break
+            for member in sorted(self.missing_senders()):
+                events += self.on_sender_failed(member, reason)
+            for part_index in sorted(self.undelivered_parts()):
+                events += self.abandon_part(part_index, reason)
+        return events
+
     # --- the outcome ------------------------------------------------------------------
 
     def is_done(self) -> bool:

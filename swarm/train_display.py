@@ -4,6 +4,8 @@ Three forms of one stream of events: a progress bar for people (:mod:`swarm.prog
 redrawn on a terminal, plain lines elsewhere), and JSON lines for programs (``swarm
 demo`` runs its peers as ``swarm train --progress json`` and reads them):
 
+- ``{"event": "message", "text"}``: what people read as lines (the command that joins
+  a new swarm, how this peer is connected);
 - ``{"event": "progress", "epoch", "samples", "total_samples", "loss", "peers",
   "samples_per_second", "local_samples"}`` at most every ``JSON_INTERVAL_SECONDS``;
 - ``{"event": "result", "metrics", "epochs", "global_samples", "seconds",
@@ -85,8 +87,9 @@ class TrainDisplay:
                 )
 
     def message(self, text: str) -> None:
-        """A line for people (not shown in JSON mode, where stdout is for programs)."""
+        """A line for people (in JSON mode, a ``message`` event)."""
         if self.mode == "json":
+            self._json({"event": "message", "text": text})
             return
         if self._bar is not None:
             self._bar.write(text)

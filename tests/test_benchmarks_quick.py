@@ -59,3 +59,5 @@ def test_nat_benchmark_runs() -> None:
     assert 0 < ratios["relayed_throughput_fraction_of_direct"]
     if "--no-lab" not in args:
         assert "hole_punch_success_fraction" in ratios
+        assert 0 < ratios["training_private_fraction_of_public"]
+        assert 0 < ratios["training_private_mixed_fraction_of_public"]

@@ -114,6 +114,11 @@ class Codec(ABC):
 
     name: ClassVar[str]
     """The wire name, e.g. ``"blockwise8"``."""
+    round_safe: ClassVar[bool] = True
+    """Whether an all-reduce round may carry it: every coordinate within its bound and
+    no state between calls. A round sends each value once, so a codec that drops
+    coordinates (top-k) or needs error feedback across calls has no way to catch up:
+    the average would end mostly zero."""
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor, *, key: str | None = None) -> EncodedTensor:

@@ -108,6 +108,7 @@ class PowerSGDCodec(Codec):
     """
 
     name = "powersgd"
+    round_safe = False  # low rank, warm-started per key: for error feedback across steps
 
     def __init__(self, config: PowerSGDConfig | None = None) -> None:
         self.config = config or PowerSGDConfig()

@@ -82,6 +82,7 @@ class TopKCodec(Codec):
     """
 
     name = "topk"
+    round_safe = False  # drops 99% of coordinates: for error feedback across steps
     fraction: float = 0.01
     """Share of the values sent. 1% is the usual choice with error feedback (Stich et
     al. 2018 and Lin et al., Deep Gradient Compression, use 0.1% - 1%)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -13,14 +14,23 @@ import pytest
 import torch
 
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
+from averaging.allreduce import RoundRunner, _Link
+from averaging.allreduce_config import AllReduceError
 from averaging.allreduce_wire import (
     ALLREDUCE_PROTOCOL,
     ChunkMessage,
     encode_hello,
     encode_message,
 )
-from averaging.compression import EncodedTensor, Float16Codec, Uniform8BitCodec
-from peers import Peer, PeersError
+from averaging.compression import (
+    Codec,
+    EncodedTensor,
+    Float16Codec,
+    PowerSGDCodec,
+    TopKCodec,
+    Uniform8BitCodec,
+)
+from peers import KeyPair, Peer, PeersError
 from peers.rpc import FramedStream
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -116,6 +126,26 @@ def test_lossy_codec_keeps_members_identical_within_its_bound(arun: Run, codec: 
         assert r.transfer.agreed
         assert torch.equal(r.result.averaged, first)
     assert float((first - mean).abs().max()) <= bound
+
+
+def test_a_value_float16_cannot_carry_costs_that_chunk_its_compression_not_a_peer(
+    arun: Run,
+) -> None:
+    """A member's gradient with a value above 65504 made its float16 encode fail, which
+    failed its link to the reducer, then to each heir in turn. Now that chunk (and the
+    averaged chunk holding its mean) travels exact; nobody is excluded."""
+    gen = torch.Generator().manual_seed(11)
+    tensors = [torch.randn(20_000, generator=gen) for _ in range(3)]
+    tensors[1][12_345] = 1e6  # in the second member's part, far above float16's range
+    config = dataclasses.replace(FAST, chunk_elements=4096, codec=Float16Codec())
+    results = arun(_average(3, tensors, [1.0, 1.0, 1.0], config))
+    first = results[0].result.averaged
+    for r in results:
+        assert r.transfer.agreed and not r.result.report.failed
+        assert torch.equal(r.result.averaged, first)
+    mean = torch.stack(tensors).mean(0)
+    assert float(first[12_345]) == pytest.approx(float(mean[12_345]), rel=1e-6)
+    assert float((first - mean).abs().max()) <= 4 * Float16Codec().error_bound(mean) + 1e-3
 
 
 def test_uneven_bandwidth_gives_uneven_parts_and_a_zero_weight_member_reduces_nothing(
@@ -265,3 +295,57 @@ def test_a_member_sending_a_bad_chunk_is_excluded_and_the_rest_agree(arun: Run, 
     # for falling silent: its other chunks never come, which would exclude it too, later.
     expected = "non-finite values" if bad in ("nan", "inf") else "not a float32 tensor"
     assert any(expected in reason for reason in reasons), reasons
+
+
+@pytest.mark.parametrize("codec", [TopKCodec(), PowerSGDCodec()])
+def test_a_codec_that_drops_coordinates_cannot_carry_a_round(codec: Codec) -> None:
+    """Top-k in a round averaged 1% of coordinates and left the rest at zero (a round
+    sends each value once; there is no error feedback to catch up)."""
+    with pytest.raises(AllReduceError, match=r"cannot carry a round.*Float16Codec"):
+        AllReduceConfig(codec=codec)
+
+
+class _SlowCloseStream:
+    """A stream whose close waits until every stream of the round is closing (or 2 s)."""
+
+    def __init__(self, closing: list[int], everyone: asyncio.Event, count: int) -> None:
+        self.closing, self.everyone, self.count = closing, everyone, count
+        self.reset_called = False
+
+    async def close(self) -> None:
+        self.closing[0] += 1
+        self.closing[1] = max(self.closing[1], self.closing[0])
+        if self.closing[1] == self.count:
+            self.everyone.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5.0):
+                await self.everyone.wait()
+        self.closing[0] -= 1
+
+    def reset(self) -> None:
+        self.reset_called = True
+
+
+def test_a_rounds_links_are_closed_at_once_not_one_after_another(arun: Run) -> None:
+    """Each close may wait for its remote up to FLUSH_SECONDS; closing one after
+    another made a round with several slow remotes return that many times later."""
+
+    async def main() -> tuple[list[int], list[_SlowCloseStream]]:
+        closing, everyone = [0, 0], asyncio.Event()
+        streams = [_SlowCloseStream(closing, everyone, 4) for _ in range(4)]
+        runner = object.__new__(RoundRunner)
+        runner.links = {}
+        for i, stream in enumerate(streams):
+            framed = object.__new__(FramedStream)
+            framed.stream = stream
+            framed.bytes_read = 0
+            peer_id = KeyPair.from_seed(bytes([i + 1]) * 32).peer_id
+            runner.links[peer_id] = _Link(peer_id, opened_by_me=True, framed=framed)
+        runner._link_tasks = []
+        runner._bytes_received = 0
+        await runner._close_links()
+        return closing, streams
+
+    closing, streams = arun(main())
+    assert closing[1] == 4  # all four were closing together
+    assert all(s.reset_called for s in streams)

@@ -628,6 +628,29 @@ def test_abandoned_part_stays_at_own_value(seed: int) -> None:
     assert result.report.fraction_averaged == pytest.approx(1 - (end - start) / 1000)
 
 
+def test_giving_up_at_the_deadline_resolves_a_part_inherited_on_the_way() -> None:
+    """b dies unnoticed; at a's deadline excluding b hands a b's part, whose chunks c and
+    d never sent a (they do not know). Excluding b and abandoning the rest once left a
+    not done, and the round raised RoundError from its end instead of returning."""
+    swarm = Swarm(4, 0)
+    # (a, b): a member and one whose part goes to it when it fails
+    a, b = next(
+        (plan_reassignment(swarm.spec, {b})[i], b)
+        for i, b in enumerate(swarm.ids)
+        if plan_reassignment(swarm.spec, {b})
+    )
+    swarm.kill(b, notify=False)
+    swarm.run()
+    machine = swarm.rounds[a]
+    assert machine.missing_senders() == {b}  # what one pass would exclude
+    events = machine.give_up("deadline")
+    assert machine.is_done()
+    assert any(isinstance(e, PartReassigned) and e.new_reducer == a for e in events), events
+    result = machine.result()  # returns; the report says what was left out
+    assert result.report.fraction_averaged < 1.0
+    assert not torch.isnan(result.averaged).any()
+
+
 def test_plan_reassignment_is_deterministic(seed: int) -> None:
     rng = random.Random(seed)
     spec = RoundSpec(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,9 @@ import torch
 from swarm.checkpoint import read_state
 from swarm.errors import CheckpointError
 from swarm.trainer import TrainerConfig, train
+
+SWARM = [sys.executable, "-m", "swarm.cli"]
+JSON = ["--progress", "json"]
 
 
 def test_a_lone_peer_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
@@ -29,3 +35,19 @@ def test_a_corrupt_checkpoint_is_refused_with_a_clear_error(tmp_path: Path) -> N
     path.write_bytes(b"not a checkpoint at all")
     with pytest.raises(CheckpointError):
         train(TrainerConfig(task="digits", num_samples=64, checkpoint=path))
+
+
+def test_json_progress_carries_the_lines_people_read() -> None:
+    """A program reading ``--progress json`` learns the join command and how the peer
+    is connected from ``message`` events (stdout stays one JSON object a line)."""
+    out = subprocess.run(
+        [*SWARM, "train", "--listen", "/ip4/127.0.0.1/tcp/0", "--num-samples", "640", *JSON],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    texts = [e["text"] for e in events if e["event"] == "message"]
+    assert any(" join --initial-peers /ip4/127.0.0.1/tcp/" in t for t in texts), texts
+    assert events[-1]["event"] == "result" and events[-1]["global_samples"] == 640
