@@ -263,5 +263,14 @@ def _schema(tensors: Mapping[str, torch.Tensor], config: AveragerConfig) -> str:
         digest.update(f"{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
     allreduce = config.allreduce
     digest.update(f"{allreduce.chunk_elements}\0{allreduce.codec.name}\0".encode())
+    # Timeouts too: a member that excludes a sender after 2 s meeting one that waits 20 s
+    # ends rounds with one side's deadline passing while the other still waits.
+    timeouts = (
+        allreduce.sender_timeout,
+        allreduce.reducer_timeout,
+        allreduce.round_timeout,
+        allreduce.join_timeout,
+    )
+    digest.update(repr(tuple(float(t) for t in timeouts)).encode())
     digest.update(repr(config.aggregation).encode())
     return digest.hexdigest()

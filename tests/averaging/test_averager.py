@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import threading
+import types
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -129,6 +131,27 @@ def test_bad_tensors_and_prefixes_are_refused() -> None:
         AveragerConfig(prefix="a/b")
     with pytest.raises(AveragerError):
         Averager.__init__(object.__new__(Averager), None, {"x": torch.arange(3)}, CONFIG)  # type: ignore[arg-type]
+
+
+def test_peers_whose_round_timeouts_differ_never_meet() -> None:
+    """Timeouts are part of the schema (the matchmaking key): a member that excludes a
+    silent sender after 3 s and one that waits 30 s used to meet in one round."""
+
+    def key(allreduce: AllReduceConfig) -> str:
+        averager = object.__new__(Averager)
+        config = dataclasses.replace(CONFIG, allreduce=allreduce)
+        Averager.__init__(averager, types.SimpleNamespace(peer=None), {"x": torch.zeros(4)}, config)  # type: ignore[arg-type]
+        return averager.key(7)
+
+    base = CONFIG.allreduce
+    assert key(base) == key(dataclasses.replace(base))
+    for change in (
+        {"sender_timeout": 4.0},
+        {"reducer_timeout": 7.0},
+        {"round_timeout": 30.0},
+        {"join_timeout": 9.0},
+    ):
+        assert key(dataclasses.replace(base, **change)) != key(base), change
 
 
 def test_the_blocking_averager_from_plain_threads() -> None:
