@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 
+from peers.printable import printable
+
 
 class PeersError(Exception):
     """Base class of every error raised by ``peers``."""
@@ -75,7 +77,8 @@ class RemoteError(PeersError):
     """A remote handler raised; carries the remote exception's type name and message."""
 
     def __init__(self, remote_type: str, message: str) -> None:
-        super().__init__(f"{remote_type}: {message}")
+        # The remote chose both: escaped, so printing or logging the error is safe.
+        super().__init__(f"{printable(remote_type, 80)}: {printable(message)}")
         self.remote_type = remote_type
         self.remote_message = message
 

@@ -34,6 +34,11 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_ARRAY_HEADER_BYTES = 512
 #: Most dimensions an array may have (numpy's own limit is 64).
 MAX_ARRAY_DIMS = 32
+#: Most containers and container elements one value may hold, all levels together.
+#: msgpack spends one byte on an empty list that costs Python 64: without a bound a
+#: 16 MiB frame of them became 1.2 GiB of objects and seconds of event-loop time. Arrays
+#: travel out of band and bytes are one object each, so real messages stay far below.
+MAX_VALUE_ITEMS = 1 << 18
 #: dtypes that may travel. Object and void dtypes would let a peer smuggle arbitrary
 #: Python objects or unbounded structures; they are refused.
 _ALLOWED_DTYPES = frozenset(
@@ -144,6 +149,20 @@ class _Unpacker:
     def __init__(self, raw: memoryview) -> None:
         self.raw = raw
         self.offset = 0
+        self.items = 0
+
+    def _count(self, size: int) -> None:
+        self.items += size + 1
+        if self.items > MAX_VALUE_ITEMS:
+            raise SerializationError(f"value holds more than {MAX_VALUE_ITEMS} items")
+
+    def list_hook(self, value: list[object]) -> list[object]:
+        self._count(len(value))
+        return value
+
+    def object_hook(self, value: dict[object, object]) -> dict[object, object]:
+        self._count(len(value))
+        return value
 
     def ext_hook(self, code: int, data: bytes) -> object:
         if code not in (EXT_NDARRAY, EXT_TORCH):
@@ -194,6 +213,10 @@ def unpack(data: bytes | bytearray | memoryview) -> Any:
         value = msgpack.unpackb(
             view[start : start + head_len],
             ext_hook=unpacker.ext_hook,
+            list_hook=unpacker.list_hook,
+            object_hook=unpacker.object_hook,
+            max_array_len=MAX_VALUE_ITEMS,
+            max_map_len=MAX_VALUE_ITEMS,
             raw=False,
             use_list=True,
             strict_map_key=False,

@@ -37,6 +37,7 @@ from peers.addresses import tcp_target
 from peers.dht import DHT, DHTConfig, dht_time
 from peers.dht.presence import announce_forever, list_peers
 from peers.echo import install_echo
+from peers.printable import printable
 
 if TYPE_CHECKING:
     from swarm.trainer import TrainerConfig
@@ -202,12 +203,13 @@ async def _status(args: argparse.Namespace) -> int:
         rows: list[tuple[str, str, str]] = []
         for presence in announced.values():
             seconds = max(0.0, now_wall - presence.last_seen)
-            rows.append((str(presence.peer_id), f"{seconds:.0f} s ago", " ".join(presence.addrs)))
+            addrs = " ".join(printable(a, 200) for a in presence.addrs)  # a stranger's record
+            rows.append((str(presence.peer_id), f"{seconds:.0f} s ago", addrs))
         for contact in dht.routing.contacts():  # answered us but did not announce
             if contact.peer_id not in announced:
                 heard = dht.routing.last_seen(contact.peer_id)
                 ago = "now" if heard is None else f"{max(0.0, now_mono - heard):.0f} s ago"
-                full = " ".join(f"{a}/p2p/{contact.peer_id}" for a in contact.addrs)
+                full = " ".join(printable(f"{a}/p2p/{contact.peer_id}") for a in contact.addrs)
                 rows.append((str(contact.peer_id), ago, full))
     print(f"{len(rows)} peers")
     print(f"{'PEER ID':54}  {'LAST SEEN':>10}  ADDRESSES")
@@ -227,8 +229,9 @@ async def _ping(args: argparse.Namespace) -> int:
             remote = await peer.connect(target)
             info = await peer.identify(remote)
             print(f"peer:      {remote}")
-            print(f"agent:     {info.agent_version}")
-            print(f"protocols: {', '.join(info.protocols)}")
+            # what the remote says of itself is escaped: it could hold terminal escapes
+            print(f"agent:     {printable(info.agent_version)}")
+            print(f"protocols: {', '.join(printable(p, 100) for p in info.protocols)}")
             connection = peer.connection_to(remote)
             if connection is not None:
                 print(f"security:  {connection.security_protocol}")

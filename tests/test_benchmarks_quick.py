@@ -61,3 +61,12 @@ def test_nat_benchmark_runs() -> None:
         assert "hole_punch_success_fraction" in ratios
         assert 0 < ratios["training_private_fraction_of_public"]
         assert 0 < ratios["training_private_mixed_fraction_of_public"]
+
+
+@pytest.mark.skipif(not HAVE_HIVEMIND, reason="the baseline column is hivemind's serializer")
+def test_msgpack_bomb_benchmark_runs() -> None:
+    result = _run("bench_msgpack_bomb.py", "--quick", timeout=200)
+    assert result["benchmark"] == "msgpack_bomb"
+    figures = result["figures"]
+    assert isinstance(figures, dict)
+    assert figures["ours"]["refused"] and not figures["hivemind"]["refused"]

@@ -429,6 +429,38 @@ def test_malformed_frames_leave_no_memory_or_streams_behind() -> None:
     run(main())
 
 
+def _container_bomb(outer: int, inner: int) -> bytes:
+    """A frame whose msgpack head is ``outer`` arrays of ``inner`` empty arrays: one byte
+    each on the wire, 64 bytes each as Python lists."""
+    inner_array = b"\xdd" + inner.to_bytes(4, "big") + b"\x90" * inner
+    head = b"\xdd" + outer.to_bytes(4, "big") + inner_array * outer
+    body = encode_uvarint(len(head)) + head
+    return encode_uvarint(len(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [(64, 8192), (1, 16_000_000)],
+    ids=["512k-empty-lists", "one-16M-element-header"],
+)
+def test_a_frame_of_empty_containers_is_refused_not_expanded(outer: int, inner: int) -> None:
+    """msgpack spends a byte on an empty list that costs Python 64: a 16 MiB frame of
+    them became 1.2 GiB of objects and seconds of the event loop. Now a value holding
+    more than MAX_VALUE_ITEMS items is a SerializationError: an error frame, nothing
+    else lost."""
+
+    async def main() -> None:
+        async with victim_and_honest() as (victim, attacker):
+            await attacker.connect(victim.listen_addrs[0])
+            payload = _container_bomb(outer, inner)
+            stream = await send_raw_call(attacker, victim, ECHO_PROTOCOL_ID, payload)
+            await expect_error_frame(stream, "SerializationError")
+            await wait_until(lambda: victim.statistics().num_streams == 0)
+            await assert_serves(victim, attacker)
+
+    run(main())
+
+
 @pytest.mark.parametrize("announced", [MAX_FRAME_BYTES + 1, 2**30], ids=["limit+1", "1GiB"])
 def test_oversized_frame_is_refused_before_its_body_arrives(announced: int) -> None:
     async def main() -> None:

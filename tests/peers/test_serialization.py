@@ -166,3 +166,13 @@ def test_older_peer_fields_default_and_newer_fields_are_ignored() -> None:
 def test_mistyped_messages_name_the_field(raw: object) -> None:
     with pytest.raises(WireError, match="Outer"):
         from_wire(Outer, raw)
+
+
+def test_a_value_of_too_many_items_is_refused_and_a_large_real_one_is_not() -> None:
+    """All levels count: 512 lists of 1024 empty lists is under every per-container
+    cap and over MAX_VALUE_ITEMS in all."""
+    bomb = pack([[[] for _ in range(1024)] for _ in range(512)])
+    with pytest.raises(SerializationError, match="more than 262144 items"):
+        unpack(bomb)
+    many_records = [{"key": i, "value": b"x"} for i in range(50_000)]  # 150k items
+    assert unpack(pack(many_records)) == many_records
