@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -50,6 +51,12 @@ _KIND_MESSAGE = 0
 _KIND_ERROR = 1
 #: Longest remote error text we keep: enough for a traceback's last line, not a flood.
 MAX_ERROR_MESSAGE_CHARS = 4096
+#: Seconds a handler waits for a call's first frame: a caller that opens a stream and
+#: sends nothing would otherwise hold it, and a task, for as long as the connection lives.
+FIRST_FRAME_SECONDS = 10.0
+#: Longest a unary handler runs, whatever deadline the caller sent (or none): the caller
+#: chooses how long it waits, not how long we work for it.
+MAX_HANDLER_SECONDS = 600.0
 #: Most bytes a framed stream takes from its stream at once.
 _READ_BYTES = 1 << 20
 
@@ -149,6 +156,15 @@ async def _serve_guarded(stream: Stream, work: Awaitable[None]) -> None:
         stream.remove_on_failure(cancel_work)
 
 
+async def _first_frame(framed: FramedStream, timeout: float) -> list[Any] | None:
+    """The call's first frame, or :class:`RemoteProtocolError` after ``timeout`` s."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await framed.read_frame()
+    except TimeoutError:
+        raise RemoteProtocolError(f"no request within {timeout:g} s") from None
+
+
 def _timeout_of(frame: list[Any]) -> float | None:
     if len(frame) >= 3 and isinstance(frame[2], int | float) and frame[2] > 0:
         return float(frame[2])
@@ -165,12 +181,15 @@ def add_unary_handler(
     request_type: type[Req],
     *,
     max_frame_bytes: int = MAX_FRAME_BYTES,
+    first_frame_timeout: float = FIRST_FRAME_SECONDS,
+    max_handler_seconds: float = MAX_HANDLER_SECONDS,
 ) -> None:
     """Serve a unary RPC: one ``request_type`` in, one response out.
 
-    The handler runs with the caller's deadline; if it raises, the caller gets a
-    RemoteError with the exception's type and message; if the caller cancels, the
-    handler is cancelled.
+    The handler runs with the caller's deadline, at most ``max_handler_seconds``; if it
+    raises, the caller gets a RemoteError with the exception's type and message; if the
+    caller cancels, the handler is cancelled. A request that has not arrived within
+    ``first_frame_timeout`` seconds is refused with an error frame.
     """
 
     async def serve(stream: Stream) -> None:
@@ -178,7 +197,7 @@ def add_unary_handler(
 
         async def work() -> None:
             try:
-                frame = await framed.read_frame()
+                frame = await _first_frame(framed, first_frame_timeout)
                 if frame is None:
                     raise RemoteProtocolError("call ended without a request")
                 request = from_wire(request_type, _message_body(frame))
@@ -187,7 +206,7 @@ def add_unary_handler(
                 await _refuse(framed, e)
                 return
             try:
-                async with asyncio.timeout(context.timeout):
+                async with asyncio.timeout(min(context.timeout or math.inf, max_handler_seconds)):
                     response = await handler(request, context)
                 reply = [_KIND_MESSAGE, to_wire(response)]
             except Exception as e:
@@ -207,12 +226,14 @@ def add_stream_handler(
     request_type: type[Req],
     *,
     max_frame_bytes: int = MAX_FRAME_BYTES,
+    first_frame_timeout: float = FIRST_FRAME_SECONDS,
 ) -> None:
     """Serve a bidirectional-streaming RPC.
 
     ``handler(requests, context)`` is an async generator: it reads ``requests`` (an async
     iterator of decoded ``request_type``) as it likes and yields responses, each sent as
-    soon as it is yielded (waiting for the remote's flow-control window).
+    soon as it is yielded (waiting for the remote's flow-control window). A first frame
+    that has not arrived within ``first_frame_timeout`` seconds is refused.
     """
 
     async def serve(stream: Stream) -> None:
@@ -220,7 +241,7 @@ def add_stream_handler(
 
         async def work() -> None:
             try:
-                first = await framed.read_frame()
+                first = await _first_frame(framed, first_frame_timeout)
             except RemoteProtocolError as e:  # a bad first frame: refuse it like any other
                 await _refuse(framed, e)
                 return

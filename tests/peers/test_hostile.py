@@ -803,3 +803,51 @@ def test_bad_noise_frame_after_the_handshake_closes_the_connection(
             await assert_serves(victim, honest)
 
     run(main())
+
+
+SILENT_PROTOCOL_ID = "/swarmtrain/test/silent/1.0.0"
+
+
+def test_a_call_that_never_sends_its_request_is_refused_after_the_first_frame_timeout() -> None:
+    """A caller that opens a stream and sends nothing held it and a handler task for the
+    connection's whole life; now the handler refuses it (error frame, reset)."""
+
+    async def echo(request: str, context: CallContext) -> str:
+        return request
+
+    async def main() -> None:
+        async with victim_and_honest() as (victim, attacker):
+            victim.add_unary_handler(SILENT_PROTOCOL_ID, echo, str, first_frame_timeout=0.5)
+            await attacker.connect(victim.listen_addrs[0])
+            stream = await send_raw_call(attacker, victim, SILENT_PROTOCOL_ID, b"")
+            await expect_error_frame(stream, "RemoteProtocolError")
+            await wait_until(lambda: victim.statistics().num_streams == 0)
+            await assert_serves(victim, attacker)
+
+    run(main())
+
+
+def test_a_handler_runs_at_most_its_bound_whatever_deadline_the_caller_sent() -> None:
+    """With no deadline from the caller, a handler ran for as long as it liked; now
+    ``max_handler_seconds`` bounds it and the caller hears a TimeoutError."""
+    cancelled = asyncio.Event()
+
+    async def forever(request: str, context: CallContext) -> str:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+        return request
+
+    async def main() -> None:
+        async with victim_and_honest() as (victim, caller):
+            victim.add_unary_handler(SILENT_PROTOCOL_ID, forever, str, max_handler_seconds=0.5)
+            await caller.connect(victim.listen_addrs[0])
+            with pytest.raises(RemoteError, match="TimeoutError"):
+                async with asyncio.timeout(WAIT_SECONDS):
+                    await caller.call_unary(victim.peer_id, SILENT_PROTOCOL_ID, "x", str)
+            assert cancelled.is_set()
+            await wait_until(lambda: victim.statistics().num_streams == 0)
+            await assert_serves(victim, caller)
+
+    run(main())
