@@ -54,6 +54,9 @@ MAX_ERROR_MESSAGE_CHARS = 4096
 #: Seconds a handler waits for a call's first frame: a caller that opens a stream and
 #: sends nothing would otherwise hold it, and a task, for as long as the connection lives.
 FIRST_FRAME_SECONDS = 10.0
+#: The same for a streaming call, longer: a caller may open its stream to a spare donor
+#: before it has a request for it (state sync does, for a fallback).
+STREAM_FIRST_FRAME_SECONDS = 120.0
 #: Longest a unary handler runs, whatever deadline the caller sent (or none): the caller
 #: chooses how long it waits, not how long we work for it.
 MAX_HANDLER_SECONDS = 600.0
@@ -226,7 +229,7 @@ def add_stream_handler(
     request_type: type[Req],
     *,
     max_frame_bytes: int = MAX_FRAME_BYTES,
-    first_frame_timeout: float = FIRST_FRAME_SECONDS,
+    first_frame_timeout: float = STREAM_FIRST_FRAME_SECONDS,
 ) -> None:
     """Serve a bidirectional-streaming RPC.
 
