@@ -355,6 +355,12 @@ class CollaborativeOptimizer:
             if r.epoch > self.epoch or (r.epoch == self.epoch and (r.samples or r.averaging))
         }
 
+    def working(self, within: float) -> set[PeerID]:
+        """Members whose progress record is at most ``within`` seconds old: alive and
+        publishing, so busy with their part rather than gone (their record stops)."""
+        now = dht_time()
+        return {p for p, r in self._live().items() if now - r.time <= within}
+
     @property
     def accumulated(self) -> int:
         """Samples this peer added toward the step that ends its epoch."""

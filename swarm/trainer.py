@@ -219,14 +219,22 @@ def train(
     )
 
 
+#: A member whose progress record is this fresh is alive and busy with its slot.
+LIVE_RECORD_SECONDS = 2.0
+#: After this long with our slot done, a member that still delivered nothing has its
+#: slot filled even if it is publishing (stuck, say, in a state download that fails).
+SLOW_PEER_SECONDS = 30.0
+
+
 class _Dealer:
     """Which samples this peer trains on next (see :mod:`swarm.shares`).
 
     Gradient mode: at the start of each epoch, this peer's slot of the global batch
     among the members it sees (in pieces of at most ``local_batch_size``); once that is
     done and the swarm has not stepped within ``max_wait_seconds``, the slots it is to
-    fill for members that delivered nothing (a dead peer, or one that has not started);
-    then nothing (``None``: wait). DiLoCo mode: its slot of global step
+    fill for members that delivered nothing and stopped publishing (a dead peer; after
+    :data:`SLOW_PEER_SECONDS`, any that delivered nothing); then nothing (``None``:
+    wait). DiLoCo mode: its slot of global step
     ``epoch * inner_steps + inner_step`` each local step."""
 
     def __init__(self, opt: CollaborativeOptimizer, run_id: str, plan: RunPlan) -> None:
@@ -238,6 +246,7 @@ class _Dealer:
         self._order: list[PeerID] = []
         self._pending: list[Slot] = []
         self._taken: set[PeerID] = set()
+        self._done_at = 0.0
 
     def next_slot(self) -> Slot | None:
         opt, target = self._opt, self._plan.target_batch_size
@@ -250,8 +259,14 @@ class _Dealer:
             self._order = share_order(opt.members(), self._run_id, opt.epoch)
             self._pending = self._pieces(my_slot(self._order, self._me, opt.epoch, target))
             self._taken = {self._me}
+            self._done_at = 0.0
         elif not self._pending:
+            now = time.monotonic()
+            self._done_at = self._done_at or now
             delivered = opt.delivered() | self._taken
+            if now - self._done_at < SLOW_PEER_SECONDS:
+                # a member still publishing is slow, not gone: its slot stays its own
+                delivered |= opt.working(within=LIVE_RECORD_SECONDS)
             taken = takeover_slots(self._order, self._me, delivered, opt.epoch, target)
             for peer, slot in taken.items():
                 self._pending += self._pieces(slot)
