@@ -115,6 +115,7 @@ def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
     import torch
 
     from peers import BlockingPeer, PeerConfig
+    from peers.runtime import keep_freed_memory
     from swarm.experts import ExpertServer, ModuleBackend, ServerConfig
     from swarm.experts.layers import ffn
 
@@ -126,6 +127,9 @@ def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
         max_batch_size=1024,
         optimizer=torch.optim.Adam(module.parameters(), fused=options["fused_adam"]),
     )
+    # The ExpertServer tunes the heap for the threads started after it; tuned first, the
+    # peer's loop thread (where a batch-1 forward runs) shares it too, as under peers.run.
+    keep_freed_memory()
     peer = BlockingPeer(PeerConfig(listen_addrs=(LOOPBACK,)))
     stop = asyncio.Event()
 

@@ -26,7 +26,7 @@ from peers.host import Peer
 from peers.identify import IdentifyInfo
 from peers.identity import PeerID
 from peers.rpc import CallContext
-from peers.runtime import keep_freed_memory, loop_factory
+from peers.runtime import loop_factory
 
 T = TypeVar("T")
 #: Seconds ``close()`` waits for the peer to shut down before giving up on the thread.
@@ -42,12 +42,12 @@ def _close_all() -> None:
 
 
 class BlockingPeer(ClosesOnExit):
-    """A :class:`Peer` usable from plain Python; starts listening on construction."""
+    """A :class:`Peer` usable from plain Python; starts listening on construction.
+
+    It leaves the process's allocator as it is: an application that frees big tensor
+    buffers over and over opts in with :func:`peers.runtime.keep_freed_memory`."""
 
     def __init__(self, config: PeerConfig | None = None) -> None:
-        # As peers.run does: bulk transfers reuse freed memory. Process-wide; an
-        # application that wants glibc's defaults sets SWARMTRAIN_KEEP_FREED_MEMORY=0.
-        keep_freed_memory()
         self._loop = loop_factory()()
         self._stop: asyncio.Event | None = None
         self._started: concurrent.futures.Future[Peer] = concurrent.futures.Future()

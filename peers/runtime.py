@@ -1,5 +1,6 @@
 """Process runtime: uvloop where installed (Linux, macOS), the standard loop elsewhere;
-and on glibc, an allocator that keeps the memory a bulk transfer frees."""
+and on glibc, for the processes that ask (:func:`run`, an expert server), an allocator
+that keeps the memory big tensor buffers free."""
 
 from __future__ import annotations
 
@@ -45,13 +46,21 @@ def keep_freed_memory() -> bool:
     allocations up to MMAP_THRESHOLD_BYTES from the heap, and give threads started
     after this call that one heap (ARENA_MAX); True if applied.
 
-    An all-reduce round holds tens of MiB of received chunks and frees them at its end;
-    with glibc's defaults that memory went back to the kernel each round and came back
-    as fresh pages (zeroed, one fault per 4 KiB) the next: about 8,000 faults per peer
-    per round at 16M elements. Elsewhere (musl, macOS, Windows) nothing is changed.
-    The settings are the whole process's: an application that embeds a peer gets them
-    too, unless its environment has ``SWARMTRAIN_KEEP_FREED_MEMORY=0`` (then nothing is
-    changed and this returns False).
+    For processes that free big tensor buffers over and over. An all-reduce round holds
+    tens of MiB of received chunks and frees them at its end; with glibc's defaults
+    that memory went back to the kernel each round and came back as fresh pages
+    (zeroed, one fault per 4 KiB) the next: about 8,000 faults per peer per round at
+    16M elements. An expert server's backward, in a thread of its own, faulted its
+    16 MB gradients in afresh on every call (see ARENA_MAX). A peer that only routes
+    (a bootstrap peer, a DHT client) frees nothing that big and gains nothing.
+
+    The settings are the whole process's, so they are opt-in: :func:`run` applies them
+    (it is a program's entry point), and so do ``swarm.experts.ExpertServer`` and the
+    ``swarm train`` command; a :class:`~peers.facade.BlockingPeer` leaves the allocator
+    alone. An application that averages from its own process calls this itself, before
+    it starts the threads that should share the heap. Elsewhere (musl, macOS, Windows)
+    nothing is changed, and an environment with ``SWARMTRAIN_KEEP_FREED_MEMORY=0``
+    changes nothing either (this then returns False).
     """
     if os.environ.get(OPT_OUT_VARIABLE, "1") == "0" or platform.libc_ver()[0] != "glibc":
         return False

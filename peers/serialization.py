@@ -185,7 +185,13 @@ class _Unpacker:
         array = np.frombuffer(body, dtype=np_dtype).reshape(shape)
         if code == EXT_NDARRAY:
             return array
-        import torch  # only reached when a peer sent a torch tensor, i.e. torch is in use
+        try:  # only reached when a peer sent a torch tensor; peers never needs torch
+            import torch
+        except ImportError as e:  # a bootstrap peer, say: it has no use for tensors
+            raise SerializationError(
+                "the remote sent a torch tensor, and this peer has no torch, so it cannot "
+                f"take tensors ({e})"
+            ) from e
 
         # torch wants writable memory: a view of a read-only buffer is copied once here;
         # one of a frame the caller owns (``FrameDecoder``'s bytearray) is used as it is.
@@ -194,7 +200,8 @@ class _Unpacker:
 
 
 def unpack(data: bytes | bytearray | memoryview) -> Any:
-    """Deserialize a value from a remote; raises :class:`SerializationError` on garbage.
+    """Deserialize a value from a remote; raises :class:`SerializationError` on garbage,
+    and on a torch tensor in a process without torch.
 
     Arrays in the result are views of ``data`` (no copy): read-only if ``data`` is, else
     writable, sharing its memory, and so are torch tensors (copied only from read-only

@@ -38,6 +38,7 @@ from peers.dht import DHT, DHTConfig, dht_time
 from peers.dht.presence import announce_forever, list_peers
 from peers.echo import install_echo
 from peers.printable import printable
+from peers.runtime import keep_freed_memory
 
 if TYPE_CHECKING:
     from swarm.trainer import TrainerConfig
@@ -289,6 +290,9 @@ def _train(args: argparse.Namespace) -> int:
     sigterm_as_interrupt()
     if args.stop_when_stdin_closes:
         stop_when_stdin_closes()
+    # This process averages: its rounds' chunks are freed and reused, as in the commands
+    # that peers.run starts; before its peers' threads start, so they share the heap.
+    keep_freed_memory()
     try:
         run_train(config, progress=args.progress, num_threads=args.num_threads)
     except SwarmError as e:

@@ -25,6 +25,7 @@ import torch
 from peers.dht import DHT, dht_time
 from peers.host import Peer
 from peers.rpc import CallContext
+from peers.runtime import keep_freed_memory
 from peers.serialization import MAX_FRAME_BYTES
 from swarm.experts.announce import Announcement, ExpertLocation, declare_experts
 from swarm.experts.backend import BackendStatistics, KeptForward, ModuleBackend
@@ -70,7 +71,14 @@ class ServerStatistics:
 
 
 class ExpertServer:
-    """Serves ``backends`` on ``peer``; announces them in ``dht`` if one is given."""
+    """Serves ``backends`` on ``peer``; announces them in ``dht`` if one is given.
+
+    Constructing one tunes the process's allocator to keep freed memory
+    (:func:`peers.runtime.keep_freed_memory`; ``SWARMTRAIN_KEEP_FREED_MEMORY=0`` opts
+    out): threads started afterwards, as the loop's executor starts them for the
+    modules' work, then reuse the gradients' memory instead of faulting it in again on
+    every backward. A process that calls it before it starts its peer's loop thread
+    gets that thread too, as ``swarm serve`` (through :func:`peers.run`) does."""
 
     def __init__(
         self,
@@ -80,6 +88,7 @@ class ExpertServer:
         *,
         dht: DHT | None = None,
     ) -> None:
+        keep_freed_memory()  # before the executor threads the modules compute in start
         self.peer = peer
         self.config = config or ServerConfig()
         self.dht = dht

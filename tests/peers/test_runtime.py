@@ -1,8 +1,9 @@
 """The process runtime: on glibc, memory a bulk transfer frees is kept for the next,
-in every thread."""
+in every thread, in the processes that ask for it."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import resource
@@ -10,6 +11,9 @@ import subprocess
 import sys
 
 import pytest
+
+from peers import BlockingPeer, PeerConfig
+from peers.runtime import OPT_OUT_VARIABLE, keep_freed_memory
 
 # In a fresh interpreter: three rounds of 24 x 2 MiB buffers, written then freed, as an
 # all-reduce round holds its received chunks; the minor page faults of the third round.
@@ -119,3 +123,32 @@ def test_an_embedding_application_can_opt_out() -> None:
     opted_out = faults_of_a_later_round("opted-out", {"SWARMTRAIN_KEEP_FREED_MEMORY": "0"})
     if _small_pages_only():
         assert opted_out > 5_000, opted_out  # glibc's defaults, as without the call
+
+
+class _Libc:
+    """Stands in for glibc in ``ctypes.CDLL(None)``: records mallopt calls, makes none."""
+
+    def __init__(self) -> None:
+        self.mallopt_calls: list[tuple[int, int]] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.mallopt_calls.append((param, value))
+        return 1
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc's allocator only")
+def test_a_blocking_peer_leaves_the_allocator_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a BlockingPeer sets no mallopt parameter (the tuning is the expert
+    server's and peers.run's, opt-in); keep_freed_memory itself still sets all three."""
+    libc, real_cdll = _Libc(), ctypes.CDLL
+
+    def cdll(name: str | None, *args: object, **kwargs: object) -> object:
+        return libc if name is None else real_cdll(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.delenv(OPT_OUT_VARIABLE, raising=False)
+    with BlockingPeer(PeerConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",))) as peer:
+        assert peer.listen_addrs
+    assert libc.mallopt_calls == []
+    assert keep_freed_memory()  # the stand-in is what the function would have called
+    assert len(libc.mallopt_calls) == 3, libc.mallopt_calls

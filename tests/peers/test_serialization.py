@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import msgpack
@@ -84,6 +86,40 @@ def test_torch_tensors_round_trip() -> None:
 def test_object_arrays_are_refused() -> None:
     with pytest.raises(TypeError):
         pack(np.array([object()], dtype=object))
+
+
+# In a fresh interpreter in which importing torch fails (a bootstrap peer never imports
+# it): decode the frame on stdin, print what that gave or raised.
+_DECODE_WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None  # ``import torch`` now raises ModuleNotFoundError
+from peers.serialization import unpack
+try:
+    value = unpack(sys.stdin.buffer.read())
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+else:
+    print(f"decoded: {type(value).__name__}")
+"""
+
+
+def _decode_without_torch(frame: bytes) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", _DECODE_WITHOUT_TORCH],
+        input=frame,
+        capture_output=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    return out.stdout.decode().strip()
+
+
+def test_a_peer_without_torch_refuses_a_tensor_with_serialization_error() -> None:
+    torch = pytest.importorskip("torch")
+    assert _decode_without_torch(pack({"a": np.ones(3, np.float32)})) == "decoded: dict"
+    refused = _decode_without_torch(pack({"a": np.ones(3, np.float32), "t": torch.ones(4)}))
+    assert refused.startswith("SerializationError: "), refused
+    assert "this peer has no torch, so it cannot take tensors" in refused, refused
 
 
 def _value(head: bytes, raw: bytes = b"") -> bytes:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from peers import BlockingPeer, Peer, PeerConfig, RemoteError
+from peers import BlockingPeer, Peer, PeerConfig, RemoteError, runtime
 from peers.wire import to_wire
 from swarm.experts import (
     BlockingExpertServer,
@@ -31,6 +31,7 @@ from swarm.experts import (
     call_forward,
     call_info,
 )
+from swarm.experts import server as server_module
 from swarm.experts import worker as worker_module
 from swarm.experts.batching import Batcher
 from swarm.experts.kept import KeptStore
@@ -101,6 +102,28 @@ def _hosted(backends: list[ModuleBackend]) -> Iterator[BlockingPeer]:
     """A server on its own BlockingPeer (its loop thread), stopped on exit."""
     with BlockingPeer(LISTEN) as peer, BlockingExpertServer(backends, peer=peer):
         yield peer
+
+
+def test_an_expert_server_keeps_freed_memory_and_its_peer_alone_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The allocator tuning is opt-in: the expert server asks for it (its backward's
+    gradients are freed and reused every call), its BlockingPeer does not."""
+    calls: list[str] = []
+
+    def spy(caller: str) -> Callable[[], bool]:
+        def keep_freed_memory() -> bool:
+            calls.append(caller)
+            return True
+
+        return keep_freed_memory
+
+    monkeypatch.setattr(server_module, "keep_freed_memory", spy("server"))
+    monkeypatch.setattr(runtime, "keep_freed_memory", spy("peers.runtime"))
+    with BlockingPeer(LISTEN) as peer:
+        assert calls == []
+        with BlockingExpertServer([_ffn()], peer=peer):
+            assert calls == ["server"]
 
 
 def test_remote_expert_matches_local_module_values_gradients_and_updates() -> None:
