@@ -44,7 +44,9 @@ from averaging import (
 )
 from peers.dht import DHT, BlockingDHT, dht_time
 from peers.dht.records import RecordError, owner_marker, owner_of
+from peers.errors import PeersError
 from peers.identity import PeerID
+from peers.owned_tasks import OwnedTasks
 from swarm.optimizer_config import (
     CollaborativeConfig,
     OptimizerError,
@@ -54,6 +56,9 @@ from swarm.progress import PeerProgress, SwarmProgress, split_winner, summarize
 from swarm.training_state import pack_state, unpack_state
 
 logger = logging.getLogger(__name__)
+#: Seconds ``close`` waits for the progress tracker and the publishes in flight to end
+#: once cancelled (they end at their next await; one that does not is logged and left).
+CANCEL_TIMEOUT_SECONDS = 3.0
 
 _CODECS: dict[str, Callable[[], Codec]] = {
     "none": NoneCodec,
@@ -115,8 +120,11 @@ class CollaborativeOptimizer:
         self._averager = Averager(dht.node, named, averager_config)
         self._stop = asyncio.Event()
         self._closed = False
+        # The progress tracker and every publish in flight: close() ends them (the DHT
+        # loop's thread only).
+        self._tasks = OwnedTasks("CollaborativeOptimizer")
         dht.peer.run(self._averager.__aenter__())
-        self._progress_task = dht.peer.submit(self._track_progress())
+        self._progress_task = dht.peer.submit(self._tasks.run(self._track_progress()))
         self._publish_now()
 
     # --- the training loop's side ------------------------------------------------------
@@ -392,8 +400,11 @@ class CollaborativeOptimizer:
         return f"{self.config.run_id}/progress"
 
     def _publish_now(self) -> None:
-        with contextlib.suppress(RuntimeError):
-            self.dht.peer.submit(self._publish(self._mine()))
+        """Publish my progress now, in the background (owned: ``close`` cancels it)."""
+        if self._closed:
+            return
+        with contextlib.suppress(PeersError, RuntimeError):  # the DHT's peer is closed
+            self.dht.peer.submit(self._tasks.run(self._publish(self._mine())))
 
     async def _publish(self, progress: PeerProgress) -> None:
         node: DHT = self.dht.node
@@ -529,11 +540,13 @@ class CollaborativeOptimizer:
 
         async def stop() -> None:
             self._stop.set()
+            # A publish still in flight would outlive us, and maybe the DHT under it.
+            await self._tasks.close(CANCEL_TIMEOUT_SECONDS)
             await self._averager.__aexit__(None, None, None)
 
         with contextlib.suppress(Exception):
             self.dht.peer.run(stop(), timeout=10.0)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # ended (cancelled) by stop(), unless it timed out
             self._progress_task.result(timeout=5.0)
 
     def __enter__(self) -> CollaborativeOptimizer:

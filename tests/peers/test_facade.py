@@ -68,3 +68,74 @@ def test_interpreter_exit_closes_peers_cleanly() -> None:
     assert out.returncode == 0, out.stderr
     assert "/p2p/" in out.stdout
     assert "Traceback" not in out.stderr and "Task was destroyed" not in out.stderr
+
+
+#: Run in a fresh interpreter: stores still dialing a peer that never answers when the
+#: DHT and its peer close. The listener is never accepted from, so each dial waits in
+#: its handshake (10 s) until cancelled; accept() returning means one is in flight.
+_CLOSE_WITH_STORES_IN_FLIGHT = """
+import asyncio, concurrent.futures, gc, socket, time
+from peers import KeyPair
+from peers.dht import BlockingDHT, dht_time
+from peers.dht.ids import Contact
+
+silent = socket.create_server(("127.0.0.1", 0))
+silent.settimeout(10)
+dht = BlockingDHT()
+ghost = Contact(KeyPair.generate().peer_id, (f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}",))
+
+async def meet_ghost():
+    dht.node.routing.update(ghost, time.monotonic())
+
+dht.peer.run(meet_ghost())
+stores = [dht.peer.submit(dht.node.store("k", i, dht_time() + 60)) for i in range(3)]
+held, _ = silent.accept()
+started = time.monotonic()
+dht.close()
+print("closed in", round(time.monotonic() - started, 1), flush=True)
+assert all(f.done() for f in stores), stores
+assert not asyncio.all_tasks(dht.peer._loop)
+del dht, stores
+gc.collect()
+print("ok", flush=True)
+"""
+
+
+def test_closing_with_calls_in_flight_ends_them_before_the_loop_closes() -> None:
+    """The facade owns what ``submit`` runs: closing cancels the calls still running and
+    waits for them, so the loop closes with no task pending on it and nothing printed
+    ("Task was destroyed but it is pending", "Event loop is closed" from a call's
+    cleanup, "Task exception was never retrieved")."""
+    out = subprocess.run(
+        [sys.executable, "-c", _CLOSE_WITH_STORES_IN_FLIGHT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ok" in out.stdout, out.stdout
+    for noise in (
+        "Traceback",
+        "Task was destroyed",
+        "Event loop is closed",
+        "exception was never retrieved",
+        "never awaited",
+    ):
+        assert noise not in out.stderr, out.stderr
+
+
+def test_interpreter_exit_ends_a_dht_left_open_quietly() -> None:
+    """A BlockingDHT nobody closed: at exit its peer closes, and the node it holds (a
+    call still running on the facade) is cancelled and left cleanly before the loop
+    closes, rather than destroyed pending on a closed loop."""
+    code = (
+        "from peers.dht import BlockingDHT\n"
+        "a = BlockingDHT()\n"
+        "b = BlockingDHT([str(a.peer.listen_addrs[0])])\n"
+        "b.store('k', 1, ttl=60)\n"
+        "print('stored', flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "stored" in out.stdout
+    assert "Task was destroyed" not in out.stderr and "Event loop is closed" not in out.stderr
