@@ -28,7 +28,7 @@ from peers.errors import PeersError
 from peers.host import Peer
 from peers.identify import IdentifyInfo
 from peers.identity import PeerID
-from peers.owned_tasks import OwnedTasks, cancel_and_wait
+from peers.owned_tasks import CANCEL_TIMEOUT_SECONDS, OwnedTasks, cancel_and_wait
 from peers.rpc import CallContext
 from peers.runtime import loop_factory
 
@@ -36,12 +36,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 #: Seconds ``close()`` waits for the peer to shut down before giving up on the thread.
 CLOSE_TIMEOUT_SECONDS = 10.0
-#: Seconds closing waits for the calls still running (each cancelled) to end, before
-#: the peer closes; again for any other task left on the loop, before the loop closes.
-#: A cancelled call ends at its next await: only one that suppresses cancellation
-#: takes longer, and it is logged and left. Twice this leaves the peer's own shutdown
-#: time within CLOSE_TIMEOUT_SECONDS.
-CANCEL_TIMEOUT_SECONDS = 3.0
+# Closing waits CANCEL_TIMEOUT_SECONDS for the calls still running (each cancelled),
+# before the peer closes, and again for any other task left on the loop, before the
+# loop closes: twice it leaves the peer's own shutdown within CLOSE_TIMEOUT_SECONDS.
 
 _live: weakref.WeakSet[BlockingPeer] = weakref.WeakSet()
 

@@ -19,6 +19,10 @@ from peers.errors import PeersError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+#: Seconds an owner waits for its cancelled tasks to end when it closes. A cancelled
+#: task ends at its next await: only one that suppresses cancellation takes longer, and
+#: it is logged and left.
+CANCEL_TIMEOUT_SECONDS = 3.0
 
 
 class OwnedTasks:

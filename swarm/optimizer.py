@@ -46,7 +46,7 @@ from peers.dht import DHT, BlockingDHT, dht_time
 from peers.dht.records import RecordError, owner_marker, owner_of
 from peers.errors import PeersError
 from peers.identity import PeerID
-from peers.owned_tasks import OwnedTasks
+from peers.owned_tasks import CANCEL_TIMEOUT_SECONDS, OwnedTasks
 from swarm.optimizer_config import (
     CollaborativeConfig,
     OptimizerError,
@@ -56,9 +56,6 @@ from swarm.progress import PeerProgress, SwarmProgress, split_winner, summarize
 from swarm.training_state import pack_state, unpack_state
 
 logger = logging.getLogger(__name__)
-#: Seconds ``close`` waits for the progress tracker and the publishes in flight to end
-#: once cancelled (they end at their next await; one that does not is logged and left).
-CANCEL_TIMEOUT_SECONDS = 3.0
 
 _CODECS: dict[str, Callable[[], Codec]] = {
     "none": NoneCodec,
