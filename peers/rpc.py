@@ -23,7 +23,7 @@ import logging
 import math
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from multiaddr import Multiaddr
 
@@ -37,10 +37,20 @@ from peers.errors import (
 )
 from peers.identity import PeerID
 from peers.serialization import MAX_FRAME_BYTES, FrameDecoder, frame_buffers, unpack
+from peers.stream_api import StreamLike
 from peers.wire import from_wire, to_wire
 
 if TYPE_CHECKING:
+    # PEP 696 defaults: a bare ``FramedStream`` annotation still means one over a real
+    # Stream. Python 3.11's TypeVar takes no default, and typing_extensions is not a
+    # dependency of ours, so only the type checker sees it.
+    from typing_extensions import TypeVar as DefaultTypeVar
+
     from peers.host import Peer
+
+    S = DefaultTypeVar("S", bound=StreamLike, default=Stream)
+else:
+    S = TypeVar("S", bound=StreamLike)
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +83,14 @@ class CallContext:
     timeout: float | None
 
 
-class FramedStream:
-    """Reads and writes length-prefixed msgpack frames on a stream, within a frame bound."""
+class FramedStream(Generic[S]):
+    """Reads and writes length-prefixed msgpack frames on a stream, within a frame bound.
 
-    def __init__(self, stream: Stream, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    Any :class:`peers.stream_api.StreamLike` will do (a real Stream, or an in-memory one
+    of :mod:`peers.memory_network`); ``stream`` keeps the type it was given.
+    """
+
+    def __init__(self, stream: S, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.stream = stream
         self._decoder = FrameDecoder(max_frame_bytes)
         self._frames: list[bytearray | memoryview] = []
@@ -111,7 +125,7 @@ class FramedStream:
         await self.stream.write_many(frame_buffers(frame))
 
 
-async def _refuse(framed: FramedStream, error: RemoteProtocolError) -> None:
+async def _refuse(framed: FramedStream[S], error: RemoteProtocolError) -> None:
     """Answer a malformed call with an error frame, then reset the stream: the caller
     may still be sending (an oversized frame, say) and must not wait on a window we
     will never open again. The error frame arrives before the reset."""

@@ -1,0 +1,90 @@
+"""The stream and host surfaces that protocol code uses, as ``typing.Protocol``s.
+
+Protocol code (RPC framing, the butterfly all-reduce) needs only these; both the real
+:class:`peers.connection.Stream` / :class:`peers.host.Peer` and the in-memory
+:class:`peers.memory_network.MemoryStream` / :class:`peers.memory_network.MemoryPeer`
+satisfy them, so the same code runs over TCP or on a virtual clock (STYLE.md 10, 11).
+See docs/design/memory-network.md.
+
+Methods take positional-only parameters: implementations name theirs as they like
+(``Peer.new_stream`` calls its second one ``protocols`` and also takes a list).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Protocol, runtime_checkable
+
+from peers.errors import ConnectionClosed
+from peers.identity import PeerID
+
+
+@runtime_checkable
+class StreamLike(Protocol):
+    """An ordered byte pipe to one remote peer, with half-close and reset.
+
+    ``read`` returns ``b""`` at the remote's end of stream and raises
+    :class:`peers.errors.StreamReset` once the stream is reset (by either side) or its
+    connection broke; writes raise :class:`peers.errors.ConnectionClosed` then.
+    """
+
+    @property
+    def protocol(self) -> str | None:
+        """The protocol id the stream speaks (``None`` before negotiation)."""
+
+    @property
+    def remote_peer_id(self) -> PeerID: ...
+
+    @property
+    def has_buffered_data(self) -> bool:
+        """Whether a ``read`` would return data without waiting."""
+
+    @property
+    def is_reset(self) -> bool: ...
+
+    async def read(self, max_bytes: int = -1, /) -> bytes: ...
+
+    async def read_chunks(self, max_bytes: int, /) -> list[bytes | memoryview]: ...
+
+    async def readexactly(self, num_bytes: int, /) -> bytes: ...
+
+    def unread(self, data: bytes, /) -> None: ...
+
+    async def write(self, data: bytes | bytearray | memoryview, /) -> None: ...
+
+    async def write_many(self, buffers: Iterable[bytes | bytearray | memoryview], /) -> None: ...
+
+    async def close(self) -> None:
+        """Half-close: we send no more; the remote reads EOF after what we sent."""
+
+    def reset(self) -> None:
+        """Abort both ways; the remote's reads raise :class:`peers.errors.StreamReset`."""
+
+    async def wait_failed(self) -> ConnectionClosed: ...
+
+    def on_failure(self, callback: Callable[[], None], /) -> None: ...
+
+    def remove_on_failure(self, callback: Callable[[], None], /) -> None: ...
+
+
+#: What a host runs for each inbound stream of a protocol it serves.
+StreamHandlerLike = Callable[[StreamLike], Awaitable[None]]
+
+
+@runtime_checkable
+class StreamHost(Protocol):
+    """A peer that opens streams to other peers and serves protocols on inbound ones."""
+
+    @property
+    def peer_id(self) -> PeerID: ...
+
+    async def new_stream(self, peer: PeerID, protocol: str, /) -> StreamLike:
+        """A stream to ``peer`` speaking ``protocol``. Raises
+        :class:`peers.errors.DialError` if the peer cannot be reached; a protocol the
+        remote does not serve surfaces as :class:`peers.errors.ProtocolNotSupported`
+        from the first read."""
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandlerLike, /) -> None:
+        """Serve ``protocol``; ``ValueError`` if a handler for it is already set."""
+
+    def remove_stream_handler(self, protocol: str, /) -> None: ...
