@@ -1,5 +1,6 @@
 """The networked butterfly all-reduce: moves a :class:`~averaging.butterfly.ButterflyRound`'s
-chunks between real peers and turns its deadlines into failures.
+chunks between real peers, turns its deadlines into failures, and ends the round with
+a vote (``averaging.agreement``).
 
 One stream links each pair of members (``allreduce_wire.link_opener``); every message
 between the two travels on it, both ways. A writer task per link encodes what the round
@@ -10,29 +11,37 @@ each chunk as it arrives, so reduction overlaps the transfer of the next chunks.
 Failures (DESIGN.md, averaging): a link that breaks, or a member silent past
 ``sender_timeout`` (as a sender) or ``reducer_timeout`` (as a reducer), is excluded;
 the state machine reassigns its parts, and every exclusion is told to every member,
-the excluded one included (it withdraws rather than exclude us in return). A link is
-never reset on exclusion, for the same reason.
+the excluded one included (it withdraws). A link is never reset on exclusion: votes and
+copies still travel on it.
 
-Agreement: survivors hold identical tensors when they end with the same failure set.
-So a peer holding every part sends each member a :class:`DoneMessage` (its result's
-fingerprint and failure set) and returns once every live member has sent a matching
-one; a notice that arrives meanwhile reopens the round. A member whose link breaks after
-this peer is done is no longer waited for (it sent everything it had to). At
-``round_timeout`` whatever is missing is left at the peer's own value.
+The end (docs/design/agreement.md): a member holding every part votes once for its
+result's fingerprint and part digests, and relays every vote it sees. A fingerprint
+voted by a strict majority of the group is decided; a member holding another result, or
+none (withdrawn, stuck behind a dead reducer), copies the parts it lacks from the
+decided result's voters, checking each against its digest, and then holds the decided
+tensor too. A member that has not voted yet and sees a vote while an exclusion would
+make it diverge, or once it is withdrawn, copies the leading result instead of reducing
+parts again: a part a live member holds in full is fetched, not reduced twice. Members
+that hold the decided result stay (at most ``sender_timeout``) while others may still
+copy from them. Everything is bounded by ``round_timeout``: the butterfly gives up
+``reducer_timeout`` before it, and votes and copies have the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
-import time
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from averaging.agreement import Adoption, Ballot, check_vote
 from averaging.allreduce_config import (
+    FLUSH_SECONDS,
     AllReduceConfig,
     AllReduceError,
     AllReduceResult,
@@ -42,9 +51,12 @@ from averaging.allreduce_wire import (
     ALLREDUCE_PROTOCOL,
     AveragedMessage,
     ChunkMessage,
-    DoneMessage,
+    CopyMessage,
+    FetchMessage,
+    HaveMessage,
     Message,
     NoticeMessage,
+    VoteMessage,
     decode_message,
     encode_hello,
     encode_message,
@@ -54,6 +66,7 @@ from averaging.allreduce_wire import (
 from averaging.butterfly import ButterflyRound
 from averaging.butterfly_records import (
     Outgoing,
+    PartDigest,
     PartReady,
     PartReassigned,
     PeerExcluded,
@@ -61,21 +74,22 @@ from averaging.butterfly_records import (
     RoundResult,
     RoundSpec,
     Withdrawn,
+    fingerprint_of,
+    part_digests,
 )
 from averaging.compression import EncodedTensor, EncodeError, NoneCodec, decode_tensor
 from averaging.partition import chunk_ranges
-from peers.connection import Stream
-from peers.errors import PeersError, RemoteProtocolError
-from peers.host import Peer
+from peers.errors import IdentityError, PeersError, RemoteProtocolError
 from peers.identity import PeerID
 from peers.rpc import FramedStream
 from peers.serialization import frame_buffers
+from peers.stream_api import StreamHost, StreamLike
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a finished round waits for its writers to flush what they hold (its Done, a
-#: late averaged chunk) before closing the links; bounded by ``round_timeout`` too.
-FLUSH_SECONDS = 2.0
+#: Times one member may fetch one part from me: a retry after a lost link, not a way to
+#: make me send a part without end.
+MAX_FETCHES_PER_PART = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +100,21 @@ class _AveragedRef:
     contributors: frozenset[PeerID]
 
 
-_Item = Outgoing | _AveragedRef | NoticeMessage | DoneMessage
+@dataclass(frozen=True, slots=True)
+class _CopyRef:
+    fingerprint: bytes
+    part_index: int
+    chunk_index: int
+
+
+_Item = Outgoing | _AveragedRef | _CopyRef | Message
 
 
 @dataclass(eq=False)
 class _Link:
     peer_id: PeerID
     opened_by_me: bool
-    framed: FramedStream | None = None
+    framed: FramedStream[StreamLike] | None = None
     outbox: deque[_Item] = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
@@ -106,13 +127,32 @@ class _Link:
             self.outbox.append(item)
             self.wake.set()
 
+    @property
+    def usable(self) -> bool:
+        return self.framed is not None and not self.dead and not self.finished.is_set()
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A complete result this peer holds, with what it votes or serves copies from."""
+
+    fingerprint: bytes
+    digests: tuple[PartDigest, ...]
+    result: RoundResult
+
+
+@dataclass(slots=True)
+class _Fetch:
+    source: PeerID
+    since: float
+
 
 class RoundRunner:
     """Runs one round at one peer. Built by :class:`AllReduceService.run_round`."""
 
     def __init__(
         self,
-        peer: Peer,
+        peer: StreamHost,
         spec: RoundSpec,
         local: torch.Tensor,
         weight: float,
@@ -129,14 +169,27 @@ class RoundRunner:
             opener = link_opener(self._me, reachable[self._me], m, reachable[m])
             if m != self._me and opener is not None:
                 self.links[m] = _Link(m, opener == self._me)
+        self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
-        self._started = time.monotonic()
+        self._started = self._loop.time()
         self._last_heard = dict.fromkeys(spec.members, self._started)
         self._encoded: dict[int, list[EncodedTensor]] = {}
-        self._done_from: dict[PeerID, tuple[bytes, frozenset[PeerID]]] = {}
-        self._departed: set[PeerID] = set()
-        self._my_done: tuple[bytes, frozenset[PeerID]] | None = None
-        self._result: RoundResult | None = None
+        self._ballot = Ballot(spec.members)
+        self._votes: dict[bytes, VoteMessage] = {}  # fingerprint -> the first vote for it
+        self._first_vote_at: float | None = None
+        self._voted = False
+        self._held: _Held | None = None
+        self._adoption: Adoption | None = None
+        self._fetches: dict[int, _Fetch] = {}
+        self._bad_sources: dict[int, set[PeerID]] = {}
+        self._served: dict[tuple[PeerID, int], int] = {}
+        self._have: set[PeerID] = set()
+        self._agreed_at: float | None = None
+        self._last_fetch_at = -math.inf  # a member copying from me: I stay a while longer
+        self._diverging = False
+        self._gave_up = False
+        self._can_reduce = {m: w > 0 for m, w in zip(spec.members, spec.weights, strict=True)}
+        self._suspected: dict[PeerID, float] = {}
         self._bytes_sent = 0
         self._bytes_received = 0
         self._tasks: asyncio.TaskGroup | None = None
@@ -145,7 +198,6 @@ class RoundRunner:
     # --- the round --------------------------------------------------------------------
 
     async def run(self) -> AllReduceResult:
-        deadline = self._started + self.config.round_timeout
         agreed = False
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
@@ -154,28 +206,30 @@ class RoundRunner:
                     self._link_tasks.append(tasks.create_task(self._open(link)))
             self._handle(self._initial_events())
             try:
-                agreed = await self._drive(deadline)
+                agreed = await self._drive()
             finally:
                 await self._close_links()
-        if not agreed or self._result is None:
-            # What was announced may predate a late exclusion that reopened the round
-            # (then settled at the deadline): report the round as it ended.
-            self._result = self.round.result()
+        result = self._final_result(agreed)
         # Drop what the round held (chunks, encodings, links) now rather than when the
         # cyclic garbage collector gets to it: a 64M-element round holds gigabytes.
         self._encoded.clear()
         self._link_tasks.clear()
         self.links.clear()
+        self._adoption = None
         transfer = TransferStatistics(
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
-            seconds=time.monotonic() - self._started,
-            # Alone (everyone else failed) is no agreement: nothing was averaged.
-            agreed=agreed
-            and not self.round.excluded_by
-            and len(self.round.failed) < len(self.spec.members) - 1,
+            seconds=self._loop.time() - self._started,
+            agreed=agreed,
         )
-        return AllReduceResult(self._result, transfer)
+        return AllReduceResult(result, transfer)
+
+    def _final_result(self, agreed: bool) -> RoundResult:
+        if self._held is not None and (agreed or self._voted):
+            return self._held.result
+        if not self.round.is_done():
+            self.round.give_up("still missing at the round deadline")
+        return self.round.result()
 
     def _initial_events(self) -> list[RoundEvent]:
         for item in self.round.outgoing_chunks():
@@ -183,75 +237,294 @@ class RoundRunner:
         # A member whose only part is mine, or a one-member round, may be final at once.
         return [PartReady(i) for i in sorted(self.round.ready_parts())]
 
-    async def _drive(self, deadline: float) -> bool:
-        """Until agreement or the deadline: check stalls, announce Done, wait."""
+    async def _drive(self) -> bool:
+        """Until this peer holds the decided result and nobody may still copy it from
+        us, or the round's deadline: check stalls, vote, copy, wait."""
+        deadline = self._started + self.config.round_timeout
+        give_up_at = deadline - self.config.reducer_timeout
         while True:
             self._changed.clear()
-            now = time.monotonic()
-            if self.round.excluded_by:
-                return False
-            if not self.round.is_done():
-                self._my_done = None
-                self._fail_dead_links()
-                self._fail_stalled(now)
-            if self.round.is_done() and not self.round.excluded_by:
-                if self._my_done is None:
-                    self._announce_done()
-                if self._agreed():
-                    return True
+            now = self._loop.time()
             if now >= deadline:
-                self._give_up()
+                return self._agreed_at is not None
+            if not self.round.is_done() and self._adoption is None and not self._voted:
+                self._fail_dead_links(now)
+                self._fail_stalled(now)
+                if now >= give_up_at and not self.round.is_done() and not self._gave_up:
+                    self._give_up()
+            self._agree(now)
+            if self._agreed_at is not None and self._nobody_needs_me(now):
+                return True
+            if self._agreed_at is None and self._ballot.hopeless:
+                logger.info("round %s: votes split, no result can win", self._tag)
                 return False
-            timeout = min(deadline, self._next_stall_check(now)) - now
+            self._check_fetches(now)
+            wake = min(deadline, self._next_check(now, give_up_at))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(timeout, 0.0)):
+                async with asyncio.timeout(max(wake - now, 0.0)):
                     await self._changed.wait()
 
-    def _fail_dead_links(self) -> None:
-        for m in self._departed:
-            if m not in self.round.failed:
-                self._handle(self.round.on_reducer_failed(m, "link closed"))
-        self._departed.clear()
+    def _next_check(self, now: float, give_up_at: float) -> float:
+        checks = [now + 3600.0]
+        if not self.round.is_done() and self._adoption is None and not self._voted:
+            checks.append(give_up_at)
+            for m in self.round.missing_senders() - self._suspected.keys():
+                checks.append(self._last_heard[m] + self.config.sender_timeout)
+            for m in self.round.missing_reducers() - self._suspected.keys():
+                checks.append(self._last_heard[m] + self.config.reducer_timeout)
+            for since in self._suspected.values():
+                checks.append(since + self.config.sender_timeout)
+        if self._first_vote_at is not None and not self._voted and self._adoption is None:
+            checks.append(self._first_vote_at + self.config.sender_timeout)
+        for fetch in self._fetches.values():
+            checks.append(fetch.since + self.config.sender_timeout)
+        if self._agreed_at is not None:
+            checks.append(max(self._agreed_at, self._last_fetch_at) + self.config.sender_timeout)
+        # What was due by now was checked in this pass (and acted on, or deliberately
+        # not): wake for what falls due later, never at once (no busy loop).
+        return min(t for t in checks if t > now)
+
+    def _fail_dead_links(self, now: float) -> None:
+        for link in self.links.values():
+            if link.dead:
+                self._accuse(link.peer_id, "link closed", now, as_sender=False)
 
     def _fail_stalled(self, now: float) -> None:
         for m in self.round.missing_senders():
-            if now - self._last_heard[m] >= self.config.sender_timeout:
-                self._handle(self.round.on_sender_failed(m, "stalled as a sender"))
+            if now >= self._last_heard[m] + self.config.sender_timeout:
+                self._accuse(m, "stalled as a sender", now, as_sender=True)
         for m in self.round.missing_reducers():
-            if now - self._last_heard[m] >= self.config.reducer_timeout:
-                self._handle(self.round.on_reducer_failed(m, "stalled as a reducer"))
+            if now >= self._last_heard[m] + self.config.reducer_timeout:
+                self._accuse(m, "stalled as a reducer", now, as_sender=False)
 
-    def _next_stall_check(self, now: float) -> float:
-        checks = [now + 3600.0]
-        for m in self.round.missing_senders():
-            checks.append(self._last_heard[m] + self.config.sender_timeout)
-        for m in self.round.missing_reducers():
-            checks.append(self._last_heard[m] + self.config.reducer_timeout)
-        return min(checks)
+    def _accuse(self, member: PeerID, reason: str, now: float, *, as_sender: bool) -> None:
+        """Exclude ``member``, whose link failed or who stalled, unless this is the end
+        that yields: a link that breaks between two live members looks the same from
+        both ends, and if both excluded the other, the flood of notices would cost both.
+        So the end that yields (a client-mode member to a reducer; else the one ranked
+        after the other for this round) waits ``sender_timeout`` longer, by which time
+        the other end's notice has usually withdrawn it; if the other end is dead, the
+        others' notices exclude it meanwhile."""
+        if member in self.round.failed or self.round.excluded_by:
+            return
+        if self._yields_to(member):
+            since = self._suspected.setdefault(member, now)
+            if now < since + self.config.sender_timeout:
+                return
+        if as_sender:
+            self._handle(self.round.on_sender_failed(member, reason))
+        else:
+            self._handle(self.round.on_reducer_failed(member, reason))
 
-    def _announce_done(self) -> None:
-        self._result = self.round.result()
-        failed = frozenset(self.round.failed)
-        self._my_done = (self._result.fingerprint(), failed)
-        message = DoneMessage(self._my_done[0], sorted(m.to_bytes() for m in failed))
-        for m, link in self.links.items():
-            if m not in failed:
-                link.send(message)
+    def _yields_to(self, member: PeerID) -> bool:
+        mine, theirs = self._can_reduce[self._me], self._can_reduce[member]
+        if mine != theirs:
+            return theirs
+        return self._rank(self._me) > self._rank(member)
 
-    def _agreed(self) -> bool:
-        failed = self.round.failed
-        return all(
-            self._done_from.get(m) == self._my_done
-            for m in self.links
-            if m not in failed and m not in self._departed
-        )
+    def _rank(self, member: PeerID) -> bytes:
+        return hashlib.sha256(self.spec.round_id + member.to_bytes()).digest()
 
     def _give_up(self) -> None:
-        """At the deadline: exclude senders my parts still lack, leave undelivered parts
-        at my own value."""
-        if self.round.is_done() or self.round.excluded_by:
-            return
+        """``reducer_timeout`` before the deadline: exclude senders my parts still lack,
+        leave undelivered parts at my own value, so that a result exists to vote for."""
+        logger.info("round %s: gives up on what is still missing", self._tag)
+        self._gave_up = True
         self._handle(self.round.give_up("still missing at the round deadline"))
+        if not self.round.is_done():
+            logger.warning(
+                "round %s: still not done after giving up: senders %s, reducers %s, failed %s",
+                self._tag,
+                self.round.missing_senders(),
+                self.round.missing_reducers(),
+                dict(self.round.failed),
+            )
+
+    # --- agreement --------------------------------------------------------------------
+
+    def _agree(self, now: float) -> None:
+        decided = self._ballot.decided
+        if self._held is not None and decided == self._held.fingerprint:
+            if self._agreed_at is None:
+                self._agreed_at = now
+                logger.debug("round %s: agreed", self._tag)
+            return
+        if decided is not None:
+            self._adopt(decided)
+        elif not self._voted and self._adoption is None:
+            leading = self._ballot.leading()
+            lagging = self._first_vote_at is not None and (
+                now >= self._first_vote_at + self.config.sender_timeout
+            )
+            withdrawn = bool(self.round.excluded_by)
+            if self.round.is_done() and not withdrawn:
+                own = self._hold_own()
+                if leading is None or leading == own.fingerprint:
+                    self._vote(own)
+                else:  # another member finished first: join its result, not split
+                    self._adopt(leading)
+            elif leading is not None and (withdrawn or self._diverging or lagging):
+                self._adopt(leading)
+        if self._adoption is not None and self._adoption.complete:
+            self._finish_adoption()
+
+    def _hold_own(self) -> _Held:
+        result = self.round.result()
+        digests = part_digests(result)
+        return _Held(fingerprint_of(self.spec.round_id, digests), digests, result)
+
+    def _vote(self, held: _Held) -> None:
+        self._held = held
+        self._voted = True
+        vote = VoteMessage(self._me.to_bytes(), held.fingerprint, list(held.digests))
+        logger.debug("round %s: votes %s", self._tag, held.fingerprint.hex()[:8])
+        self._count_vote(self._me, vote)
+        for link in self.links.values():
+            link.send(vote)
+        self._changed.set()
+
+    def _count_vote(self, voter: PeerID, vote: VoteMessage) -> bool:
+        if not self._ballot.cast(voter, vote.fingerprint):
+            return False
+        self._votes.setdefault(vote.fingerprint, vote)
+        if self._first_vote_at is None and voter != self._me:
+            self._first_vote_at = self._loop.time()
+        return True
+
+    def _adopt(self, fingerprint: bytes) -> None:
+        if self._adoption is not None and self._adoption.fingerprint == fingerprint:
+            return
+        vote = self._votes[fingerprint]
+        logger.info("round %s: copies result %s", self._tag, fingerprint.hex()[:8])
+        self._adoption = Adoption(self.spec, fingerprint, vote.parts, self.round.held_part)
+        self._fetches.clear()
+        self._bad_sources.clear()
+        self._request_missing(self._loop.time())
+
+    def _request_missing(self, now: float) -> None:
+        adoption = self._adoption
+        if adoption is None:
+            return
+        voters = self._ballot.voters_for(adoption.fingerprint)
+        for part in sorted(adoption.missing_parts):
+            if part in self._fetches:
+                continue
+            bad = self._bad_sources.get(part, set())
+            sources = [
+                m
+                for m in voters
+                if m != self._me and m in self.links and self.links[m].usable and m not in bad
+            ]
+            if not sources and bad:  # every voter failed once: try them again
+                bad.clear()
+                continue
+            if not sources:
+                continue
+            # Voters heard from lately (a cut link looks alive, only silent); among them
+            # the part's reducer (it held it first), else the parts spread over them.
+            recent = [m for m in sources if now < self._last_heard[m] + self.config.sender_timeout]
+            sources = sorted(recent or sources)
+            reducer = PeerID(adoption.digests[part].reducer)
+            source = reducer if reducer in sources else sources[part % len(sources)]
+            self._fetches[part] = _Fetch(source, now)
+            self.links[source].send(FetchMessage(adoption.fingerprint, part))
+
+    def _check_fetches(self, now: float) -> None:
+        """A fetch unanswered for ``sender_timeout`` (or whose link died) moves to
+        another voter."""
+        for part, fetch in list(self._fetches.items()):
+            link = self.links.get(fetch.source)
+            if link is None or not link.usable or now >= fetch.since + self.config.sender_timeout:
+                self._bad_sources.setdefault(part, set()).add(fetch.source)
+                del self._fetches[part]
+        self._request_missing(now)
+
+    def _finish_adoption(self) -> None:
+        adoption = self._adoption
+        assert adoption is not None and adoption.complete
+        result = adoption.result(self.round.failed)
+        self._held = _Held(adoption.fingerprint, adoption.digests, result)
+        self._adoption = None
+        self._fetches.clear()
+        if not self._voted:
+            self._vote(self._held)
+        elif self._ballot.decided == self._held.fingerprint:
+            have = HaveMessage(self._held.fingerprint)
+            for link in self.links.values():
+                link.send(have)
+        self._changed.set()
+
+    def _nobody_needs_me(self, now: float) -> bool:
+        """Every other member holds the decided result, or cannot copy it from me, or
+        had ``sender_timeout`` to."""
+        assert self._held is not None and self._agreed_at is not None
+        if now >= max(self._agreed_at, self._last_fetch_at) + self.config.sender_timeout:
+            return True
+        fingerprint = self._held.fingerprint
+        for m, link in self.links.items():
+            if link.dead:
+                continue
+            if self._ballot.vote_of(m) != fingerprint and m not in self._have:
+                return False
+        return True
+
+    def _serve_fetch(self, sender: PeerID, message: FetchMessage) -> None:
+        held = self._held
+        part = message.part_index
+        if held is None or held.fingerprint != message.fingerprint:
+            return  # not what I hold (a stale request): the fetcher tries another voter
+        if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < len(held.digests):
+            raise RemoteProtocolError("a fetch names a part out of range")
+        count = self._served.get((sender, part), 0)
+        if count >= MAX_FETCHES_PER_PART:
+            return
+        self._served[(sender, part)] = count + 1
+        self._last_fetch_at = self._loop.time()
+        start, end = self.spec.parts()[part]
+        for c, _ in enumerate(chunk_ranges(start, end, self.spec.chunk_elements)):
+            self.links[sender].send(_CopyRef(held.fingerprint, part, c))
+
+    def _take_copy(self, sender: PeerID, message: CopyMessage) -> None:
+        adoption = self._adoption
+        fetch = self._fetches.get(message.part_index) if adoption is not None else None
+        if adoption is None or fetch is None or fetch.source != sender:
+            return  # late: the part moved to another voter, or arrived already
+        if message.fingerprint != adoption.fingerprint:
+            return
+        span = adoption.chunk_range(message.part_index, message.chunk_index)
+        if span is None:
+            return
+        values = _decode(message.tensor)
+        if values.dtype != torch.float32 or values.shape != (span[1] - span[0],):
+            raise RemoteProtocolError("a copied chunk has the wrong shape")
+        fetch.since = self._loop.time()
+        outcome = adoption.on_copy(message.part_index, message.chunk_index, values)
+        if outcome is None:
+            return
+        del self._fetches[message.part_index]
+        if outcome is False:
+            logger.info("round %s: a copy from %s fails its digest", self._tag, sender)
+            self._bad_sources.setdefault(message.part_index, set()).add(sender)
+        self._request_missing(self._loop.time())
+        self._changed.set()
+
+    def _take_vote(self, sender: PeerID, vote: VoteMessage) -> None:
+        try:
+            voter = PeerID(vote.voter)
+        except IdentityError as e:
+            raise RemoteProtocolError(f"a vote names a malformed voter: {e}") from e
+        if voter not in self.spec.members:
+            raise RemoteProtocolError("a vote from a non-member")
+        if self._ballot.vote_of(voter) is not None:
+            return  # seen (relayed by another member)
+        reason = check_vote(self.spec, vote.fingerprint, vote.parts)
+        if reason is not None:
+            raise RemoteProtocolError(reason)
+        self._count_vote(voter, vote)
+        for m, link in self.links.items():  # relay: votes cross cut links, reach clients
+            if m not in (sender, voter):
+                link.send(vote)
+        self._changed.set()
 
     # --- events from the state machine ------------------------------------------------
 
@@ -260,6 +533,7 @@ class RoundRunner:
             if isinstance(event, PartReady):
                 self._publish(event.part_index)
             elif isinstance(event, PeerExcluded):
+                self._diverging = True  # my result may now differ from earlier voters'
                 logger.info("round %s: excluded %s: %s", self._tag, event.peer, event.reason)
                 link = self.links.get(event.peer)
                 if link is not None:
@@ -269,7 +543,7 @@ class RoundRunner:
                     if m not in self.round.failed or m == event.peer:
                         other.send(notice)
             elif isinstance(event, PartReassigned):
-                now = time.monotonic()
+                now = self._loop.time()
                 if event.new_reducer == self._me:
                     self._last_heard = dict.fromkeys(self._last_heard, now)
                 else:
@@ -278,11 +552,11 @@ class RoundRunner:
                         self.links[item.to].send(item)
             elif isinstance(event, Withdrawn):
                 logger.info("round %s: withdrew, excluded by %s", self._tag, event.excluded_by)
-        self._changed.set()
+        self._changed.set()  # even with no event: an accepted chunk may complete the round
 
     @property
     def _tag(self) -> str:
-        return self.spec.round_id.hex()[:8]
+        return f"{self.spec.round_id.hex()[:8]} at {str(self._me)[-6:]}"
 
     def _publish(self, part_index: int) -> None:
         part = self.round.reduced_part(part_index)
@@ -300,7 +574,25 @@ class RoundRunner:
 
     # --- messages from members --------------------------------------------------------
 
-    def _receive(self, sender: PeerID, message: Message) -> None:
+    def _receive(self, sender: PeerID, message: Message, ignored: bool) -> None:
+        """Votes, fetches and copies count from every member, an excluded one too (it
+        may have withdrawn and copied the result); butterfly messages only from members
+        I still count, and only until I hold a result."""
+        if isinstance(message, VoteMessage):
+            self._take_vote(sender, message)
+        elif isinstance(message, FetchMessage):
+            self._serve_fetch(sender, message)
+        elif isinstance(message, CopyMessage):
+            self._take_copy(sender, message)
+        elif isinstance(message, HaveMessage):
+            self._have.add(sender)
+            self._changed.set()
+        elif not ignored and not self._voted:
+            self._receive_butterfly(sender, message)
+
+    def _receive_butterfly(
+        self, sender: PeerID, message: ChunkMessage | AveragedMessage | NoticeMessage
+    ) -> None:
         round_id = self.spec.round_id
         if isinstance(message, ChunkMessage):
             values = _decode(message.tensor)
@@ -327,26 +619,22 @@ class RoundRunner:
                     contributors,
                 )
             )
-        elif isinstance(message, NoticeMessage):
+        else:
             excluded = peer_ids(message.excluded)
             self._handle(self.round.on_exclusion_notice(sender, round_id, excluded))
-        else:
-            self._done_from[sender] = (message.fingerprint, peer_ids(message.failed))
-            self._changed.set()
 
     def _link_failed(self, link: _Link, error: BaseException) -> None:
         if link.dead:
             return
         link.dead = True
         link.wake.set()
+        self._changed.set()
         if link.peer_id in self.round.failed or self.round.excluded_by:
             return
+        if self._voted or self._adoption is not None:
+            return  # the butterfly is over for me: votes and copies use other links
         logger.info("round %s: link to %s failed: %r", self._tag, link.peer_id, error)
-        if self.round.is_done():
-            self._departed.add(link.peer_id)  # it sent what it had to; do not wait for it
-        else:
-            self._handle(self.round.on_reducer_failed(link.peer_id, f"link failed: {error!r}"))
-        self._changed.set()
+        self._accuse(link.peer_id, f"link failed: {error!r}", self._loop.time(), as_sender=False)
 
     # --- links ------------------------------------------------------------------------
 
@@ -360,7 +648,7 @@ class RoundRunner:
             return
         self._attach(link, framed)
 
-    async def accept(self, remote: PeerID, framed: FramedStream) -> None:
+    async def accept(self, remote: PeerID, framed: FramedStream[StreamLike]) -> None:
         """Serve a link another member opened; returns when the round is done with it.
         Raises :class:`AllReduceError` for a remote that should not open one."""
         link = self.links.get(remote)
@@ -369,7 +657,7 @@ class RoundRunner:
         self._attach(link, framed)
         await link.finished.wait()
 
-    def _attach(self, link: _Link, framed: FramedStream) -> None:
+    def _attach(self, link: _Link, framed: FramedStream[StreamLike]) -> None:
         assert self._tasks is not None
         if link.finished.is_set():  # the round ended while this link was being opened
             framed.stream.reset()
@@ -388,17 +676,16 @@ class RoundRunner:
                     break  # the round is over: nothing may change it now
                 if frame is None:
                     raise EOFError("the member closed the link")
-                if link.ignored:
-                    continue
-                self._last_heard[link.peer_id] = time.monotonic()
-                self._receive(link.peer_id, decode_message(frame))
+                self._last_heard[link.peer_id] = self._loop.time()
+                self._receive(link.peer_id, decode_message(frame), link.ignored)
         except (PeersError, OSError, EOFError) as e:
             if not link.finished.is_set():
                 self._garbage_or_failure(link, e)
 
     def _garbage_or_failure(self, link: _Link, error: BaseException) -> None:
         if isinstance(error, RemoteProtocolError) and not self.round.excluded_by:
-            if link.peer_id not in self.round.failed:
+            logger.info("round %s: %s sent garbage: %s", self._tag, link.peer_id, error)
+            if link.peer_id not in self.round.failed and not self._voted:
                 reason = f"sent garbage: {error}"
                 self._handle(self.round.on_sender_failed(link.peer_id, reason))
             link.dead = True
@@ -411,6 +698,8 @@ class RoundRunner:
             while True:
                 while link.outbox:
                     frame = self._encode(link.outbox.popleft())
+                    if frame is None:
+                        continue
                     buffers = frame_buffers(frame)
                     self._bytes_sent += sum(len(b) for b in buffers)
                     await link.framed.stream.write_many(buffers)
@@ -437,7 +726,7 @@ class RoundRunner:
         array = values.contiguous().numpy()
         return EncodedTensor("none", "float32", [values.numel()], {"values": array})
 
-    def _encode(self, item: _Item) -> list[object]:
+    def _encode(self, item: _Item) -> list[object] | None:
         if isinstance(item, Outgoing):
             encoded = self._encode_values(item.values)
             return encode_message(
@@ -448,6 +737,17 @@ class RoundRunner:
             encoded = self._encoded[item.part_index][item.chunk_index]
             return encode_message(
                 AveragedMessage(item.part_index, item.chunk_index, contributors, encoded)
+            )
+        if isinstance(item, _CopyRef):
+            if self._held is None or self._held.fingerprint != item.fingerprint:
+                return None  # I moved on to the decided result: the fetcher asks again
+            part_start, part_end = self.spec.parts()[item.part_index]
+            ranges = chunk_ranges(part_start, part_end, self.spec.chunk_elements)
+            start, end = ranges[item.chunk_index]
+            values = self._held.result.averaged[start:end].contiguous().numpy()
+            exact = EncodedTensor("none", "float32", [end - start], {"values": values})
+            return encode_message(
+                CopyMessage(item.fingerprint, item.part_index, item.chunk_index, exact)
             )
         return encode_message(item)
 
@@ -471,7 +771,7 @@ class RoundRunner:
                 self._bytes_received += link.framed.bytes_read
 
 
-async def _close_stream(stream: Stream) -> None:
+async def _close_stream(stream: StreamLike) -> None:
     """Close ``stream`` (its remote sees the end), waiting at most FLUSH_SECONDS, then
     reset whatever is left of it."""
     with contextlib.suppress(TimeoutError, PeersError, OSError):

@@ -9,6 +9,11 @@ from averaging.butterfly_records import RoundResult
 from averaging.compression import Codec, NoneCodec
 from peers.errors import LocalProtocolError
 
+#: Seconds a finished round waits for its writers to flush what they hold (a vote, a
+#: copy, a late averaged chunk), and then again for its links to close: a round returns
+#: within ``round_timeout + 2 * FLUSH_SECONDS`` (:attr:`AllReduceConfig.return_bound`).
+FLUSH_SECONDS = 2.0
+
 
 class AllReduceError(LocalProtocolError):
     """A round could not be run as asked (our caller's fault): a config whose timeouts
@@ -29,8 +34,10 @@ class AllReduceConfig:
     lacks before excluding it. Longer than ``sender_timeout``: a reducer is legitimately
     silent while it waits for the slowest sender (STYLE.md 6)."""
     round_timeout: float = 60.0
-    """Hard bound on a round, from its start to its return: whatever is still missing
-    then is left at this peer's own value (the report says how much)."""
+    """Bound on a round, from its start to the closing of its links (then at most
+    ``2 * FLUSH_SECONDS`` more: :attr:`return_bound`). The butterfly gives up
+    ``reducer_timeout`` before it (what is missing then is left at this peer's own
+    value, the report says how much); the rest is for votes and copies."""
     join_timeout: float = 5.0
     """Seconds a link from another member waits for its round to start here (members
     leave matchmaking a little apart)."""
@@ -71,6 +78,12 @@ class AllReduceConfig:
                 "Blockwise8BitCodec"
             )
 
+    @property
+    def return_bound(self) -> float:
+        """Seconds within which ``run_round`` returns, whatever the other members and
+        the network do."""
+        return self.round_timeout + 2 * FLUSH_SECONDS
+
 
 @dataclass(frozen=True, slots=True)
 class TransferStatistics:
@@ -83,9 +96,10 @@ class TransferStatistics:
     seconds: float
     """From the round's start to its return."""
     agreed: bool
-    """Every live member confirmed the same result fingerprint and failure set. False
-    when the round ended at ``round_timeout``, this peer withdrew, or every other member
-    failed."""
+    """This peer holds the result a strict majority of the members voted for (its own or
+    one it copied): every peer reporting agreement holds the same tensor, bit for bit.
+    False when no result won a majority by ``round_timeout``, or this peer could not
+    copy the one that did."""
 
 
 @dataclass(frozen=True, slots=True)

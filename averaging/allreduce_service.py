@@ -20,10 +20,9 @@ from averaging.allreduce import RoundRunner
 from averaging.allreduce_config import AllReduceConfig, AllReduceError, AllReduceResult
 from averaging.allreduce_wire import ALLREDUCE_PROTOCOL, decode_hello
 from averaging.butterfly_records import RoundSpec
-from peers.connection import Stream
 from peers.errors import PeersError
-from peers.host import Peer
 from peers.rpc import FramedStream
+from peers.stream_api import StreamHost, StreamLike
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ class AllReduceService:
     """Runs butterfly rounds on ``peer`` (an async context manager that registers the
     protocol's handler). Several rounds may run at once, each under its own round id."""
 
-    def __init__(self, peer: Peer, config: AllReduceConfig | None = None) -> None:
+    def __init__(self, peer: StreamHost, config: AllReduceConfig | None = None) -> None:
         self.peer = peer
         self.config = config or AllReduceConfig()
         self._rounds: dict[bytes, RoundRunner] = {}
@@ -71,8 +70,9 @@ class AllReduceService:
         ``spec``, weighting it by ``weight`` (e.g. its sample count). Members must know
         each other's addresses (``peer.add_addresses``).
 
-        Returns within ``round_timeout`` (plus a short flush) whatever the others do; the
-        result says who failed and what fraction was averaged. Raises
+        Returns within ``config.return_bound`` whatever the others and the network do,
+        and never raises for their faults; the result says who failed, what fraction
+        was averaged, and whether this peer holds the result a majority agreed on. Raises
         :class:`AllReduceError` for a round id already running here, and
         :class:`~averaging.butterfly_records.RoundError` for a tensor or weight that does
         not fit ``spec``. Cancellation closes every link of the round.
@@ -93,8 +93,8 @@ class AllReduceService:
             while len(self._ended) > REMEMBERED_ROUNDS:
                 self._ended.popitem(last=False)
 
-    async def _on_stream(self, stream: Stream) -> None:
-        framed = FramedStream(stream)
+    async def _on_stream(self, stream: StreamLike) -> None:
+        framed: FramedStream[StreamLike] = FramedStream(stream)
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
                 frame = await framed.read_frame()

@@ -1,4 +1,4 @@
-"""Wire messages of a networked butterfly round (``/swarmtrain/averaging/allreduce/1.0.0``).
+"""Wire messages of a networked butterfly round (``/swarmtrain/averaging/allreduce/2.0.0``).
 
 A round runs over one stream per pair of members (:func:`link_opener` says which side
 opens it). The opener's first frame is a :class:`Hello` naming the round; after that
@@ -7,8 +7,13 @@ both sides send any of the other messages, each frame a msgpack array ``[tag, bo
 - :class:`ChunkMessage` a sender's encoded chunk of a part the receiver reduces;
 - :class:`AveragedMessage` a reducer's encoded, averaged chunk, with its contributors;
 - :class:`NoticeMessage` members the sender excluded (the flood of butterfly rule 4);
-- :class:`DoneMessage` the sender holds every part: its result's fingerprint and its
-  failure set, for the end-of-round agreement.
+- :class:`VoteMessage` a member's one vote (``averaging.agreement``): the fingerprint
+  and part digests of the result it holds; every member relays each vote it has not
+  seen to its other links, so votes cross cut links and reach client-mode members;
+- :class:`FetchMessage` asks a voter for one part of the result it voted for, which it
+  answers with that part's exact float32 values as :class:`CopyMessage` chunks;
+- :class:`HaveMessage` the sender now holds the decided result (it copied it), so its
+  voters need not wait for its fetches any longer.
 
 Decoded once here, at the edge (STYLE.md 8); the state machine validates the rest.
 """
@@ -18,12 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from averaging.butterfly_records import PartDigest
 from averaging.compression import EncodedTensor
 from peers.errors import IdentityError, RemoteProtocolError
 from peers.identity import PeerID
 from peers.wire import WireError, from_wire, to_wire
 
-ALLREDUCE_PROTOCOL = "/swarmtrain/averaging/allreduce/1.0.0"
+ALLREDUCE_PROTOCOL = "/swarmtrain/averaging/allreduce/2.0.0"
 
 #: Members one message may name: a group is at most this large (matchmaking's bound).
 MAX_NAMED_MEMBERS = 1024
@@ -56,18 +62,49 @@ class NoticeMessage:
 
 
 @dataclass(frozen=True)
-class DoneMessage:
+class VoteMessage:
+    voter: bytes
     fingerprint: bytes
-    failed: list[bytes]
+    parts: list[PartDigest]
 
 
-Message = ChunkMessage | AveragedMessage | NoticeMessage | DoneMessage
+@dataclass(frozen=True)
+class FetchMessage:
+    fingerprint: bytes
+    part_index: int
+
+
+@dataclass(frozen=True)
+class CopyMessage:
+    fingerprint: bytes
+    part_index: int
+    chunk_index: int
+    tensor: EncodedTensor
+
+
+@dataclass(frozen=True)
+class HaveMessage:
+    fingerprint: bytes
+
+
+Message = (
+    ChunkMessage
+    | AveragedMessage
+    | NoticeMessage
+    | VoteMessage
+    | FetchMessage
+    | CopyMessage
+    | HaveMessage
+)
 
 _TAGS: dict[type[Any], int] = {
     ChunkMessage: 1,
     AveragedMessage: 2,
     NoticeMessage: 3,
-    DoneMessage: 4,
+    VoteMessage: 5,
+    FetchMessage: 6,
+    CopyMessage: 7,
+    HaveMessage: 8,
 }
 _TYPES: dict[int, type[Any]] = {tag: cls for cls, tag in _TAGS.items()}
 

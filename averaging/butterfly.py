@@ -236,6 +236,25 @@ class ButterflyRound:
             raise RoundError("published values hold NaN or infinity")
         self._published[part_index] = values.detach().to(self._local.device)
 
+    def held_part(self, part_index: int) -> tuple[PeerID, frozenset[PeerID], torch.Tensor] | None:
+        """``(reducer, contributors, values)`` of a part I hold in full (one I finalised,
+        or one received whole from its reducer), as :meth:`result` would report it;
+        None for a part still missing, abandoned, or once withdrawn. The values are a
+        view: read them before the next call into the round."""
+        if self._excluded_by or part_index in self._abandoned:
+            return None
+        start, end = self._parts[part_index]
+        if part_index in self._finals:
+            final = self._finals[part_index]
+            return self._me, final.contributors, self._published.get(part_index, final.values)
+        receipt = self._receipts.get(part_index)
+        if receipt is not None and receipt.complete:
+            contributors = receipt.contributors or frozenset()
+            return receipt.reducer, contributors, self._averaged[start:end]
+        if end == start:
+            return self._assignee[part_index], frozenset(), self._local[start:end]
+        return None
+
     # --- as a receiver of averaged parts ----------------------------------------------
 
     def on_averaged_chunk(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -353,3 +353,51 @@ def is_positive_finite(value: object, limit: float) -> bool:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     return math.isfinite(value) and 0 < value <= limit
+
+
+@dataclass(frozen=True, slots=True)
+class PartDigest:
+    """What a voter holds for one part (the agreement of ``averaging.agreement``): who
+    reduced it, over whom, and a 128-bit XXH3 of its float32 values. A part the voter
+    left at its own value is named as reduced by the voter over itself alone, so that a
+    digest covers every coordinate: peers holding the same digests hold the same tensor
+    bit for bit."""
+
+    part_index: int
+    reducer: bytes
+    contributors: list[bytes]
+    values: bytes
+
+
+def part_digests(result: RoundResult) -> tuple[PartDigest, ...]:
+    """The digest of every part of ``result``, in part order (one XXH3 pass over it)."""
+    values = result.averaged.detach().cpu().contiguous().numpy()
+    me = result.report.me
+    digests = []
+    for part in result.report.parts:
+        if part.reducer is None or not part.averaged:
+            reducer, contributors = me, [me.to_bytes()]
+        else:
+            reducer = part.reducer
+            contributors = sorted(m.to_bytes() for m in part.contributors)
+        check = xxhash.xxh3_128_digest(values[part.start : part.end].view(np.uint8).data)
+        digests.append(PartDigest(part.part_index, reducer.to_bytes(), contributors, check))
+    return tuple(digests)
+
+
+def values_digest(values: torch.Tensor) -> bytes:
+    """The XXH3-128 of a flat float32 tensor's bytes, as :class:`PartDigest` holds it."""
+    array = values.detach().cpu().contiguous().numpy()
+    return xxhash.xxh3_128_digest(array.view(np.uint8).data)
+
+
+def fingerprint_of(round_id: bytes, digests: Sequence[PartDigest]) -> bytes:
+    """One 32-byte name for a whole result: what members vote for."""
+    digest = hashlib.sha256(round_id)
+    for part in digests:
+        digest.update(part.part_index.to_bytes(8, "big") + part.values)
+        digest.update(len(part.reducer).to_bytes(2, "big") + part.reducer)
+        for member in part.contributors:
+            digest.update(len(member).to_bytes(2, "big") + member)
+        digest.update(b"|")
+    return digest.digest()

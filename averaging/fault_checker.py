@@ -1,0 +1,386 @@
+"""A randomized fault-schedule checker for butterfly rounds, Jepsen-style: real rounds
+(:class:`~averaging.allreduce_service.AllReduceService`) on the in-memory network of
+:mod:`peers.memory_network`, on a virtual clock, under a seeded schedule of kills,
+pauses, one-way and two-way cuts, slow links and partitions, each fired at a moment or
+at the k-th frame the group sends. Every schedule is then checked against the round's
+promises (docs/design/agreement.md):
+
+- P1: peers that report agreement hold bitwise identical tensors, and each part of it
+  is the weighted mean of the vectors of the contributors it names;
+- P2: of the two sides of a partition, at most one reports agreement;
+- P3: in a schedule with one fault, a dead or paused peer costs only itself and a cut
+  link at most one of its ends (a peer is *lost* when it is alive at the end and does
+  not report agreement);
+- P4: every round returns, within ``AllReduceConfig.return_bound``, without raising.
+
+``python -m averaging.fault_checker --schedules 1000`` runs seeds 0..999 and prints a
+line per violation with its seed; ``--seed S`` runs one and, if it fails, shrinks it to
+the fewest faults that still fail and prints that schedule (the regression tests hold
+such schedules). A schedule is a pure function of its seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from averaging.allreduce_config import AllReduceConfig, AllReduceResult
+from averaging.allreduce_service import AllReduceService
+from averaging.butterfly_records import RoundSpec
+from peers.identity import PeerID
+from peers.memory_network import MemoryNetwork, MemoryPeer
+from peers.virtual_clock import run_virtual
+
+#: Timeouts of the checked rounds, in virtual seconds (the ratios of the defaults).
+CONFIG = AllReduceConfig(
+    sender_timeout=1.0, reducer_timeout=2.0, round_timeout=6.0, join_timeout=1.0
+)
+#: Kinds of fault a schedule may hold.
+KINDS = ("kill", "cut", "cut_one_way", "pause", "partition", "slow", "reset")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: ``kind`` applied to members ``a`` (and ``b``), either ``at`` virtual
+    seconds into the round or, when ``at_frame`` is set, as the group writes its
+    ``at_frame``-th frame. A cut or a pause lasts ``seconds`` (0: to the end)."""
+
+    kind: str
+    a: int
+    b: int = -1
+    at: float = 0.0
+    at_frame: int = 0
+    seconds: float = 0.0
+    side: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    num_members: int
+    clients: tuple[int, ...]
+    total_elements: int
+    chunk_elements: int
+    latency: float
+    faults: tuple[Fault, ...]
+
+
+@dataclass(frozen=True)
+class MemberOutcome:
+    alive: bool
+    agreed: bool
+    returned_after: float | None
+    error: str | None
+    averaged: torch.Tensor | None
+    result: AllReduceResult | None
+
+
+@dataclass(frozen=True)
+class Violation:
+    prop: str
+    detail: str
+
+
+def random_schedule(seed: int) -> Schedule:
+    """The schedule of ``seed``: 3-6 members (some client-mode), 0-3 faults."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 6)
+    clients = tuple(sorted(rng.sample(range(n), rng.choice([0, 0, 0, 1]))))
+    chunk = rng.choice([8, 16, 32])
+    total = rng.randint(n, 12 * chunk)
+    num_faults = rng.choice([0, 1, 1, 1, 2, 3])
+    faults = []
+    kinds = [rng.choice(KINDS) for _ in range(num_faults)]
+    latency = rng.choice([0.001, 0.01, 0.05])
+    for kind in kinds:
+        a, b = rng.sample(range(n), 2)
+        # A round without faults takes a few latencies: faults land inside it.
+        at = round(rng.uniform(0.0, 8 * latency), 5) if rng.random() < 0.4 else 0.0
+        at_frame = 0 if at else rng.randint(1, 6 * n * n)
+        if kind == "partition" and rng.random() < 0.5:
+            at, at_frame = 0.0, 0  # from the start: the sides never meet
+        seconds = rng.choice([0.0, 0.0, 0.5, 1.5, 3.0])
+        side: tuple[int, ...] = ()
+        if kind == "partition":
+            side = tuple(sorted(rng.sample(range(n), rng.randint(1, n - 1))))
+        faults.append(Fault(kind, a, b, at, at_frame, seconds, side))
+    return Schedule(seed, n, clients, total, chunk, latency, tuple(faults))
+
+
+def run_schedule(schedule: Schedule) -> list[MemberOutcome]:
+    """Run the schedule's round; one outcome per member, in member order."""
+    return run_virtual(_run(schedule), max_virtual_seconds=120.0)
+
+
+def _vectors(schedule: Schedule) -> tuple[list[torch.Tensor], list[float]]:
+    generator = torch.Generator().manual_seed(schedule.seed)
+    vectors = [
+        torch.randn(schedule.total_elements, generator=generator)
+        for _ in range(schedule.num_members)
+    ]
+    rng = random.Random(f"{schedule.seed}/weights")
+    return vectors, [float(rng.randint(1, 8)) for _ in range(schedule.num_members)]
+
+
+async def _run(schedule: Schedule) -> list[MemberOutcome]:
+    loop = asyncio.get_running_loop()
+    network = MemoryNetwork(schedule.seed, latency_seconds=schedule.latency)
+    peers = [network.add_peer() for _ in range(schedule.num_members)]
+    members = tuple(p.peer_id for p in peers)
+    bandwidth = tuple(0.0 if i in schedule.clients else 1.0 for i in range(len(peers)))
+    vectors, weights = _vectors(schedule)
+    services = [AllReduceService(p, CONFIG) for p in peers]
+    for service in services:
+        await service.__aenter__()
+    start = loop.time()
+    killed: set[int] = set()
+    _arm(schedule, network, peers, killed, start)
+    returned: dict[int, float] = {}
+
+    async def member(i: int) -> AllReduceResult:
+        spec = RoundSpec(
+            round_id=b"checked round",
+            members=members,
+            weights=bandwidth,
+            total_elements=schedule.total_elements,
+            chunk_elements=schedule.chunk_elements,
+            me=members[i],
+        )
+        try:
+            return await services[i].run_round(spec, vectors[i], weights[i])
+        finally:
+            returned[i] = loop.time() - start
+
+    tasks = [peers[i].create_task(member(i)) for i in range(len(peers))]
+    await asyncio.wait(tasks)
+    outcomes = []
+    for i, task in enumerate(tasks):
+        alive = i not in killed
+        if task.cancelled():
+            outcomes.append(MemberOutcome(alive, False, None, "cancelled", None, None))
+            continue
+        error = task.exception()
+        if error is not None:
+            outcomes.append(MemberOutcome(alive, False, returned.get(i), repr(error), None, None))
+            continue
+        result = task.result()
+        outcomes.append(
+            MemberOutcome(
+                alive,
+                result.transfer.agreed,
+                returned.get(i),
+                None,
+                result.result.averaged.clone(),
+                result,
+            )
+        )
+    await network.aclose()
+    return outcomes
+
+
+def _arm(
+    schedule: Schedule,
+    network: MemoryNetwork,
+    peers: Sequence[MemoryPeer],
+    killed: set[int],
+    start: float,
+) -> None:
+    """Set every fault to fire at its time or frame."""
+    loop = asyncio.get_running_loop()
+    by_frame: dict[int, list[Fault]] = {}
+    for fault in schedule.faults:
+        if fault.at_frame:
+            by_frame.setdefault(fault.at_frame, []).append(fault)
+        else:
+            loop.call_at(start + fault.at, _fire, fault, network, peers, killed)
+    if by_frame:
+        count = 0
+
+        def on_frame(src: PeerID, dst: PeerID, protocol: str, num_bytes: int) -> None:
+            nonlocal count
+            count += 1
+            for fault in by_frame.pop(count, []):
+                _fire(fault, network, peers, killed)
+
+        network.on_frame = on_frame
+
+
+def _fire(
+    fault: Fault, network: MemoryNetwork, peers: Sequence[MemoryPeer], killed: set[int]
+) -> None:
+    loop = asyncio.get_running_loop()
+    a, b = peers[fault.a], peers[fault.b]
+    if fault.kind == "kill":
+        if fault.a not in killed:
+            killed.add(fault.a)
+            network.kill(a)
+        return
+    if fault.kind == "pause":
+        network.pause(a, fault.seconds or 2.5)
+        return
+    if fault.kind == "reset":
+        network.reset_link(a, b)
+        return
+    if fault.kind == "slow":  # a 2 kB/s uplink: a chunk every few seconds
+        network.set_bandwidth(a, b, 2000.0, one_way=True)
+        return
+    pairs: list[tuple[MemoryPeer, MemoryPeer]]
+    one_way = fault.kind == "cut_one_way"
+    if fault.kind == "partition":
+        left = set(fault.side)
+        pairs = [
+            (peers[i], peers[j]) for i in sorted(left) for j in range(len(peers)) if j not in left
+        ]
+    else:
+        pairs = [(a, b)]
+    for x, y in pairs:
+        network.cut(x, y, one_way=one_way)
+    if fault.seconds:
+
+        def heal() -> None:
+            for x, y in pairs:
+                network.heal(x, y, one_way=one_way)
+
+        loop.call_later(fault.seconds, heal)
+
+
+def check(schedule: Schedule, outcomes: Sequence[MemberOutcome]) -> list[Violation]:
+    """The promises ``outcomes`` break (empty: none)."""
+    violations = []
+    bound = CONFIG.return_bound
+    for i, outcome in enumerate(outcomes):
+        if not outcome.alive:
+            continue
+        if outcome.error is not None:
+            violations.append(Violation("P4", f"member {i} raised {outcome.error}"))
+        elif outcome.returned_after is None or outcome.returned_after > bound + 1e-6:
+            violations.append(
+                Violation("P4", f"member {i} returned after {outcome.returned_after} s > {bound}")
+            )
+    agreed = [i for i, o in enumerate(outcomes) if o.alive and o.agreed]
+    violations += _check_same_mean(schedule, outcomes, agreed)
+    # A partition from the round's start, never healed: its sides never exchange a vote,
+    # so at most one can hold a majority. (One that falls later may fall after the
+    # decision: then both sides hold the decided tensor, which P1 checks.)
+    partitions = [
+        f
+        for f in schedule.faults
+        if f.kind == "partition" and not f.seconds and not f.at and not f.at_frame
+    ]
+    if any(f.seconds and f.kind in ("cut", "cut_one_way", "partition") for f in schedule.faults):
+        partitions = []  # a heal of another cut may heal part of the partition too
+    for fault in partitions:
+        sides = {i in fault.side for i in agreed}
+        if len(sides) > 1:
+            violations.append(Violation("P2", f"both sides of {fault.side} agreed: {agreed}"))
+    if len(schedule.faults) == 1:
+        violations += _check_cost(schedule.faults[0], outcomes)
+    return violations
+
+
+def _check_same_mean(
+    schedule: Schedule, outcomes: Sequence[MemberOutcome], agreed: Sequence[int]
+) -> list[Violation]:
+    if not agreed:
+        return []
+    first = outcomes[agreed[0]]
+    assert first.averaged is not None and first.result is not None
+    for i in agreed[1:]:
+        other = outcomes[i].averaged
+        if other is None or not torch.equal(other, first.averaged):
+            return [Violation("P1", f"members {agreed[0]} and {i} agreed on different tensors")]
+    vectors, weights = _vectors(schedule)
+    index = {m: k for k, m in enumerate(first.result.result.report.members)}
+    for part in first.result.result.report.parts:
+        if part.end == part.start or not part.contributors:
+            continue
+        who = [index[m] for m in part.contributors]
+        total = sum(weights[k] for k in who)
+        mean = sum(
+            (vectors[k][part.start : part.end].double() * weights[k] for k in who),
+            torch.zeros(part.end - part.start, dtype=torch.float64),
+        )
+        expected = (mean / total).float()
+        if not torch.allclose(first.averaged[part.start : part.end], expected, atol=1e-5):
+            return [Violation("P1", f"part {part.part_index} is not its contributors' mean")]
+    return []
+
+
+def _check_cost(fault: Fault, outcomes: Sequence[MemberOutcome]) -> list[Violation]:
+    lost = {i for i, o in enumerate(outcomes) if o.alive and not o.agreed}
+    if fault.kind in ("kill", "pause"):
+        allowed, most = {fault.a}, 1
+    elif fault.kind in ("cut", "cut_one_way", "reset", "slow"):
+        allowed, most = {fault.a, fault.b}, 1
+    else:
+        return []  # a partition may cost a whole side
+    if len(lost) > most or not lost <= allowed:
+        return [
+            Violation("P3", f"one {fault.kind} of {sorted(allowed)} lost members {sorted(lost)}")
+        ]
+    return []
+
+
+def check_seed(seed: int) -> list[Violation]:
+    schedule = random_schedule(seed)
+    return check(schedule, run_schedule(schedule))
+
+
+def shrink(schedule: Schedule, fails: Callable[[Schedule], bool]) -> Schedule:
+    """A smaller schedule that still ``fails``: faults removed one at a time, then the
+    vector halved, while the failure holds (bounded: each step makes it smaller)."""
+    current = schedule
+    for _ in range(64):
+        smaller = None
+        for k in range(len(current.faults)):
+            faults = current.faults[:k] + current.faults[k + 1 :]
+            candidate = dataclasses.replace(current, faults=faults)
+            if fails(candidate):
+                smaller = candidate
+                break
+        if smaller is None and current.total_elements > current.num_members:
+            half = max(current.num_members, current.total_elements // 2)
+            candidate = dataclasses.replace(current, total_elements=half)
+            if fails(candidate):
+                smaller = candidate
+        if smaller is None:
+            return current
+        current = smaller
+    return current
+
+
+def _fails(schedule: Schedule) -> bool:
+    return bool(check(schedule, run_schedule(schedule)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedules", type=int, default=200, help="run seeds 0..N-1")
+    parser.add_argument("--first", type=int, default=0, help="the first seed")
+    parser.add_argument("--seed", type=int, help="run (and shrink) this seed only")
+    args = parser.parse_args(argv)
+    seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.schedules)
+    failures = 0
+    for seed in seeds:
+        violations = check_seed(seed)
+        for violation in violations:
+            print(f"seed {seed}: {violation.prop}: {violation.detail}", flush=True)
+        if violations:
+            failures += 1
+            if args.seed is not None:
+                small = shrink(random_schedule(seed), _fails)
+                print(json.dumps(dataclasses.asdict(small)), flush=True)
+    print(json.dumps({"schedules": len(seeds), "failing": failures}), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

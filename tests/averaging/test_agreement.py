@@ -1,0 +1,168 @@
+"""The end-of-round vote (``averaging.agreement``): one vote per member, a strict
+majority of the whole group decides, split votes are hopeless; copying a voted result
+takes held parts that match and checks fetched ones against their digests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from averaging.agreement import Adoption, Ballot, check_vote
+from averaging.butterfly import ButterflyRound
+from averaging.butterfly_records import (
+    PartDigest,
+    RoundSpec,
+    fingerprint_of,
+    part_digests,
+    values_digest,
+)
+from peers.identity import KeyPair, PeerID
+
+_IDS = [KeyPair.from_seed(bytes([i + 1]) * 32).peer_id for i in range(6)]
+F, G, H = b"f" * 32, b"g" * 32, b"h" * 32
+
+
+def test_a_strict_majority_of_every_member_decides() -> None:
+    ballot = Ballot(_IDS[:4])
+    assert ballot.quorum == 3
+    assert ballot.cast(_IDS[0], F) and ballot.cast(_IDS[1], F)
+    assert ballot.decided is None  # two of four: half is not a majority
+    assert ballot.cast(_IDS[2], F)
+    assert ballot.decided == F
+    assert ballot.voters_for(F) == frozenset(_IDS[:3])
+
+
+def test_a_member_votes_once_and_strangers_not_at_all() -> None:
+    ballot = Ballot(_IDS[:3])
+    assert ballot.cast(_IDS[0], F)
+    assert not ballot.cast(_IDS[0], G)  # a second vote, even a different one, is ignored
+    assert not ballot.cast(_IDS[5], G)  # not a member
+    assert ballot.vote_of(_IDS[0]) == F and ballot.num_votes == 1
+    assert ballot.cast(_IDS[1], G)
+    assert ballot.decided is None
+
+
+def test_two_halves_never_both_decide_and_a_split_is_hopeless() -> None:
+    ballot = Ballot(_IDS[:4])
+    for voter, fingerprint in zip(_IDS[:4], (F, F, G, G), strict=True):
+        assert not ballot.hopeless
+        ballot.cast(voter, fingerprint)
+    assert ballot.decided is None and ballot.hopeless
+
+
+def test_hopeless_only_when_no_fingerprint_can_still_win() -> None:
+    ballot = Ballot(_IDS[:5])  # quorum 3
+    ballot.cast(_IDS[0], F)
+    ballot.cast(_IDS[1], G)
+    ballot.cast(_IDS[2], H)
+    assert not ballot.hopeless  # F could still get both missing votes
+    ballot.cast(_IDS[3], G)
+    assert not ballot.hopeless  # G needs one more
+    ballot.cast(_IDS[4], H)
+    assert ballot.hopeless
+
+
+def test_leading_prefers_most_votes_then_the_smallest_fingerprint() -> None:
+    ballot = Ballot(_IDS[:5])
+    assert ballot.leading() is None
+    ballot.cast(_IDS[0], G)
+    ballot.cast(_IDS[1], F)
+    assert ballot.leading() == F  # a tie: the smaller fingerprint
+    ballot.cast(_IDS[2], G)
+    assert ballot.leading() == G
+
+
+def _spec(me: PeerID, total: int = 40, chunk: int = 4) -> RoundSpec:
+    return RoundSpec(
+        round_id=b"round",
+        members=tuple(_IDS[:3]),
+        weights=(1.0, 1.0, 1.0),
+        total_elements=total,
+        chunk_elements=chunk,
+        me=me,
+    )
+
+
+def _finished_result(spec: RoundSpec) -> tuple[torch.Tensor, list[PartDigest], bytes]:
+    """A voter's result: every member's part reduced over everyone (one machine each)."""
+    vectors = [torch.arange(spec.total_elements, dtype=torch.float32) * (i + 1) for i in range(3)]
+    mean = sum(vectors, torch.zeros(spec.total_elements)) / 3
+    rounds = {m: ButterflyRound(_spec(m), vectors[i], 1.0) for i, m in enumerate(_IDS[:3])}
+    for sender, machine in rounds.items():
+        for item in list(machine.outgoing_chunks()):
+            rounds[item.to].on_chunk(
+                sender, b"round", item.part_index, item.chunk_index, item.values, 1.0
+            )
+    for reducer, machine in rounds.items():
+        for part in machine.ready_parts():
+            for item in machine.published_chunks(part):
+                rounds[item.to].on_averaged_chunk(
+                    reducer,
+                    b"round",
+                    item.part_index,
+                    item.chunk_index,
+                    item.values,
+                    item.contributors,
+                )
+    result = rounds[spec.me].result()
+    assert torch.allclose(result.averaged, mean)
+    digests = list(part_digests(result))
+    return result.averaged.clone(), digests, fingerprint_of(b"round", digests)
+
+
+def test_a_copy_takes_matching_held_parts_and_fetches_the_rest() -> None:
+    spec = _spec(_IDS[1])
+    values, digests, fingerprint = _finished_result(_spec(_IDS[0]))
+    parts = spec.parts()
+    # I hold part 0 as the voter does, part 1 differently (a re-reduction), part 2 not.
+    held_values = {0: values[parts[0][0] : parts[0][1]], 1: torch.zeros(parts[1][1] - parts[1][0])}
+
+    def held(i: int) -> tuple[PeerID, frozenset[PeerID], torch.Tensor] | None:
+        if i not in held_values:
+            return None
+        return _IDS[i], frozenset(_IDS[:3]), held_values[i]
+
+    adoption = Adoption(spec, fingerprint, digests, held)
+    assert adoption.missing_parts == {1, 2}
+    for part in (1, 2):
+        outcomes = []
+        for c in range(adoption.num_chunks(part)):
+            span = adoption.chunk_range(part, c)
+            assert span is not None
+            outcomes.append(adoption.on_copy(part, c, values[span[0] : span[1]]))
+        assert outcomes[-1] is True and all(o is None for o in outcomes[:-1])
+        assert adoption.chunk_range(part, 0) is None  # nothing more awaited
+    result = adoption.result({})
+    assert torch.equal(result.averaged, values)
+    assert fingerprint_of(b"round", part_digests(result)) == fingerprint
+
+
+def test_a_copy_that_fails_its_digest_is_forgotten_and_fetched_again() -> None:
+    spec = _spec(_IDS[2])
+    values, digests, fingerprint = _finished_result(_spec(_IDS[0]))
+    adoption = Adoption(spec, fingerprint, digests, lambda i: None)
+    start, end = spec.parts()[0]
+    forged = values[start:end].clone()
+    forged[0] += 1.0
+    outcome = None
+    for c in range(adoption.num_chunks(0)):
+        span = adoption.chunk_range(0, c)
+        assert span is not None
+        outcome = adoption.on_copy(0, c, forged[span[0] - start : span[1] - start])
+    assert outcome is False and 0 in adoption.missing_parts
+    assert adoption.chunk_range(0, 0) == (start, min(start + 4, end))  # awaited again
+    with pytest.raises(ValueError):
+        adoption.on_copy(0, 0, torch.zeros(1))  # the wrong shape
+    assert values_digest(forged) != digests[0].values
+
+
+def test_a_malformed_vote_is_named() -> None:
+    spec = _spec(_IDS[0])
+    _, digests, fingerprint = _finished_result(spec)
+    assert check_vote(spec, fingerprint, digests) is None
+    assert check_vote(spec, b"x" * 32, digests) is not None  # fingerprint of something else
+    assert check_vote(spec, fingerprint, digests[:2]) is not None
+    stranger = PartDigest(0, _IDS[5].to_bytes(), [], digests[0].values)
+    assert check_vote(spec, fingerprint, [stranger, *digests[1:]]) is not None
+    reordered = [digests[1], digests[0], digests[2]]
+    assert check_vote(spec, fingerprint_of(b"round", reordered), reordered) is not None

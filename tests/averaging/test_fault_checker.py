@@ -1,0 +1,136 @@
+"""Real butterfly rounds under seeded fault schedules on the in-memory network
+(``averaging.fault_checker``): the promises P1-P4 hold in every schedule, and the
+schedules of the agreement issue's findings end as they should."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from averaging.fault_checker import (
+    CONFIG,
+    Fault,
+    Schedule,
+    Violation,
+    check,
+    check_seed,
+    random_schedule,
+    run_schedule,
+    shrink,
+)
+
+#: Schedules every CI run checks (about 20 ms each on the virtual clock).
+NUM_SCHEDULES = 1000
+
+
+def _schedule(n: int, faults: tuple[Fault, ...], **changes: object) -> Schedule:
+    base = Schedule(
+        seed=7,
+        num_members=n,
+        clients=(),
+        total_elements=96,
+        chunk_elements=8,
+        latency=0.01,
+        faults=faults,
+    )
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_a_thousand_random_schedules_keep_every_promise() -> None:
+    failing: dict[int, list[Violation]] = {}
+    for seed in range(NUM_SCHEDULES):
+        violations = check_seed(seed)
+        if violations:
+            failing[seed] = violations
+    assert not failing, failing
+
+
+def test_schedules_are_a_function_of_their_seed_and_cover_every_kind() -> None:
+    assert random_schedule(3) == random_schedule(3)
+    kinds = {f.kind for seed in range(300) for f in random_schedule(seed).faults}
+    assert kinds == {"kill", "cut", "cut_one_way", "pause", "partition", "slow", "reset"}
+
+
+def test_the_checker_sees_a_broken_promise_and_shrinks_it() -> None:
+    """Fed outcomes where two members agreed on different tensors, the checker names
+    P1; the shrinker drops every fault that the failure does not need."""
+    late = (Fault("kill", 2, at=0.5), Fault("slow", 0, 1, at=0.6))  # after the round
+    schedule = _schedule(3, late)
+    outcomes = run_schedule(schedule)
+    assert not check(schedule, outcomes)
+    forged = list(outcomes)
+    first = forged[0]
+    assert first.averaged is not None and first.agreed
+    changed = first.averaged.clone()
+    changed[0] += 1.0
+    forged[0] = dataclasses.replace(first, averaged=changed)
+    assert [v.prop for v in check(schedule, forged)] == ["P1"]
+
+    def fails(candidate: Schedule) -> bool:  # "fails" while the kill is in it
+        return any(f.kind == "kill" for f in candidate.faults)
+
+    small = shrink(schedule, fails)
+    assert small.faults == (Fault("kill", 2, at=0.5),)
+    assert small.total_elements == small.num_members  # halved down to the least
+
+
+def test_a_cut_after_the_reducer_is_done_costs_nobody() -> None:
+    """Finding 1: B's averaged part has reached A and C but not D, B is done, and only
+    the B-D link is cut. D used to exclude B and have part b reduced again while B
+    agreed: two results, both "agreed". Now D copies part b from a member holding it,
+    and all four hold one tensor."""
+    for frame in range(20, 80, 4):  # the cut lands at many points of the round
+        schedule = _schedule(4, (Fault("cut", 1, 3, at_frame=frame),))
+        outcomes = run_schedule(schedule)
+        assert not check(schedule, outcomes), frame
+        assert all(o.agreed for o in outcomes), frame
+
+
+def test_two_crashes_at_bad_moments_leave_one_result() -> None:
+    """Finding 1's second schedule: a reducer publishes to all but one member and
+    dies, then another dies while its notice spreads."""
+    for first in range(10, 60, 5):
+        faults = (Fault("kill", 0, at_frame=first), Fault("kill", 2, at_frame=first + 6))
+        schedule = _schedule(5, faults)
+        outcomes = run_schedule(schedule)
+        assert not check(schedule, outcomes), first
+        survivors = [o for o in outcomes if o.alive]
+        assert all(o.agreed for o in survivors), first  # three of five decide
+
+
+def test_a_partition_lets_at_most_one_side_agree() -> None:
+    """Finding 1's third schedule: {A, B} | {C, D} from the start. Neither half is a
+    majority of four, so neither agrees (the price of P2); 3 | 2 of five: the three."""
+    even = _schedule(4, (Fault("partition", 0, side=(0, 1)),))
+    assert not any(o.agreed for o in run_schedule(even))
+    odd = _schedule(5, (Fault("partition", 0, side=(0, 1)),))
+    outcomes = run_schedule(odd)
+    assert [o.agreed for o in outcomes] == [False, False, True, True, True]
+    assert not check(odd, outcomes)
+
+
+@pytest.mark.parametrize("kind", ["slow", "pause", "cut_one_way"])
+def test_a_member_stuck_past_the_deadline_neither_raises_nor_stalls_the_round(kind: str) -> None:
+    """Finding 2 (the deadline raised when a peer inherited a part whose senders were
+    given up on) and finding 4 (a slow but steady sender was never excluded, and
+    members ended at their own deadlines holding different parts): every member
+    returns within the stated bound, and the others agree."""
+    fault = Fault(kind, 2, 0, at_frame=12, seconds=0.0)
+    schedule = _schedule(4, (fault,), total_elements=400)
+    outcomes = run_schedule(schedule)
+    assert not check(schedule, outcomes)
+    assert all(o.returned_after is not None for o in outcomes)
+    assert max(o.returned_after or 0.0 for o in outcomes) <= CONFIG.return_bound
+    assert sum(o.agreed for o in outcomes) >= 3
+
+
+def test_excluding_a_client_mode_member_does_not_cost_the_round_timeout() -> None:
+    """Finding 3: an exclusion that reopens nothing (a client-mode member's) left an
+    old Done announced, and the round ended unagreed at its deadline."""
+    schedule = _schedule(4, (Fault("kill", 3, at_frame=6),), clients=(3,))
+    outcomes = run_schedule(schedule)
+    assert not check(schedule, outcomes)
+    survivors = [o for o in outcomes if o.alive]
+    assert all(o.agreed for o in survivors)
+    assert max(o.returned_after or 0.0 for o in survivors) < CONFIG.round_timeout / 2
