@@ -334,6 +334,47 @@ def check_seed(seed: int) -> list[Violation]:
     return check(schedule, run_schedule(schedule))
 
 
+@dataclass
+class Summary:
+    """What a run of many schedules showed: the figures docs/benchmarks.md quotes."""
+
+    schedules: int = 0
+    failing: int = 0
+    return_seconds: list[float] = dataclasses.field(default_factory=list)
+    """Each live member's return time, in every schedule with at least one fault."""
+    single_fault_cost: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    """Per kind of fault, schedules holding only it by live members lost: [0, 1, 2+]."""
+
+    def add(self, schedule: Schedule, outcomes: Sequence[MemberOutcome], failed: bool) -> None:
+        self.schedules += 1
+        self.failing += failed
+        if schedule.faults:
+            self.return_seconds += [
+                o.returned_after for o in outcomes if o.alive and o.returned_after is not None
+            ]
+        if len(schedule.faults) == 1:
+            lost = sum(o.alive and not o.agreed for o in outcomes)
+            counts = self.single_fault_cost.setdefault(schedule.faults[0].kind, [0, 0, 0])
+            counts[min(lost, 2)] += 1
+
+    def as_json(self) -> dict[str, object]:
+        times = sorted(self.return_seconds)
+
+        def quantile(q: float) -> float:
+            return round(times[min(len(times) - 1, int(q * len(times)))], 3) if times else 0.0
+
+        return {
+            "schedules": self.schedules,
+            "failing": self.failing,
+            "return_seconds_median": quantile(0.5),
+            "return_seconds_p90": quantile(0.9),
+            "return_seconds_p99": quantile(0.99),
+            "return_seconds_max": times[-1] if times else 0.0,
+            "return_bound_seconds": CONFIG.return_bound,
+            "single_fault_lost_0_1_2plus": self.single_fault_cost,
+        }
+
+
 def shrink(schedule: Schedule, fails: Callable[[Schedule], bool]) -> Schedule:
     """A smaller schedule that still ``fails``: faults removed one at a time, then the
     vector halved, while the failure holds (bounded: each step makes it smaller)."""
@@ -368,18 +409,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="run (and shrink) this seed only")
     args = parser.parse_args(argv)
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.schedules)
-    failures = 0
+    summary = Summary()
     for seed in seeds:
-        violations = check_seed(seed)
+        schedule = random_schedule(seed)
+        outcomes = run_schedule(schedule)
+        violations = check(schedule, outcomes)
+        summary.add(schedule, outcomes, bool(violations))
         for violation in violations:
             print(f"seed {seed}: {violation.prop}: {violation.detail}", flush=True)
-        if violations:
-            failures += 1
-            if args.seed is not None:
-                small = shrink(random_schedule(seed), _fails)
-                print(json.dumps(dataclasses.asdict(small)), flush=True)
-    print(json.dumps({"schedules": len(seeds), "failing": failures}), flush=True)
-    return 1 if failures else 0
+        if violations and args.seed is not None:
+            small = shrink(schedule, _fails)
+            print(json.dumps(dataclasses.asdict(small)), flush=True)
+    print(json.dumps(summary.as_json()), flush=True)
+    return 1 if summary.failing else 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ schedules of the agreement issue's findings end as they should."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -15,6 +16,7 @@ from averaging.fault_checker import (
     Violation,
     check,
     check_seed,
+    main,
     random_schedule,
     run_schedule,
     shrink,
@@ -134,3 +136,13 @@ def test_excluding_a_client_mode_member_does_not_cost_the_round_timeout() -> Non
     survivors = [o for o in outcomes if o.alive]
     assert all(o.agreed for o in survivors)
     assert max(o.returned_after or 0.0 for o in survivors) < CONFIG.round_timeout / 2
+
+
+def test_the_command_line_runs_schedules_and_prints_a_summary(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--schedules", "12", "--first", "40"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["schedules"] == 12 and summary["failing"] == 0
+    assert summary["return_seconds_max"] <= summary["return_bound_seconds"]
+    assert sum(sum(c) for c in summary["single_fault_lost_0_1_2plus"].values()) > 0
