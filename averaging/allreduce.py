@@ -190,6 +190,7 @@ class RoundRunner:
         self._gave_up = False
         self._can_reduce = {m: w > 0 for m, w in zip(spec.members, spec.weights, strict=True)}
         self._suspected: dict[PeerID, float] = {}
+        self._spec_digest = spec.digest()
         self._bytes_sent = 0
         self._bytes_received = 0
         self._tasks: asyncio.TaskGroup | None = None
@@ -642,18 +643,24 @@ class RoundRunner:
         try:
             stream = await self.peer.new_stream(link.peer_id, ALLREDUCE_PROTOCOL)
             framed = FramedStream(stream)
-            await framed.write_frame(encode_hello(self.spec.round_id))
+            await framed.write_frame(encode_hello(self.spec))
         except (PeersError, OSError) as e:
             self._link_failed(link, e)
             return
         self._attach(link, framed)
 
-    async def accept(self, remote: PeerID, framed: FramedStream[StreamLike]) -> None:
+    async def accept(
+        self, remote: PeerID, framed: FramedStream[StreamLike], spec_digest: bytes
+    ) -> None:
         """Serve a link another member opened; returns when the round is done with it.
-        Raises :class:`AllReduceError` for a remote that should not open one."""
+        Raises :class:`AllReduceError` for a remote that should not open one, or whose
+        spec of this round differs from mine (a leader that gave members different
+        specs: the link is refused, and its end excludes me as it would a dead peer)."""
         link = self.links.get(remote)
         if link is None or link.opened_by_me or link.framed is not None or link.dead:
             raise AllReduceError(f"{remote} does not open a link to this peer in this round")
+        if spec_digest != self._spec_digest:
+            raise AllReduceError(f"{remote} was given another spec for this round")
         self._attach(link, framed)
         await link.finished.wait()
 

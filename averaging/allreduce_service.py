@@ -98,9 +98,9 @@ class AllReduceService:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
                 frame = await framed.read_frame()
-            round_id = decode_hello(frame).round_id
-            runner = await self._wait_for_round(round_id)
-            await runner.accept(stream.remote_peer_id, framed)
+            hello = decode_hello(frame)
+            runner = await self._wait_for_round(hello.round_id)
+            await runner.accept(stream.remote_peer_id, framed, hello.spec_digest)
         except (TimeoutError, PeersError) as e:
             logger.info("allreduce link from %s refused: %r", stream.remote_peer_id, e)
             stream.reset()

@@ -1,7 +1,8 @@
 """Wire messages of a networked butterfly round (``/swarmtrain/averaging/allreduce/2.0.0``).
 
 A round runs over one stream per pair of members (:func:`link_opener` says which side
-opens it). The opener's first frame is a :class:`Hello` naming the round; after that
+opens it). The opener's first frame is a :class:`Hello` naming the round and the digest
+of its spec; after that
 both sides send any of the other messages, each frame a msgpack array ``[tag, body]``:
 
 - :class:`ChunkMessage` a sender's encoded chunk of a part the receiver reduces;
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from averaging.butterfly_records import PartDigest
+from averaging.butterfly_records import PartDigest, RoundSpec
 from averaging.compression import EncodedTensor
 from peers.errors import IdentityError, RemoteProtocolError
 from peers.identity import PeerID
@@ -38,6 +39,7 @@ MAX_NAMED_MEMBERS = 1024
 @dataclass(frozen=True)
 class Hello:
     round_id: bytes
+    spec_digest: bytes
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,10 @@ def decode_hello(frame: object) -> Hello:
     return from_wire(Hello, frame[1])
 
 
-def encode_hello(round_id: bytes) -> list[Any]:
-    return [0, to_wire(Hello(round_id))]
+def encode_hello(spec: RoundSpec) -> list[Any]:
+    """The first frame of a link of ``spec``'s round: its id, and the digest of what
+    every member's spec shares (a member given another spec is refused)."""
+    return [0, to_wire(Hello(spec.round_id, spec.digest()))]
 
 
 def peer_ids(raw: list[bytes]) -> frozenset[PeerID]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import struct
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
@@ -76,8 +77,43 @@ class RoundSpec:
             raise RoundError("aggregation must be None or a CenteredClipConfig")
 
     def parts(self) -> list[tuple[int, int]]:
-        """Part ``i``'s ``[start, end)``, as every member computes it."""
-        return split_parts(self.total_elements, self.weights)
+        """Part ``i``'s ``[start, end)``, as every member computes it: sized by the
+        bandwidth weights, each capped at :data:`MAX_SHARE_RATIO` times the median
+        positive weight (a claim nobody verifies cannot buy a member the vector)."""
+        return split_parts(self.total_elements, capped_weights(self.weights))
+
+    def digest(self) -> bytes:
+        """What every member's spec of this round shares (all but ``me``), hashed: the
+        links of a round carry it, so that members given different specs for one round
+        id never exchange a chunk."""
+        digest = hashlib.sha256(b"round spec")
+        digest.update(len(self.round_id).to_bytes(1, "big") + self.round_id)
+        for member, weight in zip(self.members, self.weights, strict=True):
+            digest.update(member.to_bytes() + struct.pack(">d", float(weight)))
+        digest.update(self.total_elements.to_bytes(8, "big"))
+        digest.update(self.chunk_elements.to_bytes(8, "big"))
+        digest.update(repr(self.aggregation).encode())
+        return digest.digest()
+
+
+#: Largest part a member may get, as a multiple of the part of a member at the median
+#: bandwidth: bandwidths are each member's own claim, so one claim of 1e15 would
+#: otherwise hand one member nearly every coordinate to reduce (and publish as it likes).
+MAX_SHARE_RATIO = 4.0
+
+
+def capped_weights(weights: Sequence[float]) -> list[float]:
+    """``weights`` with each capped at :data:`MAX_SHARE_RATIO` times the median of the
+    positive ones (0 stays 0: a client-mode member)."""
+    positive = sorted(float(w) for w in weights if w > 0)
+    if not positive:
+        return [float(w) for w in weights]
+    middle = len(positive) // 2
+    median = (
+        positive[middle] if len(positive) % 2 else (positive[middle - 1] + positive[middle]) / 2
+    )
+    cap = MAX_SHARE_RATIO * median
+    return [min(float(w), cap) for w in weights]
 
 
 def _reassignment_rank(round_id: bytes, part_index: int, member: PeerID) -> bytes:

@@ -4,19 +4,27 @@ takes held parts that match and checks fetched ones against their digests."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from averaging.agreement import Adoption, Ballot, check_vote
+from averaging.allreduce_config import AllReduceConfig, AllReduceResult
+from averaging.allreduce_service import AllReduceService
 from averaging.butterfly import ButterflyRound
 from averaging.butterfly_records import (
+    MAX_SHARE_RATIO,
     PartDigest,
     RoundSpec,
+    capped_weights,
     fingerprint_of,
     part_digests,
     values_digest,
 )
 from peers.identity import KeyPair, PeerID
+from peers.memory_network import MemoryNetwork
+from peers.virtual_clock import run_virtual
 
 _IDS = [KeyPair.from_seed(bytes([i + 1]) * 32).peer_id for i in range(6)]
 F, G, H = b"f" * 32, b"g" * 32, b"h" * 32
@@ -166,3 +174,66 @@ def test_a_malformed_vote_is_named() -> None:
     assert check_vote(spec, fingerprint, [stranger, *digests[1:]]) is not None
     reordered = [digests[1], digests[0], digests[2]]
     assert check_vote(spec, fingerprint_of(b"round", reordered), reordered) is not None
+
+
+def test_one_bandwidth_claim_cannot_buy_a_member_the_vector() -> None:
+    """Finding 6: part sizes followed claimed bandwidth (1e15 was accepted), so one
+    claim could own nearly every coordinate of a 16-member round. A weight is capped at
+    MAX_SHARE_RATIO times the median positive weight."""
+    members = tuple(KeyPair.from_seed(bytes([i + 40]) * 32).peer_id for i in range(16))
+    weights = (1e15, *([1.0] * 14), 0.0)
+    spec = RoundSpec(
+        round_id=b"r",
+        members=members,
+        weights=weights,
+        total_elements=18_000,
+        chunk_elements=100,
+        me=members[0],
+    )
+    sizes = [end - start for start, end in spec.parts()]
+    assert sizes[0] == 18_000 * MAX_SHARE_RATIO / (MAX_SHARE_RATIO + 14) == 4000
+    assert sizes[-1] == 0  # client mode still reduces nothing
+    assert capped_weights([2.0, 1.0, 1.0]) == [2.0, 1.0, 1.0]  # honest spreads untouched
+
+
+def test_members_given_different_specs_for_one_round_never_mix() -> None:
+    """Finding 6: Hello named only the round id, so a leader could give members
+    different specs. Links now carry the spec's digest: the member given another spec
+    is refused by the others, the three that share one agree, and nobody raises."""
+
+    async def main() -> list[AllReduceResult]:
+        network = MemoryNetwork(3)
+        peers = [network.add_peer() for _ in range(4)]
+        members = tuple(p.peer_id for p in peers)
+        config = AllReduceConfig(sender_timeout=1.0, reducer_timeout=2.0, round_timeout=6.0)
+        services = [AllReduceService(p, config) for p in peers]
+        for service in services:
+            await service.__aenter__()
+
+        def spec(i: int) -> RoundSpec:
+            weights = (1.0, 1.0, 1.0, 1.0) if i < 3 else (1.0, 1.0, 1.0, 9.0)
+            return RoundSpec(
+                round_id=b"one id",
+                members=members,
+                weights=weights,
+                total_elements=64,
+                chunk_elements=8,
+                me=members[i],
+            )
+
+        rounds = [
+            services[i].run_round(spec(i), torch.full((64,), float(i)), 1.0) for i in range(4)
+        ]
+        results = list(await asyncio.gather(*rounds))
+        await network.aclose()
+        return results
+
+    results = run_virtual(main())
+    honest = results[:3]
+    assert all(r.transfer.agreed for r in honest)
+    assert all(torch.equal(r.result.averaged, torch.ones(64)) for r in honest)  # mean of 0,1,2
+    assert not results[3].transfer.agreed
+    assert (
+        results[3].transfer.seconds
+        <= AllReduceConfig(sender_timeout=1.0, reducer_timeout=2.0, round_timeout=6.0).return_bound
+    )

@@ -214,7 +214,8 @@ def test_a_link_for_an_unknown_round_is_refused_and_the_service_keeps_serving(
                 a.listen_addrs[0].encapsulate(f"/p2p/{a.peer_id}"), ALLREDUCE_PROTOCOL
             )
             framed = FramedStream(stream)
-            await framed.write_frame(encode_hello(b"no such round"))
+            stranger = dataclasses.replace(_specs([a, b], 3000)[0], round_id=b"no such round")
+            await framed.write_frame(encode_hello(stranger))
             with pytest.raises(PeersError):  # the refusal: a reset
                 await framed.read_frame()
             await _meet([a, b])
@@ -252,7 +253,7 @@ async def _liar_round(frames: Sequence[list[Any]]) -> list[Any]:
         for target, frame in zip(honest, frames, strict=True):
             stream = await liar.new_stream(target.peer_id, ALLREDUCE_PROTOCOL)
             framed = FramedStream(stream)
-            await framed.write_frame(encode_hello(specs[0].round_id))
+            await framed.write_frame(encode_hello(specs[0]))
             await framed.write_frame(frame)
         return list(await asyncio.gather(*rounds))
 
