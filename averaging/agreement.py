@@ -160,6 +160,24 @@ class Adoption:
             return None
         return self._chunks[part_index][chunk_index]
 
+    def offer(
+        self,
+        part_index: int,
+        reducer: PeerID,
+        contributors: frozenset[PeerID],
+        values: torch.Tensor,
+    ) -> bool:
+        """A part still missing here that I now hold myself (it arrived from its reducer
+        meanwhile): taken, and True, if it matches the voted digest."""
+        if part_index not in self._arrived:
+            return False
+        if self._digest_of(part_index, reducer, contributors, values) != self.digests[part_index]:
+            return False
+        start, end = self._parts[part_index]
+        self.values[start:end].copy_(values)
+        del self._arrived[part_index]
+        return True
+
     def on_copy(self, part_index: int, chunk_index: int, values: torch.Tensor) -> bool | None:
         """Take a fetched chunk whose range :meth:`chunk_range` gave. Returns None while
         the part is incomplete, True once it is complete and matches its digest, False

@@ -181,6 +181,9 @@ class RoundRunner:
         self._held: _Held | None = None
         self._adoption: Adoption | None = None
         self._fetches: dict[int, _Fetch] = {}
+        self._adoption_started = 0.0
+        self._patience = config.sender_timeout / 2
+        self._offered: set[int] = set()
         self._bad_sources: dict[int, set[PeerID]] = {}
         self._served: dict[tuple[PeerID, int], int] = {}
         self._have: set[PeerID] = set()
@@ -279,6 +282,8 @@ class RoundRunner:
             checks.append(self._first_vote_at + self.config.sender_timeout)
         for fetch in self._fetches.values():
             checks.append(fetch.since + self.config.sender_timeout)
+        if self._adoption is not None:
+            checks.append(self._adoption_started + self._patience)
         if self._agreed_at is not None:
             checks.append(max(self._agreed_at, self._last_fetch_at) + self.config.sender_timeout)
         # What was due by now was checked in this pass (and acted on, or deliberately
@@ -351,7 +356,7 @@ class RoundRunner:
                 logger.debug("round %s: agreed", self._tag)
             return
         if decided is not None:
-            self._adopt(decided)
+            self._adopt(decided, "a majority decided it")
         elif not self._voted and self._adoption is None:
             leading = self._ballot.leading()
             lagging = self._first_vote_at is not None and (
@@ -363,9 +368,12 @@ class RoundRunner:
                 if leading is None or leading == own.fingerprint:
                     self._vote(own)
                 else:  # another member finished first: join its result, not split
-                    self._adopt(leading)
+                    self._adopt(leading, "mine differs from the vote already cast")
             elif leading is not None and (withdrawn or self._diverging or lagging):
-                self._adopt(leading)
+                why = "withdrawn" if withdrawn else "diverging" if self._diverging else "lagging"
+                self._adopt(leading, why)
+        if self._adoption is not None:
+            self._take_arrived_parts()
         if self._adoption is not None and self._adoption.complete:
             self._finish_adoption()
 
@@ -392,15 +400,42 @@ class RoundRunner:
             self._first_vote_at = self._loop.time()
         return True
 
-    def _adopt(self, fingerprint: bytes) -> None:
+    def _adopt(self, fingerprint: bytes, why: str) -> None:
         if self._adoption is not None and self._adoption.fingerprint == fingerprint:
             return
         vote = self._votes[fingerprint]
-        logger.info("round %s: copies result %s", self._tag, fingerprint.hex()[:8])
+        logger.info("round %s: copies result %s (%s)", self._tag, fingerprint.hex()[:8], why)
         self._adoption = Adoption(self.spec, fingerprint, vote.parts, self.round.held_part)
+        self._adoption_started = self._loop.time()
+        self._offered = set()
         self._fetches.clear()
         self._bad_sources.clear()
         self._request_missing(self._loop.time())
+
+    def _take_arrived_parts(self) -> None:
+        """Parts the butterfly completed since the copy began are not fetched."""
+        adoption = self._adoption
+        assert adoption is not None
+        for part in sorted(adoption.missing_parts - self._offered):
+            held = self.round.held_part(part)
+            if held is None:
+                continue
+            self._offered.add(part)
+            if adoption.offer(part, *held):
+                self._fetches.pop(part, None)
+
+    def _expected_soon(self, part: int, now: float) -> bool:
+        """A part the decided result has from the reducer my butterfly still awaits it
+        from, alive in my view: it is on its way (the common case of a member a little
+        behind the majority), so it is fetched only if it has not come within half of
+        ``sender_timeout`` (voters stay at least ``sender_timeout`` for fetches)."""
+        adoption = self._adoption
+        if adoption is None or self.round.excluded_by or self._diverging:
+            return False
+        if now >= self._adoption_started + self._patience:
+            return False
+        reducer = PeerID(adoption.digests[part].reducer)
+        return reducer == self.round.reducer_of(part) and reducer not in self.round.failed
 
     def _request_missing(self, now: float) -> None:
         adoption = self._adoption
@@ -408,7 +443,7 @@ class RoundRunner:
             return
         voters = self._ballot.voters_for(adoption.fingerprint)
         for part in sorted(adoption.missing_parts):
-            if part in self._fetches:
+            if part in self._fetches or self._expected_soon(part, now):
                 continue
             bad = self._bad_sources.get(part, set())
             sources = [

@@ -341,6 +341,10 @@ class ButterflyRound:
                 events += self._exclude(member, f"reported by {reporter}")
         return events
 
+    def reducer_of(self, part_index: int) -> PeerID:
+        """Who reduces part ``part_index`` now, in my view (its heir once reassigned)."""
+        return self._assignee[part_index]
+
     def reassign_part(self, part_index: int, new_reducer: PeerID) -> list[RoundEvent]:
         """Move a failed reducer's part to ``new_reducer``: discard what arrived of it,
         and either send it my chunks or, if it is me, start reducing it. The failure

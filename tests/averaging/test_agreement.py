@@ -237,3 +237,19 @@ def test_members_given_different_specs_for_one_round_never_mix() -> None:
         results[3].transfer.seconds
         <= AllReduceConfig(sender_timeout=1.0, reducer_timeout=2.0, round_timeout=6.0).return_bound
     )
+
+
+def test_a_part_that_arrives_from_its_reducer_meanwhile_is_not_fetched() -> None:
+    """A member a little behind the majority: the decided result is copied, but a part
+    its butterfly then completes is taken from there when it matches the vote."""
+    spec = _spec(_IDS[2])
+    values, digests, fingerprint = _finished_result(_spec(_IDS[0]))
+    adoption = Adoption(spec, fingerprint, digests, lambda i: None)
+    start, end = spec.parts()[1]
+    everyone = frozenset(_IDS[:3])
+    wrong = torch.zeros(end - start)
+    assert not adoption.offer(1, _IDS[1], everyone, wrong)  # not what was voted
+    assert not adoption.offer(1, _IDS[0], everyone, values[start:end])  # another reducer
+    assert adoption.offer(1, _IDS[1], everyone, values[start:end])
+    assert adoption.missing_parts == {0, 2}
+    assert not adoption.offer(1, _IDS[1], everyone, values[start:end])  # taken already
