@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from peers import (
-    KeyPair,
     Peer,
     PeerConfig,
     PeersError,
@@ -33,12 +32,22 @@ from peers import (
     run,
     with_peer_id,
 )
-from peers.addresses import tcp_target
 from peers.dht import DHT, DHTConfig, dht_time
 from peers.dht.presence import announce_forever, list_peers
 from peers.echo import install_echo
 from peers.printable import printable
 from peers.runtime import keep_freed_memory
+from swarm.cli_usage import (
+    OneLineParser,
+    UsageError,
+    announce_arg,
+    exit_usage,
+    listen_arg,
+    load_identity,
+    multiaddr_arg,
+    package_version,
+    require_torch,
+)
 
 if TYPE_CHECKING:
     from swarm.trainer import TrainerConfig
@@ -60,6 +69,7 @@ async def _bootstrap(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     """Host experts: build the modules a ServeConfig names, announce them, serve."""
+    from swarm.experts.errors import ModuleFactoryError
     from swarm.experts.serve import ServeConfig, serve
     from swarm.experts.server_config import ServerConfig
     from swarm.experts.uids import grid_uids
@@ -84,8 +94,7 @@ async def _serve(args: argparse.Namespace) -> int:
             ),
         )
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     peer_config, dht_config = _server_peer_config(args)
     stop = _stop_on_signals()
 
@@ -95,7 +104,10 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"serving {len(uids)} experts: {' '.join(uids[:8])}", flush=True)
 
     async with Peer(peer_config) as peer, DHT(peer, dht_config) as dht:
-        await serve(peer, dht, config, stop, ready)
+        try:
+            await serve(peer, dht, config, stop, ready)
+        except ModuleFactoryError as e:  # the user's factory, called before `ready`
+            raise UsageError(f"--module: {e}") from e
     return 0
 
 
@@ -127,7 +139,7 @@ def _add_reachability_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _server_peer_config(args: argparse.Namespace) -> tuple[PeerConfig, DHTConfig]:
-    identity = KeyPair.load_or_create(args.identity) if args.identity else None
+    identity = load_identity(args.identity) if args.identity else None
     peer_config = PeerConfig(
         identity=identity,
         listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
@@ -174,8 +186,7 @@ async def _serve_stage(args: argparse.Namespace) -> int:
             rebalance_interval_seconds=args.rebalance_interval,
         )
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     peer_config, dht_config = _server_peer_config(args)
     stop = _stop_on_signals()
     announced = False
@@ -220,11 +231,7 @@ async def _status(args: argparse.Namespace) -> int:
 
 
 async def _ping(args: argparse.Namespace) -> int:
-    try:
-        target = parse_multiaddr(args.maddr)
-    except PeersError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    target = parse_multiaddr(args.maddr)  # checked by multiaddr_arg
     async with Peer(PeerConfig(listen_addrs=(), dial_timeout=args.timeout)) as peer:
         try:
             remote = await peer.connect(target)
@@ -285,8 +292,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         config = _trainer_config(args)
     except SwarmError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     sigterm_as_interrupt()
     if args.stop_when_stdin_closes:
         stop_when_stdin_closes()
@@ -320,8 +326,7 @@ def _demo(args: argparse.Namespace) -> int:
             timeout=args.timeout,
         )
     except SwarmError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     sigterm_as_interrupt()
     try:
         run_demo(config)
@@ -341,7 +346,7 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _add_train_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     for name, help_text in (
         ("train", "train a built-in task with a swarm; with no --initial-peers, start one"),
         ("join", "join a running swarm through --initial-peers and train with it"),
@@ -350,6 +355,7 @@ def _add_train_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         p.add_argument(
             "--initial-peers",
             nargs="+",
+            type=multiaddr_arg,
             metavar="MADDR",
             required=name == "join",
             help="peers of the swarm to join through"
@@ -401,13 +407,14 @@ def _add_train_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         p.add_argument(
             "--listen",
             action="append",
+            type=listen_arg,
             metavar="MADDR",
             help=f"listen address (default {DEFAULT_LISTEN}); repeatable",
         )
         p.add_argument(
             "--announce",
             action="append",
-            type=_announce_addr,
+            type=announce_arg,
             metavar="MADDR",
             help="address to announce instead of the bound ones (port forwarding); repeatable",
         )
@@ -424,7 +431,7 @@ def _add_train_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         p.add_argument("--stop-when-stdin-closes", action="store_true", help=argparse.SUPPRESS)
 
 
-def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_demo_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     demo = sub.add_parser(
         "demo", help="a local swarm trains a small model, then meets one process (the default)"
     )
@@ -468,15 +475,6 @@ def _stage(text: str) -> int | None:
     return value
 
 
-def _announce_addr(text: str) -> str:
-    """An address others can dial: ``/ip4|ip6|dns/HOST/tcp/PORT``."""
-    try:
-        tcp_target(parse_multiaddr(text))
-    except PeersError as e:
-        raise argparse.ArgumentTypeError(f"{e} (announce /ip4/HOST/tcp/PORT)") from None
-    return text
-
-
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -505,20 +503,28 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds between DHT announcements; they live 3x this (default 30)",
     )
-    parser.add_argument("--listen", action="append", metavar="MADDR", help="listen address")
+    parser.add_argument(
+        "--listen", action="append", type=listen_arg, metavar="MADDR", help="listen address"
+    )
     parser.add_argument(
         "--announce",
         action="append",
-        type=_announce_addr,
+        type=announce_arg,
         metavar="MADDR",
         help="address to announce",
     )
-    parser.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers to join through")
+    parser.add_argument(
+        "--initial-peers",
+        nargs="+",
+        type=multiaddr_arg,
+        metavar="MADDR",
+        help="peers to join through",
+    )
     parser.add_argument("--identity", metavar="PATH", help="key file; created if missing")
     _add_reachability_options(parser)
 
 
-def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_serve_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     serve = sub.add_parser("serve", help="host experts (torch modules) for others to call")
     serve.add_argument("--uids", nargs="+", metavar="UID", help="uids to host, e.g. ffn.0.3")
     serve.add_argument(
@@ -535,7 +541,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_server_options(serve)
 
 
-def _add_serve_stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_serve_stage_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     stage = sub.add_parser(
         "serve-stage", help="serve one stage of a pipeline (SWARM parallelism) for others"
     )
@@ -571,28 +577,29 @@ def _add_serve_stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="swarm", description="swarmtrain: train together, peer to peer."
-    )
+    parser = OneLineParser(prog="swarm", description="swarmtrain: train together, peer to peer.")
+    parser.add_argument("--version", action="version", version=f"swarm {package_version()}")
     sub = parser.add_subparsers(dest="command")
 
     boot = sub.add_parser("bootstrap", help="host a bootstrap peer and print its multiaddrs")
     boot.add_argument(
         "--listen",
         action="append",
+        type=listen_arg,
         metavar="MADDR",
         help=f"listen address (default {DEFAULT_LISTEN}); repeatable",
     )
     boot.add_argument(
         "--announce",
         action="append",
-        type=_announce_addr,
+        type=announce_arg,
         metavar="MADDR",
         help="address to announce instead of the bound ones; repeatable",
     )
     boot.add_argument(
         "--initial-peers",
         nargs="+",
+        type=multiaddr_arg,
         metavar="MADDR",
         help="join an existing swarm through these peers (any one that answers suffices)",
     )
@@ -604,14 +611,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reachability_options(boot)
 
     ping = sub.add_parser("ping", help="dial a peer, identify it and ping it")
-    ping.add_argument("maddr", metavar="MADDR", help="e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
+    ping.add_argument(
+        "maddr",
+        type=multiaddr_arg,
+        metavar="MADDR",
+        help="e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...",
+    )
     ping.add_argument("--count", type=_positive_int, default=3, help="number of pings (default 3)")
     ping.add_argument(
         "--timeout", type=_positive_float, default=10.0, help="seconds per step (default 10)"
     )
 
     status = sub.add_parser("status", help="join as a client and list the peers of a swarm")
-    status.add_argument("--initial-peers", nargs="+", metavar="MADDR", required=True)
+    status.add_argument(
+        "--initial-peers", nargs="+", type=multiaddr_arg, metavar="MADDR", required=True
+    )
     status.add_argument(
         "--timeout", type=_positive_float, default=10.0, help="seconds to reach them (default 10)"
     )
@@ -623,13 +637,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TORCH_COMMANDS = frozenset({"serve", "serve-stage", "train", "join", "demo"})
+"""The commands that import torch when they run; checked for it before they start."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv`` names; returns its exit code: 0, 1 for a failure while
+    it ran, 2 for a bad command line (one line on stderr, before anything else), 130
+    after Ctrl-C."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:  # plain `swarm`: the demo
+        print(
+            "swarm: no command given, so running the demo (swarm demo); "
+            "swarm --help lists the commands",
+            file=sys.stderr,
+            flush=True,
+        )
         args = parser.parse_args(["demo"])
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    try:
+        return _run_command(args)
+    except UsageError as e:
+        return exit_usage(e, args.command)
+
+
+def _run_command(args: argparse.Namespace) -> int:
     command = args.command
+    if command in TORCH_COMMANDS:
+        require_torch(command)
     try:
         if command == "bootstrap":
             return run(_bootstrap(args))

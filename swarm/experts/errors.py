@@ -17,6 +17,11 @@ class ExpertError(SwarmError):
     """Base class of the errors raised by ``swarm.experts``."""
 
 
+class ModuleFactoryError(ExpertError, ValueError):
+    """A module factory (``ServeConfig.module``) returned something other than
+    ``(torch.nn.Module, [TensorSpec, ...])``; the message says what it returned."""
+
+
 class BadExpertRequest(ExpertError, ValueError):
     """A request does not fit the hosted module (unknown uid, wrong number of tensors,
     shape, dtype, batch size, codec, non-finite values): the caller's fault. Raised on

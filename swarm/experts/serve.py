@@ -13,12 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from peers.dht import DHT
 from peers.host import Peer
 from swarm.experts.backend import ModuleBackend
+from swarm.experts.errors import ModuleFactoryError
 from swarm.experts.layers import module_factory
-from swarm.experts.schema import MAX_BATCH_SIZE
+from swarm.experts.schema import MAX_BATCH_SIZE, TensorSpec
 from swarm.experts.server import ExpertServer
 from swarm.experts.server_config import ServerConfig
 from swarm.experts.uids import check_uid
@@ -67,12 +69,15 @@ class ServeConfig:
 
 
 def build_backends(config: ServeConfig) -> list[ModuleBackend]:
+    """One backend per uid, each a module from ``config.module``'s factory. Raises
+    :class:`ModuleFactoryError` if the factory returns anything but ``(module, specs)``,
+    and ValueError if the module's outputs are not batch-first."""
     factory = module_factory(config.module)
     backends = []
     for i, uid in enumerate(config.uids):
         if config.seed is not None:
             torch.manual_seed(config.seed + i)
-        module, inputs = factory(config.hidden_dim)
+        module, inputs = _checked(config.module, factory(config.hidden_dim))
         optimizer = (
             None if config.optimizer is None else config.optimizer.build(module.parameters())
         )
@@ -87,6 +92,26 @@ def build_backends(config: ServeConfig) -> list[ModuleBackend]:
             )
         )
     return backends
+
+
+def _checked(name: str, result: object) -> tuple[nn.Module, list[TensorSpec]]:
+    """What factory ``name`` returned, if it is ``(module, input_specs)``; else raises
+    :class:`ModuleFactoryError` naming what it returned."""
+    if isinstance(result, tuple | list) and len(result) == 2:
+        module, inputs = result
+        if (
+            isinstance(module, nn.Module)
+            and isinstance(inputs, tuple | list)
+            and all(isinstance(spec, TensorSpec) for spec in inputs)
+        ):
+            return module, list(inputs)
+    shown = "None" if result is None else f"a {type(result).__name__}"
+    if isinstance(result, tuple | list):
+        shown += f" of ({', '.join(type(item).__name__ for item in result[:4])})"
+    raise ModuleFactoryError(
+        f"module factory {name!r} returned {shown}; expected a tuple (torch.nn.Module, "
+        "[TensorSpec, ...]): the module and the specs of its inputs"
+    )
 
 
 async def serve(

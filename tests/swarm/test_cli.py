@@ -137,13 +137,6 @@ def test_ping_handshake_failure_fails_clearly() -> None:
     assert "multistream" in out.stderr or "handshake" in out.stderr
 
 
-def test_ping_malformed_address() -> None:
-    out = subprocess.run(
-        [*SWARM, "ping", "/ip4/999.1.1.1/tcp/1"], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 1 and "invalid multiaddr" in out.stderr
-
-
 def test_help_lists_every_command() -> None:
     # `swarm demo` itself (a local training swarm) is tested in test_cli_train.py
     out = subprocess.run([*SWARM, "--help"], capture_output=True, text=True, timeout=60)
@@ -152,26 +145,14 @@ def test_help_lists_every_command() -> None:
         assert command in out.stdout
 
 
-def test_bootstrap_with_corrupt_identity_fails_clearly(tmp_path: Path) -> None:
-    key = tmp_path / "corrupt.key"
-    key.write_bytes(b"definitely not a libp2p key")
+def test_bootstrap_on_an_address_it_cannot_bind_fails_clearly() -> None:
+    # a well-formed address that is not this machine's: found when binding, so exit 1
+    # (malformed ones exit 2 before anything starts: test_cli_usage.py)
     out = subprocess.run(
-        [*SWARM, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(key)],
+        [*SWARM, "bootstrap", "--listen", "/ip4/203.0.113.7/tcp/0"],
         capture_output=True,
         text=True,
         timeout=60,
-    )
-    assert out.returncode == 1
-    assert "is not a valid libp2p key" in out.stderr and str(key) in out.stderr
-    assert "Traceback" not in out.stderr
-
-
-@pytest.mark.parametrize(
-    "listen", ["/ip4/127.0.0.1/udp/5", "not-an-address", "/ip4/203.0.113.7/tcp/0"]
-)
-def test_bootstrap_with_unusable_listen_address_fails_clearly(listen: str) -> None:
-    out = subprocess.run(
-        [*SWARM, "bootstrap", "--listen", listen], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 1
     assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr

@@ -1,0 +1,165 @@
+"""User mistakes on the ``swarm`` command line: each one is a single line on stderr that
+names the fix, exit code 2, nothing on stdout (no banner) and no traceback. Real
+processes; none trains or dials anything beyond loopback."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm.cli_usage import TORCH_INSTALL
+
+SWARM = [sys.executable, "-m", "swarm.cli"]
+LOCAL = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+# The command in a fresh interpreter in which importing torch fails, as on a machine
+# where it was never installed (``sys.modules[name] = None`` makes the import raise).
+_WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None
+from swarm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _swarm(
+    *args: str, without_torch: bool = False, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-c", _WITHOUT_TORCH] if without_torch else SWARM
+    return subprocess.run(
+        [*command, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+
+
+def _assert_usage_error(out: subprocess.CompletedProcess[str], message: str) -> None:
+    """Exit code 2, one line on stderr holding ``message``, nothing printed before it."""
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == "", out.stdout  # no banner, no address, no "training ..."
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+    assert " error: " in out.stderr and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["join", "--initial-peers", "nonsense"], "--initial-peers: 'nonsense' is not a multiaddr"),
+        (["train", "--initial-peers", "/ip4/1.2.3.4/tcp/x"], "is not a multiaddr"),
+        (["train", *LOCAL, "--listen", "nonsense"], "--listen: 'nonsense' is not a multiaddr"),
+        (["bootstrap", "--listen", "nonsense"], "--listen: 'nonsense' is not a multiaddr"),
+        (["bootstrap", "--listen", "/ip4/127.0.0.1/udp/5"], "is not a TCP address; listen on"),
+        (["bootstrap", "--announce", "/ip4/1.2.3.4/udp/1"], "is not a TCP address; announce"),
+        (["status", "--initial-peers", "nonsense"], "--initial-peers: 'nonsense' is not a"),
+        (["serve", "--uids", "ffn.0", "--initial-peers", "/dns/"], "is not a multiaddr"),
+        (["serve-stage", "--listen", "/ip4/127.0.0.1"], "is not a TCP address"),
+        (["ping", "/ip4/999.1.1.1/tcp/1"], "MADDR: '/ip4/999.1.1.1/tcp/1' is not a multiaddr"),
+    ],
+)
+def test_a_bad_multiaddr_exits_2_before_any_banner(args: list[str], message: str) -> None:
+    out = _swarm(*args)
+    _assert_usage_error(out, message)
+    assert "e.g. /ip4/" in out.stderr  # what a good one looks like
+
+
+def test_a_bad_peer_id_in_a_multiaddr_is_called_a_peer_id_not_a_cid() -> None:
+    out = _swarm("join", "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/nonsense")
+    _assert_usage_error(out, "ends in /p2p/nonsense, which is not a peer ID")
+    assert "CID" not in out.stderr
+
+
+def test_an_identity_in_a_missing_directory_exits_2(tmp_path: Path) -> None:
+    key = tmp_path / "no-such-dir" / "boot.key"
+    out = _swarm("bootstrap", *LOCAL, "--identity", str(key))
+    _assert_usage_error(out, f"directory {key.parent} does not exist; create it")
+    assert not key.parent.exists()
+
+
+def test_a_malformed_identity_exits_2(tmp_path: Path) -> None:
+    key = tmp_path / "corrupt.key"
+    key.write_bytes(b"definitely not a libp2p key")
+    out = _swarm("bootstrap", *LOCAL, "--identity", str(key))
+    _assert_usage_error(out, f"identity file {key} is not a valid libp2p key")
+    assert "or a path where none exists to create one" in out.stderr
+
+
+def test_an_unreadable_identity_exits_2(tmp_path: Path) -> None:
+    # a directory cannot be read as a file, whoever runs the test (root reads mode 000)
+    out = _swarm("bootstrap", *LOCAL, "--identity", str(tmp_path))
+    _assert_usage_error(out, f"cannot read identity file {tmp_path}")
+
+
+@pytest.mark.parametrize(
+    "command", [["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1"], ["train"]]
+)
+def test_train_without_torch_names_the_install_command(command: list[str]) -> None:
+    out = _swarm(*command, *LOCAL, without_torch=True)
+    _assert_usage_error(out, f"swarm {command[0]} needs PyTorch")
+    assert f"install it with: {TORCH_INSTALL}" in out.stderr
+
+
+def test_the_torch_install_command_is_the_one_the_readme_documents() -> None:
+    documented = re.search(r"pip install -q (torch==\S+)", README.read_text())
+    assert documented is not None and TORCH_INSTALL == f"pip install {documented[1]}"
+
+
+_FACTORIES = """
+from torch import nn
+
+def module_only(hidden_dim):
+    return nn.Linear(hidden_dim, hidden_dim)
+
+def nothing(hidden_dim):
+    return None
+"""
+
+
+@pytest.mark.parametrize(
+    ("factory", "returned"), [("module_only", "returned a Linear;"), ("nothing", "returned None;")]
+)
+def test_a_module_factory_returning_the_wrong_thing_exits_2(
+    tmp_path: Path, factory: str, returned: str
+) -> None:
+    (tmp_path / "my_experts.py").write_text(_FACTORIES)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = _swarm(
+        "serve",
+        *LOCAL,
+        "--uids",
+        "ffn.0",
+        "--hidden-dim",
+        "8",
+        "--module",
+        f"my_experts:{factory}",
+        env=env,
+    )
+    _assert_usage_error(out, f"module factory 'my_experts:{factory}' {returned}")
+    assert "expected a tuple (torch.nn.Module, [TensorSpec, ...])" in out.stderr
+
+
+def test_version_prints_the_package_version() -> None:
+    out = _swarm("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"swarm {importlib.metadata.version('swarmtrain')}\n"
+
+
+def test_no_command_says_it_runs_the_demo_and_where_help_is() -> None:
+    # Without torch the demo stops at once, after the notice: it is the demo that starts.
+    out = _swarm(without_torch=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    notice, error = out.stderr.splitlines()
+    assert notice == (
+        "swarm: no command given, so running the demo (swarm demo); swarm --help lists the commands"
+    )
+    assert error.startswith("swarm demo: error: swarm demo needs PyTorch")
