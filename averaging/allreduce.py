@@ -56,6 +56,7 @@ from averaging.allreduce_wire import (
     HaveMessage,
     Message,
     NoticeMessage,
+    SuspectMessage,
     VoteMessage,
     decode_message,
     encode_hello,
@@ -163,7 +164,9 @@ class RoundRunner:
         self.config = config
         self.round = ButterflyRound(spec, local, weight)
         self._me = spec.me
-        reachable = {m: w > 0 for m, w in zip(spec.members, spec.weights, strict=True)}
+        # A member with weight 0 (client mode) reduces nothing and cannot be dialed.
+        self._can_reduce = {m: w > 0 for m, w in zip(spec.members, spec.weights, strict=True)}
+        reachable = self._can_reduce
         self.links: dict[PeerID, _Link] = {}
         for m in spec.members:
             opener = link_opener(self._me, reachable[self._me], m, reachable[m])
@@ -191,8 +194,8 @@ class RoundRunner:
         self._last_fetch_at = -math.inf  # a member copying from me: I stay a while longer
         self._diverging = False
         self._gave_up = False
-        self._can_reduce = {m: w > 0 for m, w in zip(spec.members, spec.weights, strict=True)}
-        self._suspected: dict[PeerID, float] = {}
+        self._suspected: dict[PeerID, float] = {}  # yielded to, since
+        self._reported: dict[PeerID, set[PeerID]] = {}  # suspected by these others
         self._spec_digest = spec.digest()
         self._bytes_sent = 0
         self._bytes_received = 0
@@ -308,15 +311,27 @@ class RoundRunner:
         that yields: a link that breaks between two live members looks the same from
         both ends, and if both excluded the other, the flood of notices would cost both.
         So the end that yields (a client-mode member to a reducer; else the one ranked
-        after the other for this round) waits ``sender_timeout`` longer, by which time
-        the other end's notice has usually withdrawn it; if the other end is dead, the
-        others' notices exclude it meanwhile."""
+        after the other for this round) tells the others it suspects ``member`` and
+        waits ``sender_timeout`` longer, by which time the other end's notice has
+        usually withdrawn it. It excludes ``member`` at once when another member
+        suspects it too: two of its links failing is ``member``'s fault (it died or
+        stalled), not one link's; without that, a dead member that every survivor
+        yields to would cost each of them ``sender_timeout``."""
         if member in self.round.failed or self.round.excluded_by:
             return
         if self._yields_to(member):
-            since = self._suspected.setdefault(member, now)
-            if now < since + self.config.sender_timeout:
+            since = self._suspected.get(member)
+            if since is None:
+                since = self._suspected[member] = now
+                suspect = SuspectMessage([member.to_bytes()])
+                for m, link in self.links.items():
+                    if m != member and m not in self.round.failed:
+                        link.send(suspect)
+            corroborated = bool(self._reported.get(member))
+            if now < since + self.config.sender_timeout and not corroborated:
                 return
+            if corroborated:
+                reason += ", suspected by another member too"
         if as_sender:
             self._handle(self.round.on_sender_failed(member, reason))
         else:
@@ -491,14 +506,15 @@ class RoundRunner:
         self._changed.set()
 
     def _nobody_needs_me(self, now: float) -> bool:
-        """Every other member holds the decided result, or cannot copy it from me, or
-        had ``sender_timeout`` to."""
+        """Every other member holds the decided result, or cannot copy it from me (its
+        link is dead, or it never opened it and I excluded it), or had
+        ``sender_timeout`` to."""
         assert self._held is not None and self._agreed_at is not None
         if now >= max(self._agreed_at, self._last_fetch_at) + self.config.sender_timeout:
             return True
         fingerprint = self._held.fingerprint
         for m, link in self.links.items():
-            if link.dead:
+            if link.dead or (link.framed is None and m in self.round.failed):
                 continue
             if self._ballot.vote_of(m) != fingerprint and m not in self._have:
                 return False
@@ -627,7 +643,9 @@ class RoundRunner:
             self._receive_butterfly(sender, message)
 
     def _receive_butterfly(
-        self, sender: PeerID, message: ChunkMessage | AveragedMessage | NoticeMessage
+        self,
+        sender: PeerID,
+        message: ChunkMessage | AveragedMessage | NoticeMessage | SuspectMessage,
     ) -> None:
         round_id = self.spec.round_id
         if isinstance(message, ChunkMessage):
@@ -655,6 +673,13 @@ class RoundRunner:
                     contributors,
                 )
             )
+        elif isinstance(message, SuspectMessage):
+            for member in peer_ids(message.suspected):
+                if member not in self.spec.members:
+                    raise RemoteProtocolError("a suspicion names a non-member")
+                if member not in (sender, self._me):
+                    self._reported.setdefault(member, set()).add(sender)
+            self._changed.set()  # a member I yield to may now be excluded at once
         else:
             excluded = peer_ids(message.excluded)
             self._handle(self.round.on_exclusion_notice(sender, round_id, excluded))

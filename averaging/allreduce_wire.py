@@ -14,7 +14,11 @@ both sides send any of the other messages, each frame a msgpack array ``[tag, bo
 - :class:`FetchMessage` asks a voter for one part of the result it voted for, which it
   answers with that part's exact float32 values as :class:`CopyMessage` chunks;
 - :class:`HaveMessage` the sender now holds the decided result (it copied it), so its
-  voters need not wait for its fetches any longer.
+  voters need not wait for its fetches any longer;
+- :class:`SuspectMessage` members whose link to the sender failed or stalled while the
+  sender is the end of that link that yields (it does not exclude them yet): a member
+  that suspects one of them too excludes it at once, since two links failing at one
+  member is that member's fault, not one link's.
 
 Decoded once here, at the edge (STYLE.md 8); the state machine validates the rest.
 """
@@ -89,6 +93,11 @@ class HaveMessage:
     fingerprint: bytes
 
 
+@dataclass(frozen=True)
+class SuspectMessage:
+    suspected: list[bytes]
+
+
 Message = (
     ChunkMessage
     | AveragedMessage
@@ -97,6 +106,7 @@ Message = (
     | FetchMessage
     | CopyMessage
     | HaveMessage
+    | SuspectMessage
 )
 
 _TAGS: dict[type[Any], int] = {
@@ -107,6 +117,7 @@ _TAGS: dict[type[Any], int] = {
     FetchMessage: 6,
     CopyMessage: 7,
     HaveMessage: 8,
+    SuspectMessage: 9,
 }
 _TYPES: dict[int, type[Any]] = {tag: cls for cls, tag in _TAGS.items()}
 

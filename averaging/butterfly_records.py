@@ -8,6 +8,7 @@ import the vocabulary without the machine, and so each module stays small (STYLE
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import math
 import struct
@@ -80,7 +81,12 @@ class RoundSpec:
         """Part ``i``'s ``[start, end)``, as every member computes it: sized by the
         bandwidth weights, each capped at :data:`MAX_SHARE_RATIO` times the median
         positive weight (a claim nobody verifies cannot buy a member the vector)."""
-        return split_parts(self.total_elements, capped_weights(self.weights))
+        return list(self._parts)
+
+    @functools.cached_property
+    def _parts(self) -> tuple[tuple[int, int], ...]:
+        # Computed once: a round asks for its parts per chunk it copies or serves.
+        return tuple(split_parts(self.total_elements, capped_weights(self.weights)))
 
     def digest(self) -> bytes:
         """What every member's spec of this round shares (all but ``me``), hashed: the

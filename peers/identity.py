@@ -261,8 +261,8 @@ class KeyPair:
         """Write the key file atomically with mode 0600 (never world-readable, even briefly)."""
         target = Path(path)
         tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(self.to_protobuf())
                 f.flush()

@@ -19,6 +19,8 @@ from averaging.allreduce_config import AllReduceError
 from averaging.allreduce_wire import (
     ALLREDUCE_PROTOCOL,
     ChunkMessage,
+    SuspectMessage,
+    VoteMessage,
     encode_hello,
     encode_message,
 )
@@ -233,10 +235,12 @@ def test_a_link_for_an_unknown_round_is_refused_and_the_service_keeps_serving(
         assert torch.allclose(r.result.averaged, torch.full((3000,), 0.5))
 
 
-async def _liar_round(frames: Sequence[list[Any]]) -> list[Any]:
+async def _liar_round(
+    frames: Sequence[list[Any]] | Callable[[bytes], Sequence[list[Any]]],
+) -> list[Any]:
     """Two honest members and a liar that cannot be dialed (bandwidth 0), so it opens
     its links itself: to honest member i (who reduces part i) it sends a valid Hello,
-    then ``frames[i]``."""
+    then ``frames[i]`` (``frames`` may be a function of the liar's id)."""
     config = AllReduceConfig(
         sender_timeout=2.0, reducer_timeout=4.0, round_timeout=8.0, chunk_elements=1000
     )
@@ -250,7 +254,8 @@ async def _liar_round(frames: Sequence[list[Any]]) -> list[Any]:
             asyncio.ensure_future(s.run_round(spec, torch.full((3000,), float(i)), 1.0))
             for i, (s, spec) in enumerate(zip(services, specs, strict=False))
         ]
-        for target, frame in zip(honest, frames, strict=True):
+        sent = frames(liar.peer_id.to_bytes()) if callable(frames) else frames
+        for target, frame in zip(honest, sent, strict=True):
             stream = await liar.new_stream(target.peer_id, ALLREDUCE_PROTOCOL)
             framed = FramedStream(stream)
             await framed.write_frame(encode_hello(specs[0]))
@@ -274,8 +279,38 @@ def _liar_excluded(results: list[Any]) -> list[str]:
 
 def test_a_member_sending_garbage_on_its_link_is_excluded_and_the_rest_agree(arun: Run) -> None:
     """A frame that is no message at all, and one with a bad tensor."""
-    garbage = ([9, {"not": "a message"}], [1, [0, 0, 1.0, ["none", "float32"]]])
+    garbage = ([99, {"not": "a message"}], [1, [0, 0, 1.0, ["none", "float32"]]])
     _liar_excluded(arun(_liar_round(garbage)))
+
+
+@pytest.mark.parametrize("bad", ["stranger_vote", "malformed_voter", "short_vote", "suspicion"])
+def test_a_member_sending_a_bad_agreement_message_is_excluded_and_the_rest_agree(
+    arun: Run, bad: str
+) -> None:
+    """Well-formed votes and suspicions that name what they must not: a voter outside
+    the round, a voter id that is no PeerID, a vote without one digest per part, a
+    suspicion of a non-member. Each is the sender's fault (it is excluded), costs the
+    others nothing, and is refused before it reaches the ballot."""
+    stranger = KeyPair.generate().peer_id.to_bytes()
+    message = {
+        "stranger_vote": VoteMessage(stranger, bytes(32), []),
+        "malformed_voter": VoteMessage(b"\x00\x01", bytes(32), []),
+        "short_vote": None,  # filled in below: it needs the liar's own id
+        "suspicion": SuspectMessage([stranger]),
+    }[bad]
+    expected = {
+        "stranger_vote": "a vote from a non-member",
+        "malformed_voter": "a vote names a malformed voter",
+        "short_vote": "one digest per part",
+        "suspicion": "a suspicion names a non-member",
+    }[bad]
+
+    def frames(liar: bytes) -> list[list[Any]]:
+        frame = message if message is not None else VoteMessage(liar, bytes(32), [])
+        return [encode_message(frame)] * 2
+
+    reasons = _liar_excluded(arun(_liar_round(frames)))
+    assert any(expected in reason for reason in reasons), reasons
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "dtype", "shape"])

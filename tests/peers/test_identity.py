@@ -115,6 +115,16 @@ def test_missing_key_file_names_the_path(tmp_path: Path) -> None:
         KeyPair.load(tmp_path / "absent.key")
 
 
+def test_saving_into_a_missing_directory_names_the_path_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "no such dir" / "peer.key"
+    with pytest.raises(IdentityError, match="cannot write identity file") as info:
+        KeyPair.generate().save(path)
+    assert str(path) in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("text", ["", "0OIl", "12D3KooW", "z" * 60])
 def test_bad_peer_id_strings(text: str) -> None:
     with pytest.raises(IdentityError):
