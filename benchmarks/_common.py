@@ -318,7 +318,7 @@ class JsonChild:
 
     def drain_errors(self) -> list[str]:
         """Every stderr line printed since the last call (hivemind logs there)."""
-        lines = []
+        lines: list[str] = []
         with contextlib.suppress(BenchError):
             while len(lines) < MAX_LINES_PER_WAIT:
                 lines.append(self.err.next_line(time.monotonic())[1])

@@ -37,12 +37,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
 from _common import emit_result, median, percentile, print_table
 
 from peers.netlab import Lab, lab_available
+from peers.netlab.nat import NatType
 from peers.testing import LocalSwarm, PeerProcess
 
 TARGET = str(Path(__file__).resolve().parent / "_nat_peers.py") + ":bench_peer"
@@ -164,7 +165,7 @@ WARM_STEPS = 10
 
 
 #: The four peers besides the public one, by scenario: their routers' NAT, or public.
-SCENARIOS: dict[str, tuple[str, ...]] = {
+SCENARIOS: dict[str, tuple[NatType | Literal["public"], ...]] = {
     "public": ("public",) * 4,
     "private": ("endpoint-independent",) * 4,
     "private_mixed": ("endpoint-independent", "symmetric") * 2,
@@ -233,7 +234,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a reduced run (under two minutes)")
     parser.add_argument("--no-lab", action="store_true", help="skip the hole punching part")
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        help=f"global steps of each training run (default {TRAIN_STEPS[True]} with --quick, "
+        f"else {TRAIN_STEPS[False]}; at least {WARM_STEPS + 2}, the first {WARM_STEPS} not timed)",
+    )
+    parser.add_argument(
+        "--punch-trials", type=int, help="hole punching trials (default 3 with --quick, else 10)"
+    )
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"training scenarios, comma-separated (default all: {','.join(SCENARIOS)}; "
+        "public is always run, the others' ratios are to it)",
+    )
     args = parser.parse_args()
+    scenarios = ["public", *(n for n in args.scenarios.split(",") if n and n != "public")]
+    if unknown := [n for n in scenarios if n not in SCENARIOS]:
+        parser.error(f"unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}")
+    if args.train_steps is not None and args.train_steps < WARM_STEPS + 2:
+        parser.error(f"--train-steps must be at least {WARM_STEPS + 2}")
+    if args.punch_trials is not None and args.punch_trials < 1:
+        parser.error("--punch-trials must be at least 1")
     num_bytes = (32 if args.quick else 256) * MB
     figures = loopback(
         num_bytes, reps=3 if args.quick else 5, num_pings=200 if args.quick else 1000
@@ -254,14 +277,15 @@ def main() -> None:
     if args.no_lab or not available:
         notes.append(f"hole punching skipped: {'--no-lab' if args.no_lab else reason}")
     else:
-        figures.update(hole_punching(3 if args.quick else 10))
+        trials = args.punch_trials or (3 if args.quick else 10)
+        figures.update(hole_punching(trials))
         print(
             f"\nhole punching through two endpoint-independent NATs: "
             f"{figures['hole_punch_successes']}/{figures['hole_punch_trials']} succeeded, "
             f"p50 {figures['hole_punch_seconds_p50']} s"
         )
-        steps, reps = TRAIN_STEPS[args.quick], 1 if args.quick else 3
-        rates: dict[str, list[float]] = {name: [] for name in SCENARIOS}
+        steps, reps = args.train_steps or TRAIN_STEPS[args.quick], 1 if args.quick else 3
+        rates: dict[str, list[float]] = {name: [] for name in scenarios}
         for _ in range(reps):  # alternating, so a slow spell of the machine hits all
             for name, runs in rates.items():
                 runs.append(training(name, steps))
@@ -282,7 +306,7 @@ def main() -> None:
         ratios["hole_punch_success_fraction"] = (
             figures["hole_punch_successes"] / figures["hole_punch_trials"]
         )
-        for name in ("private", "private_mixed"):
+        for name in scenarios[1:]:
             ratios[f"training_{name}_fraction_of_public"] = (
                 figures[f"training_samples_per_s_{name}"] / figures["training_samples_per_s_public"]
             )

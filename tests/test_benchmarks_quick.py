@@ -51,7 +51,10 @@ def test_allreduce_benchmark_runs_and_checks_results() -> None:
 def test_nat_benchmark_runs() -> None:
     from peers.netlab import lab_available
 
-    args = ["--quick"] if lab_available()[0] else ["--quick", "--no-lab"]
+    # The smallest run that still goes through every part: the training in the lab is
+    # tested at length by tests/swarm/test_train_nat.py.
+    lab = ["--train-steps", "12", "--punch-trials", "1", "--scenarios", "private_mixed"]
+    args = ["--quick", *lab] if lab_available()[0] else ["--quick", "--no-lab"]
     result = _run("bench_nat.py", *args, timeout=280)
     assert result["benchmark"] == "nat"
     ratios = result["ratios"]
@@ -59,7 +62,6 @@ def test_nat_benchmark_runs() -> None:
     assert 0 < ratios["relayed_throughput_fraction_of_direct"]
     if "--no-lab" not in args:
         assert "hole_punch_success_fraction" in ratios
-        assert 0 < ratios["training_private_fraction_of_public"]
         assert 0 < ratios["training_private_mixed_fraction_of_public"]
 
 
