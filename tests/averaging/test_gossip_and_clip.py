@@ -48,7 +48,7 @@ def test_moshpit_gossip_reaches_the_global_mean(swarm16: list[PeerProcess]) -> N
                 "kind": "moshpit",
                 "rounds": rounds,
                 "start_at": start_at,
-                "period": 4.0,
+                "period": 3.0,
                 "elements": ELEMENTS,
                 "seed": seed,
                 "rank": rank,
@@ -70,6 +70,7 @@ def test_moshpit_gossip_reaches_the_global_mean(swarm16: list[PeerProcess]) -> N
     needed = next((r + 1 for r, s in enumerate(spreads) if s < 1e-6), None)
     print("relative spread per round", spreads, "rounds needed", needed)
     groups = [[rep["history"][r]["group"] for rep in reports] for r in range(rounds)]
+    print("group sizes per round", [sorted(g) for g in groups])
     assert needed is not None, (spreads, "group sizes per round", groups)
     final = torch.stack([torch.tensor(rep["history"][-1]["x"]) for rep in reports]).double()
     # Averaging preserves the sum: the common value is the global mean.
