@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from peers import limits
 from peers.addresses import parse_multiaddr, tcp_target
-from peers.identity import KeyPair
+from peers.identity import KeyPair, PeerID
 from peers.noise import NOISE_CIPHERS
 from peers.relay.resources import RelayResourceConfig
 
@@ -55,6 +55,11 @@ class PeerConfig:
     """Inbound connections (handshaking or established) from one IP address."""
     max_streams_per_connection: int = limits.MAX_STREAMS_PER_CONNECTION
     """Concurrent yamux streams on one connection."""
+    allowed_peers: frozenset[PeerID] | None = None
+    """A private swarm: only these peers may connect to us, and we dial no one else
+    (relays included). Checked once Noise has proved the remote's identity, on every
+    connection, direct, relayed or hole punched; a stranger's connection is closed
+    right after its handshake. ``None``: anyone."""
     agent_version: str = "swarmtrain/0.1.0"
     """What identify reports as our agent."""
     noise_ciphers: tuple[str, ...] = tuple(NOISE_CIPHERS)
@@ -81,6 +86,11 @@ class PeerConfig:
             )
         for addr in (*self.listen_addrs, *self.announce_addrs):
             tcp_target(parse_multiaddr(addr))  # AddressError: not a TCP address
+        allowed: object = self.allowed_peers
+        if allowed is not None and (
+            not isinstance(allowed, frozenset) or not all(isinstance(p, PeerID) for p in allowed)
+        ):
+            raise ValueError("allowed_peers must be None or a frozenset of PeerIDs")
         ciphers: object = self.noise_ciphers
         if (
             not isinstance(ciphers, tuple)
@@ -100,4 +110,6 @@ class PeerStatistics:
     num_streams: int
     num_inbound_connections_refused: int
     num_handshake_failures: int
+    num_not_allowed: int
+    """Connections refused (or dials not made) for a peer outside the allow-list."""
     num_streams_refused: int

@@ -41,6 +41,11 @@ class PeerIDMismatch(HandshakeError):
     """The remote authenticated as a different PeerID than the one we dialed."""
 
 
+class PeerNotAllowed(HandshakeError):
+    """The remote authenticated as a PeerID outside our allow-list
+    (``PeerConfig.allowed_peers``), or we were asked to dial one."""
+
+
 class ProtocolNotSupported(PeersError):
     """The remote peer does not serve the protocol id we asked for."""
 

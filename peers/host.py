@@ -50,6 +50,7 @@ from peers.errors import (
     HandshakeError,
     LimitExceeded,
     PeerIDMismatch,
+    PeerNotAllowed,
     PeersError,
     ProtocolNotSupported,
     RemoteProtocolError,
@@ -85,6 +86,7 @@ StreamHandler = Callable[[Stream], Awaitable[None]]
 class _Counters:
     inbound_refused: int = 0
     handshake_failures: int = 0
+    not_allowed: int = 0
     streams_refused: int = 0
 
 
@@ -323,8 +325,9 @@ class Peer:
         outbound: bool,
         expected: PeerID | None = None,
     ) -> UpgradedConnection:
-        """The whole connection upgrade with our identity and ciphers (the caller bounds it)."""
-        return await upgrade(
+        """The whole connection upgrade with our identity and ciphers (the caller bounds
+        it); :class:`PeerNotAllowed` for a remote outside the allow-list."""
+        upgraded = await upgrade(
             reader,
             writer,
             identity=self.identity,
@@ -332,6 +335,14 @@ class Peer:
             expected_peer_id=expected,
             ciphers=self._noise_ciphers,
         )
+        self._check_allowed(upgraded.remote_peer_id)
+        return upgraded
+
+    def _check_allowed(self, peer_id: PeerID) -> None:
+        allowed = self.config.allowed_peers
+        if allowed is not None and peer_id not in allowed and peer_id != self.peer_id:
+            self._counters.not_allowed += 1
+            raise PeerNotAllowed(f"{peer_id} is not in this peer's allow-list")
 
     def _make_connection(
         self,
@@ -473,6 +484,7 @@ class Peer:
     async def _get_connection(self, peer_id: PeerID) -> Connection:
         if peer_id == self.peer_id:
             raise DialError("cannot dial ourselves")
+        self._check_allowed(peer_id)  # not even a TCP connection to a stranger
         while True:
             conn = self.connection_to(peer_id)
             if conn is not None:
@@ -792,6 +804,7 @@ class Peer:
             num_streams=sum(c.num_streams for c in conns),
             num_inbound_connections_refused=self._counters.inbound_refused,
             num_handshake_failures=self._counters.handshake_failures,
+            num_not_allowed=self._counters.not_allowed,
             num_streams_refused=self._counters.streams_refused,
         )
 

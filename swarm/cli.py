@@ -28,6 +28,7 @@ from peers import (
     Peer,
     PeerConfig,
     PeersError,
+    StreamReset,
     parse_multiaddr,
     run,
     with_peer_id,
@@ -40,12 +41,14 @@ from peers.runtime import keep_freed_memory
 from swarm.cli_usage import (
     OneLineParser,
     UsageError,
+    allowed_peers,
     announce_arg,
     exit_usage,
     listen_arg,
     load_identity,
     multiaddr_arg,
     package_version,
+    peer_id_arg,
     require_torch,
 )
 
@@ -138,10 +141,26 @@ def _add_reachability_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_private_swarm_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow",
+        action="append",
+        type=peer_id_arg,
+        metavar="PEERID",
+        help="a private swarm: talk only to these peers (ours is always allowed); repeatable",
+    )
+    parser.add_argument(
+        "--allow-file",
+        metavar="PATH",
+        help="a private swarm: peer IDs allowed, one per line (# comments); with --allow, both",
+    )
+
+
 def _server_peer_config(args: argparse.Namespace) -> tuple[PeerConfig, DHTConfig]:
     identity = load_identity(args.identity) if args.identity else None
     peer_config = PeerConfig(
         identity=identity,
+        allowed_peers=allowed_peers(args.allow, args.allow_file),
         listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
         announce_addrs=tuple(args.announce or []),
         reachability=args.reachability,
@@ -232,10 +251,19 @@ async def _status(args: argparse.Namespace) -> int:
 
 async def _ping(args: argparse.Namespace) -> int:
     target = parse_multiaddr(args.maddr)  # checked by multiaddr_arg
-    async with Peer(PeerConfig(listen_addrs=(), dial_timeout=args.timeout)) as peer:
+    identity = load_identity(args.identity) if args.identity else None
+    config = PeerConfig(identity=identity, listen_addrs=(), dial_timeout=args.timeout)
+    async with Peer(config) as peer:
         try:
             remote = await peer.connect(target)
-            info = await peer.identify(remote)
+            try:
+                info = await peer.identify(remote)
+            except StreamReset as e:  # Noise completed, then the remote hung up on us
+                raise StreamReset(
+                    f"{e}: {remote} closed the connection right after the handshake; a "
+                    "private swarm that does not allow our peer ID does that (--identity "
+                    f"KEY pings as a member; ours is {peer.peer_id})"
+                ) from e
             print(f"peer:      {remote}")
             # what the remote says of itself is escaped: it could hold terminal escapes
             print(f"agent:     {printable(info.agent_version)}")
@@ -261,6 +289,8 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
     from swarm.optimizer_config import DiLoCoConfig
     from swarm.trainer import TrainerConfig
 
+    if args.identity:
+        load_identity(args.identity)  # a bad path is a usage error now, not mid-start
     diloco = None
     if args.diloco:
         diloco = DiLoCoConfig(
@@ -274,6 +304,8 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
         announce=tuple(args.announce or ()),
         reachability=args.reachability,
         relay=not args.no_relay,
+        identity=Path(args.identity) if args.identity else None,
+        allowed_peers=allowed_peers(args.allow, args.allow_file),
         num_peers=args.num_peers,
         local_batch_size=args.local_batch_size,
         target_batch_size=args.target_batch_size,
@@ -419,6 +451,8 @@ def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
             help="address to announce instead of the bound ones (port forwarding); repeatable",
         )
         _add_reachability_options(p)
+        p.add_argument("--identity", metavar="PATH", help="key file; created if missing")
+        _add_private_swarm_options(p)
         p.add_argument(
             "--progress",
             choices=["auto", "bar", "lines", "json", "none"],
@@ -522,6 +556,7 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--identity", metavar="PATH", help="key file; created if missing")
     _add_reachability_options(parser)
+    _add_private_swarm_options(parser)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
@@ -609,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="key file (libp2p protobuf); created with mode 0600 if missing",
     )
     _add_reachability_options(boot)
+    _add_private_swarm_options(boot)
 
     ping = sub.add_parser("ping", help="dial a peer, identify it and ping it")
     ping.add_argument(
@@ -618,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...",
     )
     ping.add_argument("--count", type=_positive_int, default=3, help="number of pings (default 3)")
+    ping.add_argument(
+        "--identity", metavar="PATH", help="ping as this key (e.g. a private swarm's member)"
+    )
     ping.add_argument(
         "--timeout", type=_positive_float, default=10.0, help="seconds per step (default 10)"
     )

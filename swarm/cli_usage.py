@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from peers import IdentityError, KeyPair, PeersError, parse_multiaddr, split_peer_id
+from peers import IdentityError, KeyPair, PeerID, PeersError, parse_multiaddr, split_peer_id
 from peers.addresses import tcp_target
 from swarm.errors import SwarmError
 
@@ -96,6 +96,43 @@ def _why_not_a_multiaddr(text: str, error: PeersError, hint: str) -> str:
         tail = text.rpartition("/p2p/")[2]
         return f"{text!r} ends in /p2p/{tail}, which is not a peer ID; {hint}"
     return f"{text!r} is not a multiaddr ({reason}); {hint}"
+
+
+def peer_id_arg(text: str) -> str:
+    """argparse type of a peer ID (base58, e.g. ``12D3KooW...``)."""
+    try:
+        PeerID.from_base58(text)
+    except PeersError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a peer ID ({e}); a peer prints its own at start, and "
+            "`swarm bootstrap --identity KEY` keeps one across restarts"
+        ) from None
+    return text
+
+
+def allowed_peers(allow: list[str] | None, allow_file: str | None) -> frozenset[PeerID] | None:
+    """The allow-list ``--allow`` and ``--allow-file`` give (``None`` if neither): peer
+    IDs, one per line in the file, ``#`` starting a comment. Raises
+    :class:`UsageError` for a file that cannot be read or holds something else."""
+    texts = list(allow or [])
+    if allow_file is not None:
+        try:
+            lines = Path(allow_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise UsageError(f"--allow-file {allow_file}: {reason}") from e
+        for number, line in enumerate(lines, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            try:
+                peer_id_arg(text)
+            except argparse.ArgumentTypeError as e:
+                raise UsageError(f"--allow-file {allow_file}, line {number}: {e}") from None
+            texts.append(text)
+    if allow is None and allow_file is None:
+        return None
+    return frozenset(PeerID.from_base58(t) for t in texts)
 
 
 def load_identity(path: str) -> KeyPair:

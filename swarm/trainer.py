@@ -22,7 +22,7 @@ import torch
 
 from peers.config import PeerConfig
 from peers.dht import BlockingDHT, DHTConfig
-from peers.identity import PeerID
+from peers.identity import KeyPair, PeerID
 from swarm.checkpoint import read_state, write_state
 from swarm.errors import CheckpointError, TaskError
 from swarm.optim_spec import OptimizerSpec
@@ -59,6 +59,12 @@ class TrainerConfig:
     """``auto`` (find out with AutoNAT), ``public`` or ``private``: see peers.PeerConfig."""
     relay: bool = True
     """Serve as a relay while public and use relays while private (``--no-relay``: no)."""
+    identity: Path | None = None
+    """Key file of this peer's PeerID (created if missing); None: a fresh one each run."""
+    allowed_peers: frozenset[PeerID] | None = None
+    """A private swarm: talk only to these peers (``PeerConfig.allowed_peers``); it needs
+    ``initial_peers`` (a peer the list names) and, for others to list this peer, an
+    ``identity``. None: anyone."""
     num_peers: int = 1
     """Peers to wait for (at most :data:`STARTUP_WAIT_SECONDS`) before the run's first
     step, for peers started together; 1: start at once. Peers joining before the first
@@ -95,6 +101,12 @@ class TrainerConfig:
             if not isinstance(value, int) or value < 0:
                 raise TaskError(f"{name} must be >= 0 (0: the default), got {value!r}")
         check_seed(self.seed)
+        if self.allowed_peers is not None and not self.initial_peers:
+            raise TaskError(
+                "a private swarm cannot start from a bootstrap peer hosted here (its PeerID "
+                "is new each run, so no allow-list names it): start one with `swarm "
+                "bootstrap --identity KEY --allow ...` and give its address as initial peers"
+            )
         # the run id, DiLoCo settings and overrides are checked where they are used
         CollaborativeConfig(
             run_id=self.run_id, target_batch_size=1, diloco=self.diloco, **self.collaborative
@@ -168,6 +180,8 @@ def train(
     dht = BlockingDHT(
         config=DHTConfig(initial_peers=config.initial_peers),
         peer_config=PeerConfig(
+            identity=KeyPair.load_or_create(config.identity) if config.identity else None,
+            allowed_peers=config.allowed_peers,
             listen_addrs=config.listen,
             announce_addrs=config.announce,
             reachability=config.reachability,

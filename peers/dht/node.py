@@ -51,7 +51,7 @@ from peers.dht.protocol import (
 from peers.dht.records import Record, RecordError, owner_of, validate
 from peers.dht.routing import RoutingTable
 from peers.dht.storage import RecordStore, StoreResult
-from peers.errors import PeersError
+from peers.errors import PeersError, StreamReset
 from peers.host import Peer
 from peers.identity import PeerID
 from peers.rpc import CallContext
@@ -186,7 +186,15 @@ class DHT:
         results = await asyncio.gather(*(self._ping_addr(a) for a in addrs), return_exceptions=True)
         reached = 0
         for addr, result in zip(addrs, results, strict=True):
-            if isinstance(result, BaseException):
+            if isinstance(result, StreamReset):  # it took our handshake, then hung up
+                logger.warning(
+                    "initial peer %s closed the connection right after the handshake (%s): a "
+                    "private swarm that does not allow our peer ID %s does that",
+                    addr,
+                    result,
+                    self.peer.peer_id,
+                )
+            elif isinstance(result, BaseException):
                 logger.warning("initial peer %s did not answer: %s", addr, result)
             else:
                 reached += 1

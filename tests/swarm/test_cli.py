@@ -91,6 +91,30 @@ def test_ping_wrong_peer_id_fails_clearly(
     assert str(impostor) in out.stderr
 
 
+def test_a_private_bootstrap_answers_its_members_only(tmp_path: Path) -> None:
+    """``--allow-file`` (with a comment and a blank line) and ``--allow``: a listed key
+    pings it; a stranger is hung up on right after its handshake and told why that
+    may be, and the bootstrap keeps serving its members."""
+    member, other = KeyPair.generate(), KeyPair.generate()
+    member.save(tmp_path / "member.key")
+    allow_file = tmp_path / "team.txt"
+    allow_file.write_text(f"# the team\n{member.peer_id}  # alice\n\n")
+    proc, addrs = _start_bootstrap("--allow-file", str(allow_file), "--allow", str(other.peer_id))
+    try:
+        ping = [*SWARM, "ping", addrs[0], "--count", "1"]
+        as_member = [*ping, "--identity", str(tmp_path / "member.key")]
+        for args, code in ((as_member, 0), (ping, 1), (as_member, 0)):  # it keeps serving
+            out = subprocess.run(args, capture_output=True, text=True, timeout=60)
+            assert out.returncode == code, out.stderr
+            if code == 0:
+                assert "ping 1:" in out.stdout
+            else:
+                assert "a private swarm that does not allow our peer ID" in out.stderr
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

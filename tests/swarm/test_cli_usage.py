@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from peers import KeyPair
 from swarm.cli_usage import TORCH_INSTALL
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
@@ -71,6 +72,29 @@ def test_a_bad_multiaddr_exits_2_before_any_banner(args: list[str], message: str
     out = _swarm(*args)
     _assert_usage_error(out, message)
     assert "e.g. /ip4/" in out.stderr  # what a good one looks like
+
+
+def test_private_swarm_mistakes_exit_2_before_anything_starts(tmp_path: Path) -> None:
+    """A bad --allow, a bad line in --allow-file (named by number), a missing file, and
+    `swarm train --allow` with no bootstrap to join (a hosted one has a new ID each run)."""
+    listed = tmp_path / "team.txt"
+    listed.write_text("# the team\n12D3KooWnotapeerid\n")
+    missing = tmp_path / "missing.txt"
+    cases = [
+        (["bootstrap", *LOCAL, "--allow", "nope"], "--allow: 'nope' is not a peer ID"),
+        (["bootstrap", *LOCAL, "--allow-file", str(listed)], f"{listed}, line 2: "),
+        (["serve-stage", *LOCAL, "--allow-file", str(missing)], "No such file or directory"),
+        (
+            ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--allow-file", str(missing)],
+            "No such file or directory",
+        ),
+        (
+            ["train", *LOCAL, "--allow", str(KeyPair.generate().peer_id)],
+            "a private swarm cannot start from a bootstrap peer hosted here",
+        ),
+    ]
+    for args, message in cases:
+        _assert_usage_error(_swarm(*args), message)
 
 
 def test_a_bad_peer_id_in_a_multiaddr_is_called_a_peer_id_not_a_cid() -> None:
