@@ -37,7 +37,11 @@ from averaging.butterfly_records import (
     values_digest,
 )
 from averaging.partition import chunk_ranges
-from peers.identity import PeerID
+from peers.identity import KeyPair, PeerID
+
+#: What a vote's signature covers besides its fingerprint: a vote signature can never
+#: pass for a signature of anything else a peer signs (DHT records, handshakes).
+VOTE_SIGNATURE_DOMAIN = b"swarmtrain/averaging/vote\0"
 
 
 class Ballot:
@@ -223,6 +227,21 @@ class Adoption:
             fraction_averaged=num_averaged / total if total else 1.0,
         )
         return RoundResult(self.values, report)
+
+
+def sign_vote(identity: KeyPair, fingerprint: bytes) -> bytes:
+    """``identity``'s signature of its vote for ``fingerprint``. The fingerprint commits
+    to the round id and every part digest, so the signature binds the whole vote to
+    one round."""
+    return identity.sign(VOTE_SIGNATURE_DOMAIN + fingerprint)
+
+
+def vote_signed_by(voter: PeerID, fingerprint: bytes, signature: bytes) -> bool:
+    """True if ``signature`` is ``voter``'s signature of a vote for ``fingerprint``
+    (checked against the public key inside its PeerID; an id without one cannot vote
+    through a relay, and swarmtrain's own ids always carry it)."""
+    key = voter.inline_public_key()
+    return key is not None and key.verify(signature, VOTE_SIGNATURE_DOMAIN + fingerprint)
 
 
 def check_vote(spec: RoundSpec, fingerprint: bytes, digests: Sequence[PartDigest]) -> str | None:

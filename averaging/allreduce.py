@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from averaging.agreement import Adoption, Ballot, check_vote
+from averaging.agreement import Adoption, Ballot, check_vote, sign_vote, vote_signed_by
 from averaging.allreduce_config import (
     FLUSH_SECONDS,
     AllReduceConfig,
@@ -148,6 +148,9 @@ class _Fetch:
     since: float
 
 
+#: The least time the round's loop sleeps before a check that falls due later.
+MIN_WAKE_SECONDS = 1e-6
+
 class RoundRunner:
     """Runs one round at one peer. Built by :class:`AllReduceService.run_round`."""
 
@@ -176,6 +179,12 @@ class RoundRunner:
         self._changed = asyncio.Event()
         self._started = self._loop.time()
         self._last_heard = dict.fromkeys(spec.members, self._started)
+        # When each member's first frame, and first chunk, arrived: a sender's rate is
+        # judged over the time it has been sending, not since the round started (one
+        # held behind a cut that heals then delivers everything at once).
+        self._first_heard_at: dict[PeerID, float] = {}
+        self._first_chunk_at: dict[PeerID, float] = {}
+        self._reducing_since = self._started  # and since I last inherited a part
         self._encoded: dict[int, list[EncodedTensor]] = {}
         self._ballot = Ballot(spec.members)
         self._votes: dict[bytes, VoteMessage] = {}  # fingerprint -> the first vote for it
@@ -256,7 +265,7 @@ class RoundRunner:
                 return self._agreed_at is not None
             if not self.round.is_done() and self._adoption is None and not self._voted:
                 self._fail_dead_links(now)
-                self._fail_stalled(now)
+                self._fail_stalled(now, give_up_at)
                 if now >= give_up_at and not self.round.is_done() and not self._gave_up:
                     self._give_up()
             self._agree(now)
@@ -277,6 +286,10 @@ class RoundRunner:
             checks.append(give_up_at)
             for m in self.round.missing_senders() - self._suspected.keys():
                 checks.append(self._last_heard[m] + self.config.sender_timeout)
+                since = self._first_chunk_at.get(m, self._first_heard_at.get(m))
+                if since is not None:
+                    since = max(since, self._reducing_since)
+                    checks.append(since + self.config.sender_timeout)
             for m in self.round.missing_reducers() - self._suspected.keys():
                 checks.append(self._last_heard[m] + self.config.reducer_timeout)
             for since in self._suspected.values():
@@ -291,20 +304,49 @@ class RoundRunner:
             checks.append(max(self._agreed_at, self._last_fetch_at) + self.config.sender_timeout)
         # What was due by now was checked in this pass (and acted on, or deliberately
         # not): wake for what falls due later, never at once (no busy loop).
-        return min(t for t in checks if t > now)
+        # At least MIN_WAKE_SECONDS away: asyncio fires a timer within its clock's
+        # resolution of now at once, so a check a nanosecond ahead would be woken for
+        # again and again without the clock reaching it (a livelock on a virtual clock).
+        return max(min(t for t in checks if t > now), now + MIN_WAKE_SECONDS)
 
     def _fail_dead_links(self, now: float) -> None:
         for link in self.links.values():
             if link.dead:
                 self._accuse(link.peer_id, "link closed", now, as_sender=False)
 
-    def _fail_stalled(self, now: float) -> None:
+    def _fail_stalled(self, now: float, give_up_at: float) -> None:
         for m in self.round.missing_senders():
             if now >= self._last_heard[m] + self.config.sender_timeout:
                 self._accuse(m, "stalled as a sender", now, as_sender=True)
+            elif self._too_slow(m, now, give_up_at):
+                reason = "too slow: at its rate so far its chunks arrive after the round gives up"
+                self._accuse(m, reason, now, as_sender=True)
         for m in self.round.missing_reducers():
             if now >= self._last_heard[m] + self.config.reducer_timeout:
                 self._accuse(m, "stalled as a reducer", now, as_sender=False)
+
+    def _too_slow(self, sender: PeerID, now: float, give_up_at: float) -> bool:
+        """True when ``sender``, while talking to me, cannot deliver its chunks before
+        ``give_up_at``, when I would exclude it anyway: one that has sent frames for
+        ``sender_timeout`` but no chunk (it keeps its link alive with other messages),
+        or one whose chunks have come for ``sender_timeout`` at a rate that would bring
+        the rest after ``give_up_at`` (a thin uplink). Only while it is talking (heard
+        within ``sender_timeout / 2``): one that falls silent may be behind a cut that
+        heals, and the stall rule waits for it as it should. The accusation follows the
+        rule of :meth:`_accuse`: the end that yields waits, so a slow link, like a cut
+        one, costs one of its two ends."""
+        window = self.config.sender_timeout
+        if now - self._last_heard[sender] > window / 2:
+            return False  # falling silent is the stall rule's (a cut, a partition)
+        received, expected = self.round.sender_progress(sender)
+        if received >= expected:
+            return False
+        first_chunk = self._first_chunk_at.get(sender)
+        if first_chunk is None or received == 0:
+            talking_since = max(self._first_heard_at.get(sender, now), self._reducing_since)
+            return now - talking_since >= window
+        sending = now - first_chunk
+        return sending >= window and now + (expected - received) * sending / received > give_up_at
 
     def _accuse(self, member: PeerID, reason: str, now: float, *, as_sender: bool) -> None:
         """Exclude ``member``, whose link failed or who stalled, unless this is the end
@@ -400,7 +442,8 @@ class RoundRunner:
     def _vote(self, held: _Held) -> None:
         self._held = held
         self._voted = True
-        vote = VoteMessage(self._me.to_bytes(), held.fingerprint, list(held.digests))
+        signature = sign_vote(self.peer.identity, held.fingerprint)
+        vote = VoteMessage(self._me.to_bytes(), held.fingerprint, list(held.digests), signature)
         logger.debug("round %s: votes %s", self._tag, held.fingerprint.hex()[:8])
         self._count_vote(self._me, vote)
         for link in self.links.values():
@@ -572,6 +615,10 @@ class RoundRunner:
         reason = check_vote(self.spec, vote.fingerprint, vote.parts)
         if reason is not None:
             raise RemoteProtocolError(reason)
+        if not vote_signed_by(voter, vote.fingerprint, vote.signature):
+            # The sender's fault whether it is the voter or a relayer: a relayer checks
+            # a vote before it passes it on.
+            raise RemoteProtocolError("a vote whose signature is not its voter's")
         self._count_vote(voter, vote)
         for m, link in self.links.items():  # relay: votes cross cut links, reach clients
             if m not in (sender, voter):
@@ -598,6 +645,8 @@ class RoundRunner:
                 now = self._loop.time()
                 if event.new_reducer == self._me:
                     self._last_heard = dict.fromkeys(self._last_heard, now)
+                    self._first_chunk_at.clear()  # senders start sending me this part now
+                    self._reducing_since = now
                 else:
                     self._last_heard[event.new_reducer] = now
                     for item in event.outgoing:
@@ -649,6 +698,7 @@ class RoundRunner:
     ) -> None:
         round_id = self.spec.round_id
         if isinstance(message, ChunkMessage):
+            self._first_chunk_at.setdefault(sender, self._loop.time())
             values = _decode(message.tensor)
             self._handle(
                 self.round.on_chunk(
@@ -744,6 +794,7 @@ class RoundRunner:
                 if frame is None:
                     raise EOFError("the member closed the link")
                 self._last_heard[link.peer_id] = self._loop.time()
+                self._first_heard_at.setdefault(link.peer_id, self._last_heard[link.peer_id])
                 self._receive(link.peer_id, decode_message(frame), link.ignored)
         except (PeersError, OSError, EOFError) as e:
             if not link.finished.is_set():

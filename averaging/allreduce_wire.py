@@ -1,4 +1,4 @@
-"""Wire messages of a networked butterfly round (``/swarmtrain/averaging/allreduce/2.0.0``).
+"""Wire messages of a networked butterfly round (``/swarmtrain/averaging/allreduce/3.0.0``).
 
 A round runs over one stream per pair of members (:func:`link_opener` says which side
 opens it). The opener's first frame is a :class:`Hello` naming the round and the digest
@@ -9,8 +9,9 @@ both sides send any of the other messages, each frame a msgpack array ``[tag, bo
 - :class:`AveragedMessage` a reducer's encoded, averaged chunk, with its contributors;
 - :class:`NoticeMessage` members the sender excluded (the flood of butterfly rule 4);
 - :class:`VoteMessage` a member's one vote (``averaging.agreement``): the fingerprint
-  and part digests of the result it holds; every member relays each vote it has not
-  seen to its other links, so votes cross cut links and reach client-mode members;
+  and part digests of the result it holds, signed by the voter; every member relays
+  each vote it has not seen to its other links, so votes cross cut links and reach
+  client-mode members, and checks the signature first (a relayer cannot forge one);
 - :class:`FetchMessage` asks a voter for one part of the result it voted for, which it
   answers with that part's exact float32 values as :class:`CopyMessage` chunks;
 - :class:`HaveMessage` the sender now holds the decided result (it copied it), so its
@@ -34,7 +35,7 @@ from peers.errors import IdentityError, RemoteProtocolError
 from peers.identity import PeerID
 from peers.wire import WireError, from_wire, to_wire
 
-ALLREDUCE_PROTOCOL = "/swarmtrain/averaging/allreduce/2.0.0"
+ALLREDUCE_PROTOCOL = "/swarmtrain/averaging/allreduce/3.0.0"
 
 #: Members one message may name: a group is at most this large (matchmaking's bound).
 MAX_NAMED_MEMBERS = 1024
@@ -72,6 +73,7 @@ class VoteMessage:
     voter: bytes
     fingerprint: bytes
     parts: list[PartDigest]
+    signature: bytes
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 
 from averaging.allreduce_config import AllReduceConfig, AllReduceResult
 from averaging.allreduce_service import AllReduceService
-from averaging.butterfly_records import RoundSpec
+from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO, RoundSpec
 from averaging.matchmaking import Matchmaker
 from averaging.matchmaking_records import Group, MatchmakingConfig
 from averaging.partition import flatten
@@ -62,12 +62,20 @@ class AveragerConfig:
     """Round timeouts, chunk size and codec (part of the schema: peers must agree)."""
     aggregation: CenteredClipConfig | None = None
     """CenteredClip instead of the weighted mean (part of the schema)."""
+    max_weight_ratio: float | None = DEFAULT_MAX_WEIGHT_RATIO
+    """A sample weight counts at most this many times the median weight of a part's
+    senders (``RoundSpec.max_weight_ratio``; part of the schema); None: no cap."""
     state_sync: StateSyncConfig = field(default_factory=StateSyncConfig)
     """How :meth:`Averager.load_state_from_peers` downloads."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix or "/" in self.prefix:
             raise AveragerError("prefix must be a non-empty string without '/'")
+        ratio = self.max_weight_ratio
+        if ratio is not None and not (
+            isinstance(ratio, int | float) and math.isfinite(ratio) and ratio >= 1
+        ):
+            raise AveragerError("max_weight_ratio must be None or a finite number >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +186,7 @@ class Averager:
             chunk_elements=self.config.allreduce.chunk_elements,
             me=self.peer.peer_id,
             aggregation=self.config.aggregation,
+            max_weight_ratio=self.config.max_weight_ratio,
         )
         outcome = await self._service.run_round(spec, flat, weight)
         self._write_back(outcome.result.averaged)
@@ -273,4 +282,5 @@ def _schema(tensors: Mapping[str, torch.Tensor], config: AveragerConfig) -> str:
     )
     digest.update(repr(tuple(float(t) for t in timeouts)).encode())
     digest.update(repr(config.aggregation).encode())
+    digest.update(repr(config.max_weight_ratio).encode())
     return digest.hexdigest()

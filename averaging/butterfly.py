@@ -420,6 +420,12 @@ class ButterflyRound:
         pending = [r for i, r in self._reductions.items() if i not in self._finals]
         return frozenset(m for r in pending for m in live if not r.complete(m))
 
+    def sender_progress(self, sender: PeerID) -> tuple[int, int]:
+        """Chunks of ``sender``'s contribution that the parts I still reduce hold, and
+        how many they need: with the time they took, how fast it sends."""
+        pending = [r for i, r in self._reductions.items() if i not in self._finals]
+        return sum(r.received(sender) for r in pending), sum(len(r.ranges) for r in pending)
+
     def missing_reducers(self) -> frozenset[PeerID]:
         """Reducers whose averaged parts have not fully arrived: at the receiver's
         deadline (longer than the reducers', which wait for the slowest sender, and
@@ -585,13 +591,20 @@ class ButterflyRound:
     def _start_reduction(self, part: int) -> list[RoundEvent]:
         config = self.spec.aggregation
         reduction: PartReduction | CenteredClipReduction
+        ratio = self.spec.max_weight_ratio
         if config is None:
-            reduction = PartReduction(self._chunks[part], self._local.device)
+            reduction = PartReduction(
+                self._chunks[part], self._local.device, max_weight_ratio=ratio
+            )
         else:
             start, end = self._parts[part]
             tau = config.part_tau(end - start, self.spec.total_elements)
             reduction = CenteredClipReduction(
-                self._chunks[part], self._local.device, config=config, tau=tau
+                self._chunks[part],
+                self._local.device,
+                config=config,
+                tau=tau,
+                max_weight_ratio=ratio,
             )
         self._reductions[part] = reduction
         for c, (s, e) in enumerate(reduction.ranges):

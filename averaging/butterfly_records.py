@@ -21,6 +21,7 @@ import xxhash
 
 from averaging.compression import MAX_DECODED_ELEMENTS
 from averaging.partition import split_parts
+from averaging.reduction import cap_at_median
 from averaging.robust import CenteredClipConfig
 from peers.errors import LocalProtocolError
 from peers.identity import PeerID
@@ -35,6 +36,11 @@ class RoundError(LocalProtocolError):
     fault): asking for a result before every part is resolved, reassigning a part whose
     reducer is alive, excluding ourselves. A remote's bad message is never raised: it is
     returned as a :class:`RejectedChunk` event."""
+
+
+#: A sample weight counts at most this many times the median weight of the senders of
+#: a part (``RoundSpec.max_weight_ratio``): weights are claims nobody verifies.
+DEFAULT_MAX_WEIGHT_RATIO = 4.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +63,11 @@ class RoundSpec:
     aggregation: CenteredClipConfig | None = None
     """How reducers combine a part: None for the weighted mean; a
     :class:`~averaging.robust.CenteredClipConfig` for CenteredClip over whole parts."""
+    max_weight_ratio: float | None = DEFAULT_MAX_WEIGHT_RATIO
+    """Largest sample weight a reducer counts, as a multiple of the median weight of
+    the part's contributors: a weight is each sender's own claim, and one of 2**64
+    would otherwise make one sender the whole mean. None: no cap (weights that are
+    trusted and legitimately far apart)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.round_id, bytes) or not 0 < len(self.round_id):
@@ -76,6 +87,11 @@ class RoundSpec:
         split_parts(self.total_elements, self.weights)  # raises PartitionError if invalid
         if self.aggregation is not None and not isinstance(self.aggregation, CenteredClipConfig):
             raise RoundError("aggregation must be None or a CenteredClipConfig")
+        ratio = self.max_weight_ratio
+        if ratio is not None and not (
+            isinstance(ratio, int | float) and math.isfinite(ratio) and ratio >= 1
+        ):
+            raise RoundError("max_weight_ratio must be None or a finite number >= 1")
 
     def parts(self) -> list[tuple[int, int]]:
         """Part ``i``'s ``[start, end)``, as every member computes it: sized by the
@@ -99,6 +115,7 @@ class RoundSpec:
         digest.update(self.total_elements.to_bytes(8, "big"))
         digest.update(self.chunk_elements.to_bytes(8, "big"))
         digest.update(repr(self.aggregation).encode())
+        digest.update(repr(self.max_weight_ratio).encode())
         return digest.digest()
 
 
@@ -111,15 +128,7 @@ MAX_SHARE_RATIO = 4.0
 def capped_weights(weights: Sequence[float]) -> list[float]:
     """``weights`` with each capped at :data:`MAX_SHARE_RATIO` times the median of the
     positive ones (0 stays 0: a client-mode member)."""
-    positive = sorted(float(w) for w in weights if w > 0)
-    if not positive:
-        return [float(w) for w in weights]
-    middle = len(positive) // 2
-    median = (
-        positive[middle] if len(positive) % 2 else (positive[middle - 1] + positive[middle]) / 2
-    )
-    cap = MAX_SHARE_RATIO * median
-    return [min(float(w), cap) for w in weights]
+    return cap_at_median(weights, MAX_SHARE_RATIO)
 
 
 def _reassignment_rank(round_id: bytes, part_index: int, member: PeerID) -> bytes:

@@ -34,10 +34,11 @@ import torch
 
 from averaging.allreduce_config import AllReduceConfig, AllReduceResult
 from averaging.allreduce_service import AllReduceService
-from averaging.butterfly_records import RoundSpec
+from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO, RoundSpec
+from averaging.reduction import capped_sample_weights
 from peers.identity import PeerID
 from peers.memory_network import MemoryNetwork, MemoryPeer
-from peers.virtual_clock import run_virtual
+from peers.virtual_clock import VirtualClockError, run_virtual
 
 #: Timeouts of the checked rounds, in virtual seconds (the ratios of the defaults).
 CONFIG = AllReduceConfig(
@@ -303,9 +304,13 @@ def _check_same_mean(
         if part.end == part.start or not part.contributors:
             continue
         who = [index[m] for m in part.contributors]
-        total = sum(weights[k] for k in who)
+        members = first.result.result.report.members
+        counted = capped_sample_weights(
+            {members[k]: weights[k] for k in who}, DEFAULT_MAX_WEIGHT_RATIO
+        )
+        total = sum(counted.values())
         mean = sum(
-            (vectors[k][part.start : part.end].double() * weights[k] for k in who),
+            (vectors[k][part.start : part.end].double() * counted[members[k]] for k in who),
             torch.zeros(part.end - part.start, dtype=torch.float64),
         )
         expected = (mean / total).float()
@@ -330,8 +335,17 @@ def _check_cost(fault: Fault, outcomes: Sequence[MemberOutcome]) -> list[Violati
 
 
 def check_seed(seed: int) -> list[Violation]:
-    schedule = random_schedule(seed)
-    return check(schedule, run_schedule(schedule))
+    return _run_and_check(random_schedule(seed))[1]
+
+
+def _run_and_check(schedule: Schedule) -> tuple[list[MemberOutcome], list[Violation]]:
+    """The outcomes and violations of ``schedule``; a run the virtual clock stopped (a
+    livelock, a deadlock, time past its limit) is a P4 violation with no outcomes."""
+    try:
+        outcomes = run_schedule(schedule)
+    except VirtualClockError as e:
+        return [], [Violation("P4", f"the run did not end: {type(e).__name__}: {e}"[:500])]
+    return outcomes, check(schedule, outcomes)
 
 
 @dataclass
@@ -399,7 +413,7 @@ def shrink(schedule: Schedule, fails: Callable[[Schedule], bool]) -> Schedule:
 
 
 def _fails(schedule: Schedule) -> bool:
-    return bool(check(schedule, run_schedule(schedule)))
+    return bool(_run_and_check(schedule)[1])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -412,8 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = Summary()
     for seed in seeds:
         schedule = random_schedule(seed)
-        outcomes = run_schedule(schedule)
-        violations = check(schedule, outcomes)
+        outcomes, violations = _run_and_check(schedule)
         summary.add(schedule, outcomes, bool(violations))
         for violation in violations:
             print(f"seed {seed}: {violation.prop}: {violation.detail}", flush=True)

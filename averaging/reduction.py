@@ -21,6 +21,31 @@ from averaging.compression.base import all_finite
 from peers.identity import PeerID
 
 
+def cap_at_median(weights: Sequence[float], ratio: float) -> list[float]:
+    """``weights`` with each capped at ``ratio`` times the median of the positive ones
+    (0 stays 0); every member computes the same caps from the same weights."""
+    positive = sorted(float(w) for w in weights if w > 0)
+    if not positive:
+        return [float(w) for w in weights]
+    middle = len(positive) // 2
+    median = (
+        positive[middle] if len(positive) % 2 else (positive[middle - 1] + positive[middle]) / 2
+    )
+    cap = ratio * median
+    return [min(float(w), cap) for w in weights]
+
+
+def capped_sample_weights(
+    weights: Mapping[PeerID, float], ratio: float | None
+) -> dict[PeerID, float]:
+    """Each sender's weight, capped at ``ratio`` times the median over ``weights`` (the
+    senders of one part, the reducer included); unchanged with ``ratio`` None."""
+    senders = sorted(weights)
+    if ratio is None:
+        return {s: weights[s] for s in senders}
+    return dict(zip(senders, cap_at_median([weights[s] for s in senders], ratio), strict=True))
+
+
 class PartReduction:
     """The weighted mean of one part over the senders whose chunks arrived.
 
@@ -34,7 +59,15 @@ class PartReduction:
     every member still receives the same, reducer-computed values.
     """
 
-    def __init__(self, ranges: Sequence[tuple[int, int]], device: torch.device) -> None:
+    def __init__(
+        self,
+        ranges: Sequence[tuple[int, int]],
+        device: torch.device,
+        *,
+        max_weight_ratio: float | None = None,
+    ) -> None:
+        self.max_weight_ratio = max_weight_ratio
+        """Weights above this multiple of the senders' median count as that much."""
         self.ranges = list(ranges)
         """The part's chunks, as absolute ``(start, end)`` ranges of the flat vector."""
         first, last = self.ranges[0][0], self.ranges[-1][1]
@@ -50,9 +83,13 @@ class PartReduction:
     def has(self, sender: PeerID, chunk: int) -> bool:
         return chunk in self._received.get(sender, {})
 
+    def received(self, sender: PeerID) -> int:
+        """Chunks of ``sender``'s contribution added so far."""
+        return len(self._received.get(sender, {}))
+
     def complete(self, sender: PeerID) -> bool:
         """True when every chunk of ``sender``'s contribution has been added."""
-        return len(self._received.get(sender, {})) == len(self.ranges)
+        return self.received(sender) == len(self.ranges)
 
     def add(self, sender: PeerID, chunk: int, values: torch.Tensor, weight: float) -> None:
         """Add ``weight * values`` to chunk ``chunk`` (``values`` is kept by reference)."""
@@ -88,6 +125,16 @@ class PartReduction:
         Every chunk must have a positive total weight (the reducer's own is always in).
         An overflowing chunk is recomputed over the senders in PeerID order."""
         senders = sorted(self._received)
+        capped = capped_sample_weights(self._weights, self.max_weight_ratio)
+        if capped != self._weights:  # a claim above the cap: sum again with capped weights
+            self._weights = capped
+            for chunk in range(len(self.ranges)):
+                self._started[chunk] = False
+                self._totals[chunk] = 0.0
+                for sender in senders:
+                    values = self._received[sender].get(chunk)
+                    if values is not None:
+                        self._accumulate(chunk, values, capped[sender])
         for chunk, (total, weight) in enumerate(zip(self._sums, self._totals, strict=True)):
             assert self._started[chunk]  # the reducer's own chunk is always in
             total.div_(weight)

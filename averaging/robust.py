@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from averaging.reduction import capped_sample_weights
 from peers.identity import PeerID
 
 #: Elements of the ``[n, columns]`` float64 temporaries that :func:`centered_clip` works
@@ -207,9 +208,12 @@ class CenteredClipReduction:
         *,
         config: CenteredClipConfig,
         tau: float,
+        max_weight_ratio: float | None = None,
     ) -> None:
         """``tau`` is this part's radius (``config.part_tau``); ``config`` gives the
-        iterations and whether sample counts weigh."""
+        iterations and whether sample counts weigh; weighed, a count above
+        ``max_weight_ratio`` times the senders' median counts as that much."""
+        self.max_weight_ratio = max_weight_ratio
         self.ranges = list(ranges)
         """The part's chunks, as absolute ``(start, end)`` ranges of the flat vector."""
         self._device = device
@@ -221,9 +225,13 @@ class CenteredClipReduction:
     def has(self, sender: PeerID, chunk: int) -> bool:
         return chunk in self._received.get(sender, {})
 
+    def received(self, sender: PeerID) -> int:
+        """Chunks of ``sender``'s contribution added so far."""
+        return len(self._received.get(sender, {}))
+
     def complete(self, sender: PeerID) -> bool:
         """True when every chunk of ``sender``'s contribution has been added."""
-        return len(self._received.get(sender, {})) == len(self.ranges)
+        return self.received(sender) == len(self.ranges)
 
     def add(self, sender: PeerID, chunk: int, values: torch.Tensor, weight: float) -> None:
         """Keep ``values`` (by reference) as chunk ``chunk`` of ``sender``'s part; the
@@ -252,7 +260,10 @@ class CenteredClipReduction:
                 matrix[row, s - start : e - start] = chunks[c]
         self._received.clear()
         if self._config.weigh_by_samples:
-            weights = torch.tensor([self._weights[s] for s in senders], dtype=torch.float64)
+            capped = capped_sample_weights(
+                {s: self._weights[s] for s in senders}, self.max_weight_ratio
+            )
+            weights = torch.tensor([capped[s] for s in senders], dtype=torch.float64)
         else:
             weights = torch.ones(len(senders), dtype=torch.float64)
         values = centered_clip(

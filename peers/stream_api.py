@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol, runtime_checkable
 
 from peers.errors import ConnectionClosed
-from peers.identity import PeerID
+from peers.identity import KeyPair, PeerID
 
 
 @runtime_checkable
@@ -77,6 +77,11 @@ class StreamHost(Protocol):
 
     @property
     def peer_id(self) -> PeerID: ...
+
+    @property
+    def identity(self) -> KeyPair:
+        """The key pair behind ``peer_id``: what the peer signs its own statements with
+        (a round's vote, a DHT record)."""
 
     async def new_stream(self, peer: PeerID, protocol: str, /) -> StreamLike:
         """A stream to ``peer`` speaking ``protocol``. Raises

@@ -14,16 +14,19 @@ import pytest
 import torch
 
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
+from averaging.agreement import sign_vote, vote_signed_by
 from averaging.allreduce import RoundRunner, _Link
 from averaging.allreduce_config import AllReduceError
 from averaging.allreduce_wire import (
     ALLREDUCE_PROTOCOL,
     ChunkMessage,
+    NoticeMessage,
     SuspectMessage,
     VoteMessage,
     encode_hello,
     encode_message,
 )
+from averaging.butterfly_records import PartDigest, fingerprint_of
 from averaging.compression import (
     Codec,
     EncodedTensor,
@@ -106,6 +109,21 @@ def test_four_peers_hold_the_exact_weighted_mean(arun: Run) -> None:
         assert torch.equal(r.result.averaged, first)  # bitwise identical on every member
         assert r.transfer.bytes_sent > 0 and r.transfer.bytes_received > 0
     assert torch.allclose(first.double(), expected, atol=1e-6)
+
+
+def test_a_huge_sample_weight_claim_buys_at_most_four_times_the_median(arun: Run) -> None:
+    """Issue 21's "one member decides the averaged gradient": a member that claims 2**60
+    samples was the whole mean. Each reducer counts it as 4x the median weight of its
+    part's senders, and every member holds that mean."""
+    tensors = [torch.full((8_000,), v) for v in (0.0, 1.0, 2.0, 1000.0)]
+    weights = [1.0, 1.0, 1.0, 2.0**60]
+    results = arun(_average(4, tensors, weights))
+    expected = (0.0 + 1.0 + 2.0 + 4.0 * 1000.0) / 7.0
+    first = results[0].result.averaged
+    for r in results:
+        assert r.transfer.agreed and r.result.report.failed == {}
+        assert torch.equal(r.result.averaged, first)
+    assert torch.allclose(first, torch.full((8_000,), expected))
 
 
 @pytest.mark.parametrize("codec", [Float16Codec(), Uniform8BitCodec()], ids=lambda c: c.name)
@@ -236,11 +254,13 @@ def test_a_link_for_an_unknown_round_is_refused_and_the_service_keeps_serving(
 
 
 async def _liar_round(
-    frames: Sequence[list[Any]] | Callable[[bytes], Sequence[list[Any]]],
+    frames: Sequence[list[Any]] | Callable[[bytes, RoundSpec], Sequence[list[Any]]],
+    keepalive: float = 0.0,
 ) -> list[Any]:
     """Two honest members and a liar that cannot be dialed (bandwidth 0), so it opens
     its links itself: to honest member i (who reduces part i) it sends a valid Hello,
-    then ``frames[i]`` (``frames`` may be a function of the liar's id)."""
+    then ``frames[i]`` (``frames`` may be a function of the liar's id and the spec), and
+    then, every ``keepalive`` seconds if set, an empty notice until the round ends."""
     config = AllReduceConfig(
         sender_timeout=2.0, reducer_timeout=4.0, round_timeout=8.0, chunk_elements=1000
     )
@@ -254,13 +274,21 @@ async def _liar_round(
             asyncio.ensure_future(s.run_round(spec, torch.full((3000,), float(i)), 1.0))
             for i, (s, spec) in enumerate(zip(services, specs, strict=False))
         ]
-        sent = frames(liar.peer_id.to_bytes()) if callable(frames) else frames
+        sent = frames(liar.peer_id.to_bytes(), specs[0]) if callable(frames) else frames
+        links = []
         for target, frame in zip(honest, sent, strict=True):
             stream = await liar.new_stream(target.peer_id, ALLREDUCE_PROTOCOL)
             framed = FramedStream(stream)
             await framed.write_frame(encode_hello(specs[0]))
             await framed.write_frame(frame)
-        return list(await asyncio.gather(*rounds))
+            links.append(framed)
+        done = asyncio.gather(*rounds)
+        while keepalive and not done.done():  # bounded: the rounds end by their deadline
+            await asyncio.wait([done], timeout=keepalive)
+            for framed in links:
+                with contextlib.suppress(PeersError):
+                    await framed.write_frame(encode_message(NoticeMessage([])))
+        return list(await done)
 
 
 def _liar_excluded(results: list[Any]) -> list[str]:
@@ -293,8 +321,8 @@ def test_a_member_sending_a_bad_agreement_message_is_excluded_and_the_rest_agree
     others nothing, and is refused before it reaches the ballot."""
     stranger = KeyPair.generate().peer_id.to_bytes()
     message = {
-        "stranger_vote": VoteMessage(stranger, bytes(32), []),
-        "malformed_voter": VoteMessage(b"\x00\x01", bytes(32), []),
+        "stranger_vote": VoteMessage(stranger, bytes(32), [], b""),
+        "malformed_voter": VoteMessage(b"\x00\x01", bytes(32), [], b""),
         "short_vote": None,  # filled in below: it needs the liar's own id
         "suspicion": SuspectMessage([stranger]),
     }[bad]
@@ -305,12 +333,60 @@ def test_a_member_sending_a_bad_agreement_message_is_excluded_and_the_rest_agree
         "suspicion": "a suspicion names a non-member",
     }[bad]
 
-    def frames(liar: bytes) -> list[list[Any]]:
-        frame = message if message is not None else VoteMessage(liar, bytes(32), [])
+    def frames(liar: bytes, spec: RoundSpec) -> list[list[Any]]:
+        frame = message if message is not None else VoteMessage(liar, bytes(32), [], b"")
         return [encode_message(frame)] * 2
 
     reasons = _liar_excluded(arun(_liar_round(frames)))
     assert any(expected in reason for reason in reasons), reasons
+
+
+def test_a_member_that_only_keeps_its_links_alive_is_excluded_before_the_give_up(
+    arun: Run,
+) -> None:
+    """Finding 4: a member that sends no chunks, only an empty notice every half second,
+    is never silent for ``sender_timeout``; it used to hold the round until the
+    butterfly gave up (``round_timeout - reducer_timeout``, 4 s here). A sender that,
+    at its rate so far, cannot finish before that is excluded once it has had
+    ``sender_timeout`` (2 s) to show its rate."""
+    results = arun(_liar_round([encode_message(NoticeMessage([]))] * 2, keepalive=0.5))
+    reasons = _liar_excluded(results)  # one finds it too slow, and tells the other
+    assert any("too slow" in reason for reason in reasons), reasons
+
+
+def test_a_relayed_vote_must_carry_its_voters_signature(arun: Run) -> None:
+    """The liar relays a vote in the other honest member's name: well formed (one digest
+    per part, its fingerprint matching them, members only) and for a result nobody
+    holds, but signed by the liar, not by the voter it names. Counted, it would be
+    one of the two votes a three-member round needs. It is refused, the liar is
+    excluded for it, and the honest two agree on their mean."""
+
+    def frames(liar: bytes, spec: RoundSpec) -> list[list[Any]]:
+        members = [m.to_bytes() for m in spec.members]
+        digests = [PartDigest(i, m, members, bytes(16)) for i, m in enumerate(members)]
+        fingerprint = fingerprint_of(spec.round_id, digests)
+        forger = KeyPair.generate()  # any key but the voter's
+
+        def vote_of(voter: bytes) -> list[Any]:
+            signature = sign_vote(forger, fingerprint)
+            return encode_message(VoteMessage(voter, fingerprint, digests, signature))
+
+        return [vote_of(members[1]), vote_of(members[0])]  # to each, the other's "vote"
+
+    reasons = _liar_excluded(arun(_liar_round(frames)))
+    assert any("signature is not its voter's" in reason for reason in reasons), reasons
+
+
+def test_a_vote_signature_binds_voter_and_fingerprint() -> None:
+    alice, bob = KeyPair.generate(), KeyPair.generate()
+    fingerprint = bytes(range(32))
+    signature = sign_vote(alice, fingerprint)
+    assert vote_signed_by(alice.peer_id, fingerprint, signature)
+    assert not vote_signed_by(bob.peer_id, fingerprint, signature)
+    assert not vote_signed_by(alice.peer_id, bytes(32), signature)
+    assert not vote_signed_by(alice.peer_id, fingerprint, b"")
+    # what else a peer signs is never a vote: the signature covers a domain tag
+    assert not vote_signed_by(alice.peer_id, fingerprint, alice.sign(fingerprint))
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "dtype", "shape"])

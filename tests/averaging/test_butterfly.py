@@ -38,6 +38,7 @@ from averaging import (
     Withdrawn,
     plan_reassignment,
 )
+from averaging.reduction import capped_sample_weights
 from peers.identity import KeyPair, PeerID
 
 ROUND_ID = b"round-0001"
@@ -189,8 +190,12 @@ class Swarm:
         return [p for p in self.ids if p not in self.dead]
 
     def weighted_mean(self, contributors: frozenset[PeerID]) -> torch.Tensor:
-        total = sum(self.samples[p] for p in contributors)
-        acc = sum(self.local[p].double() * self.samples[p] for p in contributors)
+        """The contributors' mean, each weight capped as the reducers cap it."""
+        counted = capped_sample_weights(
+            {p: self.samples[p] for p in contributors}, self.spec.max_weight_ratio
+        )
+        total = sum(counted.values())
+        acc = sum(self.local[p].double() * counted[p] for p in contributors)
         assert isinstance(acc, torch.Tensor)
         return (acc / total).float()
 

@@ -21,9 +21,12 @@ def _chunks(values: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _reduce(
-    senders: list[PeerID], values: list[torch.Tensor], weights: list[float]
+    senders: list[PeerID],
+    values: list[torch.Tensor],
+    weights: list[float],
+    max_weight_ratio: float | None = None,
 ) -> torch.Tensor:
-    reduction = PartReduction(RANGES, CPU)
+    reduction = PartReduction(RANGES, CPU, max_weight_ratio=max_weight_ratio)
     for sender, v, w in zip(senders, values, weights, strict=True):
         for c, chunk in enumerate(_chunks(v)):
             reduction.add(sender, c, chunk, w)
@@ -112,3 +115,24 @@ def test_the_result_is_its_own_buffer_and_the_inputs_are_untouched() -> None:
     assert torch.equal(got, torch.arange(150.0) * 1.5)
     assert torch.equal(a, a_before) and torch.equal(b, b_before)
     assert got.data_ptr() not in (a.data_ptr(), b.data_ptr())
+
+
+def test_a_claimed_weight_counts_at_most_the_ratio_times_the_median() -> None:
+    """Sample weights are the senders' claims: one of 1e9 among weights of 1 and 2 would
+    be the whole mean. Capped at 4x the median (2), it counts as 8, and the result is
+    the weighted mean with that weight, the overflow redo included."""
+    senders = _peers(4)
+    values = [torch.full((150,), v) for v in (0.0, 1.0, 2.0, 100.0)]
+    weights = [1.0, 2.0, 2.0, 1e9]
+    capped = _reduce(senders, values, weights, max_weight_ratio=4.0)
+    assert torch.allclose(capped, _exact(values, [1.0, 2.0, 2.0, 8.0]))
+    uncapped = _reduce(senders, values, weights)
+    assert torch.allclose(uncapped, _exact(values, weights))
+    assert float(uncapped[0]) > 99.0
+    # weights within the ratio are untouched
+    fair = [1.0, 2.0, 3.0, 4.0]
+    assert torch.equal(_reduce(senders, values, fair, 4.0), _reduce(senders, values, fair))
+    # a claim near the float32 limit with huge values: the exact redo uses capped weights
+    huge = [torch.full((150,), 3e38), *values[1:]]
+    big = _reduce(senders, huge, [MAX_SAMPLE_WEIGHT, 1.0, 1.0, 1.0], max_weight_ratio=4.0)
+    assert torch.allclose(big, _exact(huge, [4.0, 1.0, 1.0, 1.0]))
