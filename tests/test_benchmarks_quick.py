@@ -51,9 +51,9 @@ def test_allreduce_benchmark_runs_and_checks_results() -> None:
 def test_nat_benchmark_runs() -> None:
     from peers.netlab import lab_available
 
-    # The smallest run that still goes through every part: the training in the lab is
-    # tested at length by tests/swarm/test_train_nat.py.
-    lab = ["--train-steps", "12", "--punch-trials", "1", "--scenarios", "private_mixed"]
+    # The smallest run that still goes through every part (training in the lab with
+    # public peers only: laptops behind NAT training are tests/swarm/test_train_nat.py's).
+    lab = ["--train-steps", "12", "--punch-trials", "1", "--scenarios", "public"]
     args = ["--quick", *lab] if lab_available()[0] else ["--quick", "--no-lab"]
     result = _run("bench_nat.py", *args, timeout=280)
     assert result["benchmark"] == "nat"
@@ -62,7 +62,7 @@ def test_nat_benchmark_runs() -> None:
     assert 0 < ratios["relayed_throughput_fraction_of_direct"]
     if "--no-lab" not in args:
         assert "hole_punch_success_fraction" in ratios
-        assert 0 < ratios["training_private_mixed_fraction_of_public"]
+        assert result["figures"]["training_samples_per_s_public"] > 0
 
 
 @pytest.mark.skipif(not HAVE_HIVEMIND, reason="the baseline column is hivemind's serializer")
