@@ -313,6 +313,7 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
         seed=args.seed,
         diloco=diloco,
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+        checkpoint_every=args.checkpoint_every,
     )
 
 
@@ -435,7 +436,18 @@ def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         p.add_argument(
             "--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum (0.9)"
         )
-        p.add_argument("--checkpoint", metavar="PATH", help="resume from it if present; save to it")
+        p.add_argument(
+            "--checkpoint",
+            metavar="PATH",
+            help="resume from it if present; save to it at the end and when interrupted",
+        )
+        p.add_argument(
+            "--checkpoint-every",
+            type=_non_negative_int,
+            default=0,
+            metavar="N",
+            help="also save the checkpoint every N epochs (needs --checkpoint)",
+        )
         p.add_argument(
             "--listen",
             action="append",

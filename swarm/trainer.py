@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,7 +84,11 @@ class TrainerConfig:
     diloco: DiLoCoConfig | None = None
     """DiLoCo mode instead of gradient averaging."""
     checkpoint: Path | None = None
-    """Resume from this file if it exists, and save to it after training."""
+    """Resume from this file if it exists, and save to it after training, when
+    interrupted (Ctrl-C, SIGTERM) and every ``checkpoint_every`` epochs."""
+    checkpoint_every: int = 0
+    """Also save the checkpoint after every this many epochs (0: only at the end and
+    when interrupted)."""
     collaborative: dict[str, Any] = field(default_factory=dict)
     """Overrides of :class:`CollaborativeConfig` fields (e.g. timeouts, in tests)."""
 
@@ -101,6 +106,12 @@ class TrainerConfig:
             if not isinstance(value, int) or value < 0:
                 raise TaskError(f"{name} must be >= 0 (0: the default), got {value!r}")
         check_seed(self.seed)
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise TaskError(f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}")
+        if self.checkpoint_every and self.checkpoint is None:
+            raise TaskError("checkpoint_every needs a checkpoint path")
+        if self.checkpoint is not None:
+            _check_checkpoint_path(self.checkpoint)
         if self.allowed_peers is not None and not self.initial_peers:
             raise TaskError(
                 "a private swarm cannot start from a bootstrap peer hosted here (its PeerID "
@@ -177,6 +188,8 @@ def train(
     inner = (config.optimizer or recipe.optimizer).build(model.parameters())
     params: list[torch.Tensor] = list(model.parameters())
     start_epoch = _resume(config.checkpoint, params, inner)
+    if start_epoch and on_network is not None:
+        on_network(f"resumed from {config.checkpoint} at epoch {start_epoch}")
     dht = BlockingDHT(
         config=DHTConfig(initial_peers=config.initial_peers),
         peer_config=PeerConfig(
@@ -207,18 +220,31 @@ def train(
             dealer = _Dealer(opt, config.run_id, plan)
             loss_value = math.nan
             network = _NetworkReport(dht, on_network)
-            while opt.epoch < total_epochs:
-                network.maybe_report()
-                slot = dealer.next_slot()
-                if slot is None:  # our part is done: the others are still on theirs
-                    opt.wait()
-                    continue
-                loss = task.loss(model, task.examples(stream.indices(slot.start, slot.stop)))
-                loss.backward()  # type: ignore[no-untyped-call]
-                loss_value = loss.item()
-                opt.step(slot.size)
-                if on_step is not None:
-                    on_step(opt.statistics(), loss_value)
+            saved = opt.epoch
+            try:
+                while opt.epoch < total_epochs:
+                    network.maybe_report()
+                    slot = dealer.next_slot()
+                    if slot is None:  # our part is done: the others are still on theirs
+                        opt.wait()
+                        continue
+                    loss = task.loss(model, task.examples(stream.indices(slot.start, slot.stop)))
+                    loss.backward()  # type: ignore[no-untyped-call]
+                    loss_value = loss.item()
+                    opt.step(slot.size)
+                    if on_step is not None:
+                        on_step(opt.statistics(), loss_value)
+                    every = config.checkpoint_every
+                    if every and opt.epoch != saved and opt.epoch % every == 0:
+                        _save(config.checkpoint, params, inner, opt.epoch)
+                        saved = opt.epoch
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what was trained
+                _save(config.checkpoint, params, inner, opt.epoch)
+                if config.checkpoint is not None:
+                    logger.warning(
+                        "interrupted: saved %s at epoch %d", config.checkpoint, opt.epoch
+                    )
+                raise
             stats = opt.statistics()
             _save(config.checkpoint, params, inner, opt.epoch)
     finally:
@@ -343,6 +369,17 @@ class _NetworkReport:
         if text and text != self._last:
             self._last = text
             self._callback(text)
+
+
+def _check_checkpoint_path(path: Path) -> None:
+    """A checkpoint path that cannot be written is found at start, not after the run."""
+    directory = path.absolute().parent
+    if not directory.is_dir():
+        raise TaskError(f"checkpoint {path}: directory {directory} does not exist; create it")
+    if path.is_dir():
+        raise TaskError(f"checkpoint {path} is a directory; give a file path")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise TaskError(f"checkpoint {path}: cannot write in {directory}; give another path")
 
 
 def _resume(path: Path | None, params: list[torch.Tensor], inner: torch.optim.Optimizer) -> int:

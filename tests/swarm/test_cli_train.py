@@ -3,11 +3,16 @@ on loopback, reduced sizes."""
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from swarm.checkpoint import read_state
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 LOCAL = ["--listen", "/ip4/127.0.0.1/tcp/0"]
@@ -117,3 +122,61 @@ def test_join_with_no_reachable_peer_fails_clearly() -> None:
     assert out.returncode == 1
     assert "error: none of the 1 initial peers answered" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_sigterm_mid_run_saves_a_checkpoint_that_resumes_to_the_same_model(
+    tmp_path: Path,
+) -> None:
+    """One peer alone (every epoch steps alone, so the run is deterministic): SIGTERM
+    after epoch 40 of 120 saves the checkpoint; the run that resumes from it says so and
+    ends with the model of a run never interrupted, to the last printed digit. With
+    --checkpoint-every 25 the file is also written on the way (its epoch is checked)."""
+    ck = tmp_path / "run.ck"
+    train = [*SWARM, "train", *LOCAL, "--num-samples", str(64 * 120), "--checkpoint", str(ck)]
+    proc = subprocess.Popen(
+        [*train, "--checkpoint-every", "25", "--progress", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # bounded by the pytest timeout
+        if line.startswith("{") and json.loads(line).get("epoch", 0) >= 40:
+            break
+    assert ck.exists()  # written at epoch 25
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    saved = int(read_state(ck)["metadata"]["counters"]["epoch"])
+    assert 40 <= saved < 120, saved
+    resumed = subprocess.run(train, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {ck} at epoch {saved}" in resumed.stdout + resumed.stderr
+    straight = subprocess.run(
+        [*train[:-2], "--checkpoint", str(tmp_path / "other.ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    metrics = [re.search(r"test metrics: .*", r.stdout) for r in (resumed, straight)]
+    assert all(m is not None for m in metrics), (resumed.stdout, straight.stdout)
+    assert metrics[0].group(0) == metrics[1].group(0)  # type: ignore[union-attr]
+
+
+def test_an_unwritable_checkpoint_path_is_a_usage_error_before_training(tmp_path: Path) -> None:
+    for path, message in (
+        (tmp_path / "missing" / "run.ck", "does not exist; create it"),
+        (tmp_path, "is a directory"),
+    ):
+        out = subprocess.run(
+            [*SWARM, "train", *LOCAL, "--checkpoint", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr and out.stdout == "", out.stdout + out.stderr
+    out = subprocess.run(
+        [*SWARM, "train", *LOCAL, "--checkpoint-every", "5"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "checkpoint_every needs a checkpoint path" in out.stderr
