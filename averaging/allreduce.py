@@ -151,6 +151,7 @@ class _Fetch:
 #: The least time the round's loop sleeps before a check that falls due later.
 MIN_WAKE_SECONDS = 1e-6
 
+
 class RoundRunner:
     """Runs one round at one peer. Built by :class:`AllReduceService.run_round`."""
 

@@ -112,7 +112,13 @@ class PartReduction:
         """Forget ``sender``: rebuild the sums of its chunks from the other senders', in
         ``order`` (``weights`` gives each sender's weight)."""
         self._weights.pop(sender, None)
-        for chunk in self._received.pop(sender, {}):
+        self._resum(list(self._received.pop(sender, {})), order, weights)
+
+    def _resum(
+        self, chunks: Sequence[int], order: Sequence[PeerID], weights: Mapping[PeerID, float]
+    ) -> None:
+        """Rebuild the sums of ``chunks`` from the kept chunks of ``order``'s senders."""
+        for chunk in chunks:
             self._started[chunk] = False
             self._totals[chunk] = 0.0
             for member in order:
@@ -128,13 +134,7 @@ class PartReduction:
         capped = capped_sample_weights(self._weights, self.max_weight_ratio)
         if capped != self._weights:  # a claim above the cap: sum again with capped weights
             self._weights = capped
-            for chunk in range(len(self.ranges)):
-                self._started[chunk] = False
-                self._totals[chunk] = 0.0
-                for sender in senders:
-                    values = self._received[sender].get(chunk)
-                    if values is not None:
-                        self._accumulate(chunk, values, capped[sender])
+            self._resum(range(len(self.ranges)), senders, capped)
         for chunk, (total, weight) in enumerate(zip(self._sums, self._totals, strict=True)):
             assert self._started[chunk]  # the reducer's own chunk is always in
             total.div_(weight)
