@@ -32,8 +32,9 @@ from averaging.matchmaking_records import Group, MatchmakingConfig
 from averaging.partition import flatten
 from averaging.robust import CenteredClipConfig
 from averaging.state_donor import StateServer
+from averaging.state_manifest import DTYPES, TensorSpec
 from averaging.state_records import LoadedState, StateSyncConfig
-from averaging.state_sync import load_state_from_peers
+from averaging.state_sync import StateCheck, load_state_from_peers
 from peers.dht.node import DHT
 from peers.errors import LocalProtocolError
 from peers.identity import PeerID
@@ -233,36 +234,50 @@ class Averager:
         timeout: float | None = None,
         apply: bool = True,
         donors: Sequence[PeerID] | None = None,
+        max_version: int | None = None,
+        quorum: int = 1,
+        check: StateCheck | None = None,
     ) -> LoadedState:
-        """Download the newest state peers share (in parallel from several donors,
+        """Download the newest state peers agree on (in parallel from several donors,
         verified) and copy the averaged tensors into ours; the result also holds the
         ``extra`` tensors and metadata. Raises
-        :class:`~averaging.state_manifest.StateSyncError` if none can be had, and
-        :class:`AveragerError` if it does not fit our tensors (ours are then unchanged).
-        With ``apply`` False our tensors are left alone (the caller uses ``extra``);
-        ``donors`` restricts the download to those peers.
+        :class:`~averaging.state_manifest.StateSyncError` if none can be had. A donor
+        whose state does not fit our tensors (or that ``check`` rejects) is dropped
+        before anything is downloaded, so ours never change for a state that does not
+        fit. With ``apply`` False our tensors are left alone (the caller uses
+        ``extra``); ``donors`` restricts the download to those peers; ``max_version``
+        and ``quorum`` are :func:`~averaging.state_sync.load_state_from_peers`'s.
         """
-        if donors:
-            loaded = await load_state_from_peers(
-                self.peer, donors=list(donors), timeout=timeout, config=self.config.state_sync
-            )
-        else:
-            loaded = await load_state_from_peers(
-                self.peer,
-                dht=self.dht,
-                prefix=self._state_prefix,
-                timeout=timeout,
-                config=self.config.state_sync,
-            )
-        if not apply:
-            return loaded
-        for name, tensor in self.tensors.items():
-            got = loaded.tensors.get(f"averaged/{name}")
-            if got is None or got.shape != tensor.shape or got.dtype != tensor.dtype:
-                raise AveragerError(f"downloaded state does not match tensor {name!r}")
-        with torch.no_grad():
-            for name, tensor in self.tensors.items():
-                tensor.copy_(loaded.tensors[f"averaged/{name}"])
+
+        def fits(version: int, specs: Sequence[TensorSpec], metadata: dict[str, Any]) -> str | None:
+            if apply:
+                offered = {s.name: s for s in specs}
+                for name, tensor in self.tensors.items():
+                    spec = offered.get(f"averaged/{name}")
+                    if spec is None:
+                        return f"it has no tensor {name!r}"
+                    if (
+                        tuple(spec.shape) != tuple(tensor.shape)
+                        or DTYPES[spec.dtype] != tensor.dtype
+                    ):
+                        return f"its tensor {name!r} is {spec.dtype}{tuple(spec.shape)}"
+            return check(version, specs, metadata) if check is not None else None
+
+        loaded = await load_state_from_peers(
+            self.peer,
+            donors=list(donors) if donors else None,  # else found in the DHT
+            dht=self.dht,
+            prefix=self._state_prefix,
+            max_version=max_version,
+            quorum=quorum,
+            check=fits,
+            timeout=timeout,
+            config=self.config.state_sync,
+        )
+        if apply:
+            with torch.no_grad():
+                for name, tensor in self.tensors.items():
+                    tensor.copy_(loaded.tensors[f"averaged/{name}"])
         return loaded
 
 

@@ -1,8 +1,12 @@
 """A newcomer downloads a state from several donors in parallel: :func:`load_state_from_peers`.
 
 1. Find donors: the ones given, or those announced in the DHT under ``f"{prefix}/state"``.
-2. Ask each (concurrently) for its manifest; validate it; keep the newest version and,
-   within it, the largest group of donors whose manifests are identical.
+2. Ask each (concurrently) for its manifest; validate it (and, with ``max_version`` and
+   ``check``, that it is not ahead of what the caller trusts and fits the caller's
+   state); group donors whose manifests are identical. A group's *support* is how many
+   distinct sources (:func:`peers.subnets.source_group`: networks, not identities)
+   offer it; keep the newest version whose group has at least ``quorum`` support, and
+   within it the group with the most.
 3. Allocate the state's tensors once and fetch chunks from every donor of the group at
    once, one stream per donor with a few requests in flight, each donor pulling the next
    pending chunk (:class:`averaging.state_schedule.ChunkSchedule`). Each chunk's sha256
@@ -22,7 +26,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 from multiaddr import Multiaddr
@@ -40,6 +44,7 @@ from averaging.state_manifest import (
     ManifestRequest,
     StateSyncError,
     StateSyncTimeout,
+    TensorSpec,
     byte_view,
     chunk_digest,
     decode_metadata,
@@ -53,6 +58,7 @@ from peers.errors import PeersError
 from peers.host import Peer
 from peers.identity import PeerID
 from peers.serialization import pack
+from peers.subnets import source_group
 from peers.wire import to_wire
 
 logger = logging.getLogger(__name__)
@@ -64,6 +70,10 @@ MAX_MANIFEST_QUERIES = 32
 
 Donor: TypeAlias = "PeerID | Multiaddr | str"
 ProgressCallback = Callable[[int, int], None]
+#: ``check(version, tensors, metadata)``: why a donor's state does not fit the caller
+#: (shapes, dtypes, counters it needs), or ``None`` if it does. Checked on the manifest,
+#: before a byte is downloaded, so a state that does not fit costs only its donors.
+StateCheck = Callable[[int, Sequence[TensorSpec], dict[str, Any]], str | None]
 
 
 @dataclass
@@ -73,6 +83,9 @@ class _Offer:
     peer_id: PeerID
     manifest: Manifest
     layout: Layout
+    source: str
+    """The donor's :func:`~peers.subnets.source_group`: donors behind one network prefix
+    support a state once, however many identities they use."""
     key: bytes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,13 +99,20 @@ async def load_state_from_peers(
     dht: DHT | None = None,
     prefix: str | None = None,
     version: int | None = None,
+    max_version: int | None = None,
+    quorum: int = 1,
+    check: StateCheck | None = None,
     timeout: float | None = None,
     config: StateSyncConfig | None = None,
     on_progress: ProgressCallback | None = None,
 ) -> LoadedState:
     """Download a state from ``donors`` (PeerIDs or multiaddrs) or from the donors
     announced in ``dht`` under ``prefix``; ``version`` asks for that version, else the
-    newest offered. ``on_progress(bytes_verified, bytes_total)`` runs after each chunk.
+    newest offered by at least ``quorum`` distinct sources (identical manifests; by all
+    that answered if fewer did), none newer than ``max_version``. A donor whose manifest
+    ``check`` rejects, or that offers a version above ``max_version``, is dropped before
+    anything is downloaded.
+    ``on_progress(bytes_verified, bytes_total)`` runs after each chunk.
 
     Raises :class:`StateSyncError` if no group of donors can provide a verified state
     (none found, all dropped: the message says why each was), and
@@ -103,7 +123,11 @@ async def load_state_from_peers(
     """
     if donors is None and (dht is None or prefix is None):
         raise ValueError("give donors, or a dht and a prefix to find them")
-    sync = _Sync(peer, config or StateSyncConfig(), version, on_progress)
+    if quorum < 1:
+        raise ValueError("quorum must be at least 1")
+    sync = _Sync(
+        peer, config or StateSyncConfig(), _Wanted(version, max_version, quorum, check), on_progress
+    )
     deadline = asyncio.timeout(timeout)
     try:
         async with deadline:
@@ -116,6 +140,16 @@ async def load_state_from_peers(
         ) from e
 
 
+@dataclass(frozen=True, slots=True)
+class _Wanted:
+    """Which states the caller accepts."""
+
+    version: int | None
+    max_version: int | None
+    quorum: int
+    check: StateCheck | None
+
+
 class _Sync:
     """One call of :func:`load_state_from_peers`: its donors, its download, its report."""
 
@@ -123,12 +157,12 @@ class _Sync:
         self,
         peer: Peer,
         config: StateSyncConfig,
-        version: int | None,
+        wanted: _Wanted,
         on_progress: ProgressCallback | None,
     ) -> None:
         self.peer = peer
         self.config = config
-        self.version = version
+        self.wanted = wanted
         self.on_progress = on_progress
         self.started = time.monotonic()
         self.failures: dict[PeerID, str] = {}  # donors out for good, and why
@@ -146,9 +180,12 @@ class _Sync:
                 assert dht is not None and prefix is not None
                 targets = list(await _discover(self.peer, dht, prefix))
             offers = await self._offers(targets)
-            group = _choose_group(offers)
+            group = _choose_group(offers, self.wanted.quorum)
             if not group:
-                raise StateSyncError(f"no donor can provide the state ({self.describe()})")
+                raise StateSyncError(
+                    f"no donor can provide the state ({_describe_support(offers, self.wanted)}"
+                    f"{self.describe()})"
+                )
             if self.download is None or self.download.offer.key != group[0].key:
                 self.download = _Download(self, group[0])
             await self.download.run([o.peer_id for o in group[: self.config.max_donors]])
@@ -180,13 +217,12 @@ class _Sync:
                 manifest = await self.peer.call_unary(
                     peer_id,
                     MANIFEST_PROTOCOL,
-                    ManifestRequest(self.version),
+                    ManifestRequest(self.wanted.version),
                     Manifest,
                     timeout=self.config.manifest_timeout,
                 )
-                if self.version is not None and manifest.version != self.version:
-                    raise DonorError(f"asked for version {self.version}, got {manifest.version}")
                 layout = layout_from_manifest(manifest, max_state_bytes=self.config.max_state_bytes)
+                self._check(manifest, layout)
         except (PeersError, TimeoutError) as e:
             reason = f"manifest: {_describe(e)}"
             if peer_id is None:
@@ -196,7 +232,27 @@ class _Sync:
             self.failures.setdefault(peer_id, reason)
             return None
         self._remember(peer_id)
-        return _Offer(peer_id, manifest, layout)
+        conn = self.peer.connection_to(peer_id)
+        return _Offer(
+            peer_id, manifest, layout, source_group(conn and conn.remote_address, peer_id)
+        )
+
+    def _check(self, manifest: Manifest, layout: Layout) -> None:
+        """:class:`DonorError` if the caller does not want this manifest's state."""
+        wanted = self.wanted
+        if wanted.version is not None and manifest.version != wanted.version:
+            raise DonorError(f"asked for version {wanted.version}, got {manifest.version}")
+        if wanted.max_version is not None and manifest.version > wanted.max_version:
+            raise DonorError(
+                f"offers version {manifest.version}, ahead of the {wanted.max_version} "
+                "the swarm's progress supports"
+            )
+        if wanted.check is not None:
+            reason = wanted.check(
+                manifest.version, layout.specs, decode_metadata(manifest.metadata)
+            )
+            if reason is not None:
+                raise DonorError(f"its state does not fit: {reason}")
 
     def _remember(self, peer_id: PeerID) -> None:
         if peer_id not in self.asked:
@@ -238,16 +294,39 @@ class _Sync:
         return "; ".join(parts)
 
 
-def _choose_group(offers: list[_Offer]) -> list[_Offer]:
-    """The newest version's largest group of identical manifests (first asked wins ties)."""
-    if not offers:
-        return []
-    newest = max(o.manifest.version for o in offers)
+def _groups(offers: list[_Offer]) -> list[tuple[int, list[_Offer]]]:
+    """Donors grouped by identical manifests, each with its support (distinct sources),
+    in the order their first donor was asked."""
     groups: dict[bytes, list[_Offer]] = {}
     for offer in offers:
-        if offer.manifest.version == newest:
-            groups.setdefault(offer.key, []).append(offer)
-    return max(groups.values(), key=len)
+        groups.setdefault(offer.key, []).append(offer)
+    return [(len({o.source for o in g}), g) for g in groups.values()]
+
+
+def _choose_group(offers: list[_Offer], quorum: int = 1) -> list[_Offer]:
+    """The newest version offered with at least ``quorum`` support, and within it the
+    group with the most (first asked wins ties); empty if none has the quorum. When
+    fewer sources answered than ``quorum``, a group needs all of them: laptops reached
+    through one relay count as one source, and must still be able to let a newcomer in,
+    while two sources that disagree never settle it by the newer version."""
+    quorum = min(quorum, len({o.source for o in offers}))
+    supported = [(s, g) for s, g in _groups(offers) if s >= quorum]
+    if not supported:
+        return []
+    _, best = max(supported, key=lambda item: (item[1][0].manifest.version, item[0]))
+    return best
+
+
+def _describe_support(offers: list[_Offer], wanted: _Wanted) -> str:
+    """Why no group qualified when some donors answered (for the error message)."""
+    if not offers:
+        return ""
+    best = max(s for s, _ in _groups(offers))
+    quorum = min(wanted.quorum, len({o.source for o in offers}))
+    return (
+        f"{len(offers)} donors offered states, but none is offered by {quorum} "
+        f"distinct networks (at most {best}); "
+    )
 
 
 class _Download:

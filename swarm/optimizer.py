@@ -25,7 +25,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -42,20 +42,27 @@ from averaging import (
     StateSyncError,
     Uniform8BitCodec,
 )
+from averaging.state_manifest import DTYPES, TensorSpec
 from peers.dht import DHT, BlockingDHT, dht_time
 from peers.dht.records import RecordError, owner_marker, owner_of
 from peers.errors import PeersError
 from peers.identity import PeerID
 from peers.owned_tasks import CANCEL_TIMEOUT_SECONDS, OwnedTasks
+from swarm.errors import SwarmError
 from swarm.optimizer_config import (
     CollaborativeConfig,
     OptimizerError,
     OptimizerStatistics,
 )
 from swarm.progress import PeerProgress, SwarmProgress, split_winner, summarize
-from swarm.training_state import pack_state, unpack_state
+from swarm.training_state import pack_state, state_problem, unpack_state
 
 logger = logging.getLogger(__name__)
+
+#: Distinct networks (peers.subnets.source_group) that must offer a state before a peer
+#: loads it: one volunteer, however many identities it holds, is not enough. A swarm
+#: whose donors all answer from fewer networks needs them all to agree.
+STATE_QUORUM = 2
 
 _CODECS: dict[str, Callable[[], Codec]] = {
     "none": NoneCodec,
@@ -96,6 +103,7 @@ class CollaborativeOptimizer:
         self._records: dict[PeerID, PeerProgress] = {}
         self._expect = 1
         self._first_read = threading.Event()
+        self._refused_branches: set[bytes] = set()
         self._view: SwarmProgress | None = None
         self._outer: torch.optim.Optimizer | None = None
         self._anchor: list[torch.Tensor] = []
@@ -158,11 +166,15 @@ class CollaborativeOptimizer:
             now=dht_time(),
             expiration_seconds=self.config.progress_expiration,
         )
-        if branch is not None:  # we stepped in a group apart from most of the swarm
+        if branch is not None and branch[0] not in self._refused_branches:
+            # we stepped in a group apart from most of the swarm
             logger.warning("epoch %d: the swarm split; following the majority", self.epoch)
             self._zero_grads()
             self._counts["splits"] += 1
-            self._load_state(donors=branch[1], fingerprint=branch[0])
+            if not self._load_state(donors=branch[1], fingerprint=branch[0]):
+                # Its peers cannot give us its state (a quorum of distinct networks, that
+                # fits): identities claiming a branch are no majority. Stay on ours.
+                self._refused_branches.add(branch[0])
             return
         if self.config.diloco is not None:
             if batch_size:
@@ -349,8 +361,10 @@ class CollaborativeOptimizer:
 
     def members(self) -> list[PeerID]:
         """The live peers of the run as this peer sees them, itself included (those whose
-        progress record has not expired): who shares the next global batch."""
-        return sorted(self._live())
+        progress record has not expired), except those claiming an epoch ahead of ours:
+        who shares the next global batch. A peer truly ahead stepped without us (we
+        resync), and one that only claims it would hold a slot it never fills."""
+        return sorted(p for p, r in self._live().items() if r.epoch <= self.epoch)
 
     def delivered(self) -> set[PeerID]:
         """Members that added samples to this peer's epoch (or are past it)."""
@@ -450,23 +464,38 @@ class CollaborativeOptimizer:
 
     def _load_state(
         self, donors: list[PeerID] | None = None, fingerprint: bytes | None = None
-    ) -> None:
+    ) -> bool:
         """Download parameters and optimizer state from peers (``donors`` if given) and
-        continue from there."""
+        continue from there; False (and nothing changed) if no state could be had.
+
+        A state is a stranger's claim: it is taken only when :data:`STATE_QUORUM`
+        distinct networks offer it (all that answered, if fewer did), when it is no
+        more than one epoch ahead of the epoch half the live peers reached, and when it
+        fits our parameters and optimizers; our hyperparameters stay ours."""
+        ahead = max(self._summary().epoch, self.epoch) + 1
         try:
             loaded = self.dht.peer.run(
                 self._averager.load_state_from_peers(
-                    timeout=self.config.state_timeout, apply=False, donors=donors
+                    timeout=self.config.state_timeout,
+                    apply=False,
+                    donors=donors,
+                    max_version=ahead,
+                    quorum=STATE_QUORUM,
+                    check=self._state_problem,
                 ),
                 timeout=self.config.state_timeout + 5.0,
             )
         except (StateSyncError, TimeoutError) as e:
             logger.warning("could not load state from peers: %s", e)
-            return
+            return False
         extra = {
             k.removeprefix("extra/"): v for k, v in loaded.tensors.items() if k.startswith("extra/")
         }
-        counters = unpack_state(extra, loaded.metadata, self.params, self._optimizers())
+        try:
+            counters = unpack_state(extra, loaded.metadata, self.params, self._optimizers())
+        except SwarmError as e:  # checked on the manifest already: a bug if it happens
+            logger.warning("could not load state from peers: %s", e)
+            return False
         self.epoch = int(counters["epoch"])
         self._fingerprint = (
             fingerprint if fingerprint is not None else bytes(counters.get("fingerprint", b""))
@@ -480,7 +509,23 @@ class CollaborativeOptimizer:
                 for p, a in zip(self.params, self._anchor, strict=True):
                     a.copy_(p)
         self._counts["loads"] += 1
+        self._refused_branches.clear()
         self._publish_now()
+        return True
+
+    def _state_problem(
+        self, version: int, specs: Sequence[TensorSpec], metadata: dict[str, Any]
+    ) -> str | None:
+        """Why a donor's manifest does not fit this trainer (see :func:`state_problem`)."""
+        tensors = {}
+        for spec in specs:
+            if not spec.name.startswith("extra/"):
+                return f"it has an unexpected tensor {spec.name!r}"
+            tensors[spec.name.removeprefix("extra/")] = (DTYPES[spec.dtype], tuple(spec.shape))
+        problem = state_problem(tensors, metadata, self.params, self._optimizers())
+        if problem is None and metadata.get("counters", {}).get("epoch") != version:
+            return f"its epoch counter is not its version {version}"
+        return problem
 
     def wait_for_peers(self, num_peers: int, timeout: float) -> int:
         """Wait until ``num_peers`` peers (this one included) publish progress, or

@@ -13,13 +13,20 @@ whichever is larger: hardware differs by a small factor between volunteers, not 
 orders of magnitude. Liars in a minority cannot move the median, so they cannot advance
 the epoch by themselves; honest fast peers are at worst under-counted (the epoch then
 lasts a little longer, never shorter).
+
+Epochs are claims too. The swarm's epoch is the one at least half of the live peers
+reached (:func:`quorum_epoch`), never the largest claim: a record claiming epoch 10**9
+would otherwise make every peer drop its gradients and download the claimant's state.
+A peer saying it started averaging (so the others join its round now) is followed only
+once the swarm's own count reaches half the global batch: a liar can make steps come
+at most twice as often, with half batches, not make every step a one-sample step.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from peers.identity import PeerID
@@ -90,9 +97,11 @@ class SwarmProgress:
     """The swarm as one peer sees it."""
 
     epoch: int
-    """The newest epoch any live peer is in."""
+    """The epoch half of the live peers reached (:func:`quorum_epoch`), or mine if I am
+    ahead of it."""
     num_peers: int
-    """Live peers, this one included (a peer one epoch behind is about to catch up)."""
+    """Live peers, this one included (a peer one epoch behind is about to catch up),
+    except those claiming an epoch ahead of :attr:`epoch`: they are not in its round."""
     samples: int
     """Samples accumulated toward that epoch's step, each peer's claim capped."""
     target_batch_size: int
@@ -129,7 +138,7 @@ def summarize(
     own, always current). Records older than ``expiration_seconds`` are of peers gone."""
     live = {p: r for p, r in records.items() if now - r.time <= expiration_seconds and p != me}
     live[me] = mine
-    epoch = max(r.epoch for r in live.values())
+    epoch = max(mine.epoch, quorum_epoch(live.values()))
     current = [r for r in live.values() if r.epoch == epoch]
     # median_low: with two peers, the smaller claim (one liar in two is no majority)
     median_samples = statistics.median_low(r.samples for r in current)
@@ -137,14 +146,24 @@ def summarize(
     own_samples = mine.samples if mine.epoch == epoch else 0
     sample_cap = plausible_factor * max(median_samples, own_samples, 1)
     rate_cap = plausible_factor * max(median_rate, mine.samples_per_second, 1e-9)
+    samples = int(sum(min(r.samples, sample_cap) for r in current))
+    flagged = any(r.averaging for p, r in live.items() if r.epoch == epoch and p != me)
     return SwarmProgress(
         epoch=epoch,
-        num_peers=len(live),
-        samples=int(sum(min(r.samples, sample_cap) for r in current)),
+        num_peers=sum(1 for r in live.values() if r.epoch <= epoch),
+        samples=samples,
         target_batch_size=target_batch_size,
         samples_per_second=sum(min(r.samples_per_second, rate_cap) for r in current),
-        averaging=any(r.averaging for p, r in live.items() if r.epoch == epoch and p != me),
+        averaging=flagged and 2 * samples >= target_batch_size,
     )
+
+
+def quorum_epoch(records: Iterable[PeerProgress]) -> int:
+    """The epoch at least half of ``records`` (the live peers, me included) reached: the
+    upper median. A minority claiming epochs far ahead moves it not at all; a peer that
+    missed a round that half the swarm took is behind, and resyncs."""
+    epochs = sorted(r.epoch for r in records)
+    return epochs[len(epochs) // 2]
 
 
 def split_winner(

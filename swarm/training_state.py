@@ -39,6 +39,78 @@ def pack_state(
     return tensors, metadata
 
 
+def state_problem(
+    tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    metadata: Mapping[str, Any],
+    params: Sequence[torch.Tensor],
+    optimizers: Mapping[str, torch.optim.Optimizer],
+) -> str | None:
+    """Why a state (its tensors' dtypes and shapes, and its metadata) made by
+    :func:`pack_state` does not fit ``params`` and ``optimizers``, or ``None``. Checked
+    on a donor's manifest before downloading (a state from a stranger), and again before
+    loading: a parameter of the wrong shape or dtype, optimizer state that is neither a
+    scalar nor shaped like its parameter (it would break the next ``step``), an
+    unknown optimizer or parameter index, or counters and groups that are not what
+    :func:`pack_state` writes."""
+    for i, p in enumerate(params):
+        got = tensors.get(f"param/{i}")
+        if got is None:
+            return f"it has no parameter {i}"
+        if got != (p.dtype, tuple(p.shape)):
+            return (
+                f"its parameter {i} is {got[0]} of shape {list(got[1])}, "
+                f"not {p.dtype} of shape {list(p.shape)}"
+            )
+    for name, (dtype, shape) in tensors.items():
+        if name.startswith("param/"):
+            continue
+        parts = name.split("/")
+        if len(parts) != 4 or parts[0] != "optimizer" or parts[1] not in optimizers:
+            return f"it has an unexpected tensor {name!r}"
+        if not parts[2].isdigit() or int(parts[2]) >= len(params):
+            return f"its tensor {name!r} names no parameter"
+        param = params[int(parts[2])]
+        if shape and shape != tuple(param.shape):
+            return f"its tensor {name!r} has shape {list(shape)}, not {list(param.shape)}"
+        if not (dtype.is_floating_point or dtype in (torch.int64, torch.int32)):
+            return f"its tensor {name!r} is {dtype}"
+    counters = metadata.get("counters")
+    if not isinstance(counters, dict) or not all(isinstance(k, str) for k in counters):
+        return "its counters are not a dict"
+    saved = metadata.get("optimizers")
+    if not isinstance(saved, dict) or set(saved) != set(optimizers):
+        return f"it has optimizer state for {sorted(saved) if isinstance(saved, dict) else saved}"
+    for name, optimizer in optimizers.items():
+        problem = _optimizer_problem(saved[name], optimizer, len(params))
+        if problem is not None:
+            return f"its optimizer {name!r}: {problem}"
+    return None
+
+
+def _optimizer_problem(
+    info: object, optimizer: torch.optim.Optimizer, num_params: int
+) -> str | None:
+    if not isinstance(info, dict) or not isinstance(info.get("plain"), dict):
+        return "not a packed optimizer state"
+    groups = info.get("param_groups")
+    own = optimizer.param_groups
+    if not isinstance(groups, list) or len(groups) != len(own):
+        return f"{len(groups) if isinstance(groups, list) else groups} parameter groups"
+    for group, mine in zip(groups, own, strict=True):
+        indices = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(indices, list) or len(indices) != len(mine["params"]):
+            return "its parameter groups differ from ours"
+        if not all(isinstance(i, int) and 0 <= i < num_params for i in indices):
+            return "its parameter groups name no parameter"
+    for index, entries in info["plain"].items():
+        if not isinstance(index, str) or not index.isdigit() or int(index) >= num_params:
+            return f"its state names no parameter {index!r}"
+        plain = (int, float, bool, type(None))
+        if not isinstance(entries, dict) or not all(isinstance(v, plain) for v in entries.values()):
+            return f"its state for parameter {index} is not plain numbers"
+    return None
+
+
 def unpack_state(
     tensors: Mapping[str, torch.Tensor],
     metadata: Mapping[str, Any],
@@ -46,34 +118,39 @@ def unpack_state(
     optimizers: Mapping[str, torch.optim.Optimizer],
 ) -> dict[str, Any]:
     """Load what :func:`pack_state` made into ``params`` and ``optimizers``; returns the
-    counters. Raises :class:`SwarmError` if it does not fit (parameters are checked before
-    anything is changed)."""
-    try:
-        loaded = [tensors[f"param/{i}"] for i in range(len(params))]
-        states = {}
-        for name in optimizers:
-            info = metadata["optimizers"][name]
-            state: dict[int, dict[str, Any]] = {}
-            for key, value in info["plain"].items():
-                state.setdefault(int(key), {}).update(value)
-            prefix = f"optimizer/{name}/"
-            for full, tensor in tensors.items():
-                if full.startswith(prefix):
-                    index, key = full[len(prefix) :].split("/", 1)
-                    state.setdefault(int(index), {})[key] = tensor
-            states[name] = {"state": state, "param_groups": info["param_groups"]}
-        counters = dict(metadata["counters"])
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise SwarmError(f"shared state does not fit this trainer: {e!r}") from e
-    for p, t in zip(params, loaded, strict=True):
-        if p.shape != t.shape:
-            raise SwarmError(f"shared parameter of shape {tuple(t.shape)} for {tuple(p.shape)}")
+    counters. Raises :class:`SwarmError` if it does not fit (:func:`state_problem`),
+    before anything is changed.
+
+    Hyperparameters (learning rate, betas, weight decay, ...) stay this trainer's own:
+    only the optimizers' per-parameter state (moments, step counts) is taken. A state
+    from a peer must not set our learning rate, and a resumed checkpoint runs with the
+    settings it is resumed with."""
+    specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+    problem = state_problem(specs, metadata, params, optimizers)
+    if problem is not None:
+        raise SwarmError(f"shared state does not fit this trainer: {problem}")
+    states = {}
+    for name, optimizer in optimizers.items():
+        info = metadata["optimizers"][name]
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in info["plain"].items():
+            state.setdefault(int(key), {}).update(value)
+        prefix = f"optimizer/{name}/"
+        for full, tensor in tensors.items():
+            if full.startswith(prefix):
+                index, key = full[len(prefix) :].split("/", 1)
+                state.setdefault(int(index), {})[key] = tensor
+        groups = [
+            {**{k: v for k, v in own.items() if k != "params"}, "params": saved["params"]}
+            for own, saved in zip(optimizer.param_groups, info["param_groups"], strict=True)
+        ]
+        states[name] = {"state": state, "param_groups": groups}
     with torch.no_grad():
-        for p, t in zip(params, loaded, strict=True):
-            p.copy_(t)
+        for i, p in enumerate(params):
+            p.copy_(tensors[f"param/{i}"])
     for name, optimizer in optimizers.items():
         try:
             load_optimizer_state(optimizer, states[name])
         except (KeyError, ValueError, RuntimeError) as e:
             raise SwarmError(f"shared optimizer state {name!r} does not fit: {e}") from e
-    return counters
+    return dict(metadata["counters"])

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from multiaddr import Multiaddr
 
 from averaging.state_donor import StateServer, StateServerConfig
 from averaging.state_manifest import (
@@ -610,6 +611,88 @@ def test_donors_that_disagree_are_outvoted() -> None:
         assert odd.peer_id not in loaded.report.donors_used
 
     run_with_stack(test)
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_newer_state_needs_a_quorum_and_may_not_run_ahead() -> None:
+    """One donor offering a newer state (a volunteer claiming it is far ahead) against
+    two that agree: with a quorum of 2 the two win; ``max_version`` refuses the newer
+    one outright, and says why."""
+    state, lone = make_state(1), make_state(2)
+
+    async def test(stack: contextlib.AsyncExitStack) -> None:
+        ahead, _ = await _serve(stack, lone, version=10**9)
+        agreeing = [await _serve(stack, state, version=5) for _ in range(2)]
+        newcomer = await stack.enter_async_context(Peer())
+        donors = [_addr(ahead)] + [_addr(p) for p, _ in agreeing]
+        loaded = await load_state_from_peers(newcomer, donors=donors, quorum=2, timeout=30)
+        assert loaded.version == 5 and ahead.peer_id not in loaded.report.donors_used
+        assert_same_state(loaded.tensors, state)
+        loaded = await load_state_from_peers(newcomer, donors=donors, max_version=6, timeout=30)
+        assert loaded.version == 5 and loaded.report.failed_donors == (ahead.peer_id,)
+        (report,) = [d for d in loaded.report.donors if d.peer_id == ahead.peer_id]
+        assert report.failure is not None and "ahead of the 6" in report.failure
+        # without either, the newest wins: the behaviour a run must not rely on
+        loaded = await load_state_from_peers(newcomer, donors=donors, timeout=30)
+        assert loaded.version == 10**9
+        with pytest.raises(StateSyncError, match="none is offered by 3 distinct"):
+            await load_state_from_peers(newcomer, donors=donors, quorum=3, timeout=30)
+
+    run_with_stack(test)
+
+
+@pytest.mark.timeout(60)
+def test_a_state_that_does_not_fit_costs_only_its_donor() -> None:
+    state = make_state()
+    misfit = {**state, "embed.weight": torch.zeros(3, 3)}
+
+    def check(version: int, specs: Any, metadata: dict[str, Any]) -> str | None:
+        shapes = {s.name: tuple(s.shape) for s in specs}
+        want = tuple(state["embed.weight"].shape)
+        return None if shapes.get("embed.weight") == want else "embed.weight has a wrong shape"
+
+    async def test(stack: contextlib.AsyncExitStack) -> None:
+        bad, bad_server = await _serve(stack, misfit, version=9)
+        good, _ = await _serve(stack, state, version=5)
+        newcomer = await stack.enter_async_context(Peer())
+        loaded = await load_state_from_peers(
+            newcomer, donors=[_addr(bad), _addr(good)], check=check, timeout=30
+        )
+        assert loaded.version == 5 and loaded.report.failed_donors == (bad.peer_id,)
+        assert bad_server.statistics().num_bytes_served == 0  # refused on its manifest
+        with pytest.raises(StateSyncError, match=r"does not fit: embed\.weight"):
+            await load_state_from_peers(newcomer, donors=[_addr(bad)], check=check, timeout=30)
+
+    run_with_stack(test)
+
+
+def test_support_counts_networks_not_identities() -> None:
+    """Three identities behind one public /24 support a state once; two LAN hosts and
+    two loopback processes count twice."""
+    from averaging.state_sync import _choose_group, _Offer
+    from peers import KeyPair
+    from peers.subnets import source_group
+
+    def offer(seed: int, version: int, addr: str) -> _Offer:
+        manifest = build_snapshot(version, make_state(seed), {}, chunk_bytes=CHUNK).manifest
+        layout = layout_from_manifest(manifest, max_state_bytes=1 << 30)
+        peer_id = KeyPair.generate().peer_id
+        return _Offer(peer_id, manifest, layout, source_group(Multiaddr(addr), peer_id))
+
+    sybils = [offer(1, 9, f"/ip4/93.184.216.{i}/tcp/4001") for i in (5, 6, 7)]
+    honest = [offer(2, 8, "/ip4/151.101.1.9/tcp/1"), offer(2, 8, "/ip6/2a00:1450:1::1/tcp/1")]
+    assert _choose_group([*sybils, *honest], quorum=2) == honest
+    assert _choose_group([*sybils, *honest], quorum=3) == []
+    assert _choose_group([*sybils, *honest]) == sybils  # quorum 1: the newest
+    lan = [offer(3, 7, "/ip4/192.168.1.2/tcp/1"), offer(3, 7, "/ip4/192.168.1.3/tcp/1")]
+    local = [offer(4, 7, "/ip4/127.0.0.1/tcp/1"), offer(4, 7, "/ip4/127.0.0.1/tcp/2")]
+    assert _choose_group([*sybils, *lan], quorum=2) == lan
+    assert _choose_group([*sybils, *local], quorum=2) == local
+    one = KeyPair.generate().peer_id
+    relayed = "/ip4/93.184.216.1/tcp/1/p2p/{}/p2p-circuit"
+    assert source_group(Multiaddr(relayed.format(one)), one) == "net/93.184.216.0/24"
+    assert source_group(Multiaddr("/ip6/2a00:1450:5:6::1/tcp/1"), one) == "net/2a00:1450:5::/48"
+    assert source_group(None, one) == f"peer/{one.to_base58()}"
 
 
 @pytest.mark.timeout(60)

@@ -128,3 +128,52 @@ def test_a_split_swarm_follows_the_majority_branch() -> None:
     assert split_winner({a: rec(b"z")}, me, mine, now=now, expiration_seconds=5) is None
     # other epochs and stale records do not count
     assert split_winner({a: rec(b"a", epoch=4)}, me, mine, now=now, expiration_seconds=5) is None
+
+
+def test_the_swarm_epoch_is_what_half_the_peers_reached_not_the_largest_claim() -> None:
+    me, a, b, liar = _ids(4)
+    now = 1000.0
+
+    def view(records: dict[PeerID, int], mine: int) -> object:
+        return summarize(
+            {p: PeerProgress(e, 0, 1.0, now) for p, e in records.items()},
+            me,
+            PeerProgress(mine, 0, 1.0, now),
+            64,
+            now=now,
+            expiration_seconds=5,
+        )
+
+    # one liar far ahead moves nothing, and is not counted in this epoch's round
+    honest = view({a: 7, b: 7, liar: 10**9}, mine=7)
+    assert honest.epoch == 7 and honest.num_peers == 3  # type: ignore[attr-defined]
+    # a newcomer is behind the honest majority, not behind the liar
+    assert view({a: 7, b: 7, liar: 10**9}, mine=0).epoch == 7  # type: ignore[attr-defined]
+    # a peer that missed a round half the swarm took is behind (it resyncs) ...
+    assert view({a: 8, b: 8}, mine=7).epoch == 8  # type: ignore[attr-defined]
+    assert view({a: 8}, mine=7).epoch == 8  # type: ignore[attr-defined]
+    # ... one that stepped alone is a minority: the other two step, and the split
+    # rule makes the one follow the two
+    assert view({a: 8, b: 7}, mine=7).epoch == 7  # type: ignore[attr-defined]
+    # a peer ahead of the others stays in its own epoch
+    assert view({a: 7, b: 7}, mine=8).epoch == 8  # type: ignore[attr-defined]
+
+
+def test_an_averaging_flag_alone_does_not_make_a_one_sample_step() -> None:
+    me, liar = _ids(2)
+    now = 1000.0
+
+    def ready(mine: int) -> bool:
+        view = summarize(
+            {liar: PeerProgress(3, 0, 1.0, now, averaging=True)},
+            me,
+            PeerProgress(3, mine, 1.0, now),
+            64,
+            now=now,
+            expiration_seconds=5,
+        )
+        return view.ready
+
+    assert not ready(1)
+    assert not ready(31)
+    assert ready(32)  # half the batch: the flag may bring the step forward

@@ -58,3 +58,40 @@ def test_state_that_does_not_fit_is_refused_before_anything_changes() -> None:
             tensors, metadata, list(other.parameters()), {"inner": _adam(other, fused=True)}
         )
     assert all(torch.equal(a, b) for a, b in zip(other.parameters(), before, strict=True))
+
+
+def test_a_shared_state_brings_no_hyperparameters_and_no_misshapen_moments() -> None:
+    """A donor's learning rate stays the donor's; optimizer state shaped unlike its
+    parameter (it would crash the next step) is refused before anything changes."""
+    model, optimizer = _trained(False)
+    for group in optimizer.param_groups:
+        group["lr"], group["weight_decay"] = 1e6, 0.5
+    tensors, metadata = pack_state(list(model.parameters()), {"inner": optimizer}, {"epoch": 3})
+    newcomer = nn.Linear(5, 3)
+    mine = _adam(newcomer, fused=False)
+    counters = unpack_state(tensors, metadata, list(newcomer.parameters()), {"inner": mine})
+    assert counters == {"epoch": 3}
+    assert mine.param_groups[0]["lr"] == 1e-2 and mine.param_groups[0]["weight_decay"] == 0
+    assert torch.equal(newcomer.weight, model.weight)
+
+    other = nn.Linear(5, 3)
+    before = [p.detach().clone() for p in other.parameters()]
+    for key, bad in (
+        ("optimizer/inner/0/exp_avg", torch.zeros(7)),
+        ("optimizer/inner/9/exp_avg", torch.zeros(3, 5)),
+        ("optimizer/other/0/exp_avg", torch.zeros(3, 5)),
+        ("optimizer/inner/0/exp_avg", torch.zeros(3, 5, dtype=torch.bool)),
+    ):
+        with pytest.raises(SwarmError, match="does not fit"):
+            unpack_state(
+                {**tensors, key: bad},
+                metadata,
+                list(other.parameters()),
+                {"inner": _adam(other, fused=False)},
+            )
+    broken = {**metadata, "optimizers": {"inner": {"plain": {}, "param_groups": [{}]}}}
+    with pytest.raises(SwarmError, match="parameter groups"):
+        unpack_state(
+            tensors, broken, list(other.parameters()), {"inner": _adam(other, fused=False)}
+        )
+    assert all(torch.equal(a, b) for a, b in zip(other.parameters(), before, strict=True))
