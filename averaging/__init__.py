@@ -93,7 +93,12 @@ from averaging.matchmaking_records import (
 )
 from averaging.partition import PartitionError, chunk_ranges, flatten, split_parts, unflatten
 from averaging.reduction import PartReceipt, PartReduction
-from averaging.robust import CenteredClipConfig, CenteredClipReduction, centered_clip
+from averaging.robust import (
+    CenteredClipConfig,
+    CenteredClipReduction,
+    centered_clip,
+    spread_radius,
+)
 from averaging.state_donor import StateServer, StateServerConfig, StateServerStatistics, state_key
 from averaging.state_manifest import (
     DonorError,
@@ -201,6 +206,7 @@ __all__ = [
     "load_state_from_peers",
     "plan_reassignment",
     "split_parts",
+    "spread_radius",
     "state_key",
     "unflatten",
 ]

@@ -49,7 +49,7 @@ SAFE_EXPONENT = 400
 class CenteredClipConfig:
     """CenteredClip for every part of a butterfly round (``RoundSpec.aggregation``)."""
 
-    tau: float
+    tau: float | None = None
     """The paper's clipping radius tau, in the units of the averaged vector and for the
     whole flat vector: a part of ``d_p`` of its ``d`` elements clips at
     ``tau * sqrt(d_p / d)`` (:meth:`part_tau`), so that a vector whose spread is even over
@@ -57,7 +57,18 @@ class CenteredClipConfig:
     vector stays within ``tau`` times its weight share however the parts are cut. Pick
     it about twice the honest inputs' distance from their mean: smaller clips honest
     inputs too (the result is then pulled by up to the honest spread times the outlier's
-    share, rather than tau times it), larger lets an outlier pull further."""
+    share, rather than tau times it), larger lets an outlier pull further.
+
+    None (the default): the *spread rule*. Each reducer sets its part's radius from the
+    inputs it holds: ``spread_factor`` times the median distance of the senders' parts
+    from their coordinate-wise median (:func:`spread_radius`). Scale-free (gradients
+    shrink as training converges; a fixed tau would stop clipping anything, or clip
+    everything), and a minority cannot inflate it: with fewer than half the senders
+    hostile, the median distance is at most the farthest honest one."""
+    spread_factor: float = 2.0
+    """The spread rule's multiple of the median distance (``tau=None`` only). 2: honest
+    inputs, whose distances from the median are alike in high dimension, are not clipped,
+    so an honest round is the mean."""
     num_iterations: int = 20
     """Clipping steps at most, from the coordinate-wise median. The paper iterates the
     step from its starting point; without an outlier the first step already gives the
@@ -72,10 +83,14 @@ class CenteredClipConfig:
     trusted about their counts but not about their values."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.tau, bool) or not isinstance(self.tau, int | float):
-            raise ValueError("tau must be a number")
-        if not (math.isfinite(self.tau) and self.tau > 0):
-            raise ValueError("tau must be positive and finite")
+        for name in ("tau", "spread_factor"):
+            value = getattr(self, name)
+            if value is None and name == "tau":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be positive and finite")
         if isinstance(self.num_iterations, bool) or not isinstance(self.num_iterations, int):
             raise ValueError("num_iterations must be an int")
         if not 1 <= self.num_iterations <= 1000:
@@ -87,8 +102,11 @@ class CenteredClipConfig:
         if not isinstance(self.weigh_by_samples, bool):
             raise ValueError("weigh_by_samples must be a bool")
 
-    def part_tau(self, part_elements: int, total_elements: int) -> float:
-        """The radius for a part of ``part_elements`` of ``total_elements``."""
+    def part_tau(self, part_elements: int, total_elements: int) -> float | None:
+        """The radius for a part of ``part_elements`` of ``total_elements``; None under
+        the spread rule (each reducer measures its part's)."""
+        if self.tau is None:
+            return None
         return self.tau * math.sqrt(part_elements / total_elements) if total_elements else 0.0
 
 
@@ -96,16 +114,19 @@ def centered_clip(
     vectors: torch.Tensor,
     weights: torch.Tensor,
     *,
-    tau: float,
+    tau: float | None,
     num_iterations: int,
     tolerance: float = 0.0,
+    spread_factor: float = 2.0,
 ) -> torch.Tensor:
     """CenteredClip of the rows of ``vectors`` (``[n, d]``) with ``weights`` (``[n]``).
 
     Starts from the weighted coordinate-wise (lower) median and takes up to
     ``num_iterations`` clipping steps of radius ``tau`` (the paper's tau), stopping early
     once a step moves it by at most ``tolerance * tau``. ``num_iterations=0`` returns
-    the median. Computes in float64 and returns ``vectors``' dtype. Every coordinate of
+    the median. ``tau=None``: the spread rule, ``spread_factor`` times
+    :func:`spread_radius` of these rows (0 when most rows equal the median: then the
+    median is the result). Computes in float64 and returns ``vectors``' dtype. Every coordinate of
     the result lies within the inputs' range in that coordinate, so finite inputs give a
     finite result. Memory: one float64 copy of ``vectors`` (none if already float64 and
     of moderate magnitude) and ``BLOCK_ELEMENTS`` temporaries.
@@ -118,8 +139,10 @@ def centered_clip(
         raise ValueError("vectors must be a float tensor of shape [n >= 1, d]")
     if weights.shape != (vectors.shape[0],):
         raise ValueError(f"weights must have shape ({vectors.shape[0]},)")
-    if not (math.isfinite(tau) and tau > 0):
+    if tau is not None and not (math.isfinite(tau) and tau > 0):
         raise ValueError("tau must be positive and finite")
+    if not (math.isfinite(spread_factor) and spread_factor > 0):
+        raise ValueError("spread_factor must be positive and finite")
     if isinstance(num_iterations, bool) or not isinstance(num_iterations, int):
         raise ValueError("num_iterations must be an int")
     if num_iterations < 0 or not (math.isfinite(tolerance) and tolerance >= 0):
@@ -142,11 +165,16 @@ def centered_clip(
     if scaled:  # by 2**-exponent, in two exact factors that each stay in float64's range
         half = -exponent // 2
         x = x * math.ldexp(1.0, half) * math.ldexp(1.0, -exponent - half)
-        try:
-            tau = math.ldexp(tau, -exponent)
-        except OverflowError:  # larger than any distance: nothing is ever clipped
-            tau = math.inf
+        if tau is not None:
+            try:
+                tau = math.ldexp(tau, -exponent)
+            except OverflowError:  # larger than any distance: nothing is ever clipped
+                tau = math.inf
     v = _weighted_median(x, w)
+    if tau is None:  # measured in the scaled units, so nothing overflows
+        tau = spread_factor * _median_distance(x, v)
+        if tau == 0.0:  # most rows are the median itself
+            num_iterations = 0
     for _ in range(num_iterations):
         step_norm = _clip_step(x, w, v, tau)
         if step_norm <= tolerance * tau:
@@ -157,6 +185,34 @@ def centered_clip(
     if scaled:
         v = v * math.ldexp(1.0, -half) * math.ldexp(1.0, exponent + half)
     return v.to(vectors.dtype)
+
+
+def spread_radius(vectors: torch.Tensor, weights: torch.Tensor) -> float:
+    """The spread rule's unit: the upper median, over the rows of ``vectors``, of their
+    distance from the weighted coordinate-wise median. With fewer than half the rows
+    hostile, it is at most the largest honest row's distance from that median (which
+    itself lies within the honest rows' range in every coordinate): a minority cannot
+    inflate it, whatever it sends. Rows must be finite; float64 internally."""
+    if vectors.dim() != 2 or vectors.shape[0] < 1 or weights.shape != (vectors.shape[0],):
+        raise ValueError("vectors must be [n >= 1, d] and weights [n]")
+    x = vectors.to(torch.float64)
+    w = weights.to(dtype=torch.float64)
+    return _median_distance(x, _weighted_median(x, w / w.sum()))
+
+
+def _median_distance(x: torch.Tensor, v: torch.Tensor) -> float:
+    distances = torch.sort(_distances(x, v)).values
+    return float(distances[x.shape[0] // 2])
+
+
+def _distances(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Each row's Euclidean distance from ``v``, swept in column blocks."""
+    n, d = x.shape
+    step = max(1, BLOCK_ELEMENTS // n)
+    squares = x.new_zeros(n)
+    for start in _blocks(n, d):
+        squares += (x[:, start : start + step] - v[start : start + step]).square().sum(dim=1)
+    return squares.sqrt()
 
 
 def _blocks(n: int, d: int) -> range:
@@ -180,10 +236,7 @@ def _clip_step(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor, tau: float) ->
     """One clipping step, applied to ``v`` in place; returns the step's norm."""
     n, d = x.shape
     step = max(1, BLOCK_ELEMENTS // n)
-    squares = x.new_zeros(n)
-    for start in _blocks(n, d):
-        squares += (x[:, start : start + step] - v[start : start + step]).square().sum(dim=1)
-    norms = squares.sqrt()
+    norms = _distances(x, v)
     # min(1, tau / norm) without dividing by a zero norm (an input equal to v).
     factor = torch.where(norms > tau, tau / norms.clamp_min(torch.finfo(x.dtype).tiny), 1.0)
     coefficients = w * factor
@@ -207,12 +260,13 @@ class CenteredClipReduction:
         device: torch.device,
         *,
         config: CenteredClipConfig,
-        tau: float,
+        tau: float | None,
         max_weight_ratio: float | None = None,
     ) -> None:
-        """``tau`` is this part's radius (``config.part_tau``); ``config`` gives the
-        iterations and whether sample counts weigh; weighed, a count above
-        ``max_weight_ratio`` times the senders' median counts as that much."""
+        """``tau`` is this part's radius (``config.part_tau``; None: the spread rule over
+        the inputs, at finalize); ``config`` gives the iterations and whether sample
+        counts weigh; weighed, a count above ``max_weight_ratio`` times the senders'
+        median counts as that much."""
         self.max_weight_ratio = max_weight_ratio
         self.ranges = list(ranges)
         """The part's chunks, as absolute ``(start, end)`` ranges of the flat vector."""
@@ -272,5 +326,6 @@ class CenteredClipReduction:
             tau=self._tau,
             num_iterations=self._config.num_iterations,
             tolerance=self._config.tolerance,
+            spread_factor=self._config.spread_factor,
         )
         return values.to(torch.float32)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import base58
@@ -33,6 +35,46 @@ _MULTIHASH_SHA256 = 0x12
 #: Longest public key protobuf we accept from a peer (a 4096-bit RSA key is ~550 bytes);
 #: bounds the work a remote can make us do.
 MAX_PUBLIC_KEY_BYTES = 1024
+#: Signatures remembered as good (a 32-byte digest each). Peers read the same signed
+#: records again and again (every progress poll returns every peer's record from every
+#: replica), and an Ed25519 check costs far more than hashing what it covers.
+VERIFIED_CACHE_SIZE = 8192
+
+
+class _VerifiedSignatures:
+    """A bounded, thread-safe set of digests of (key, signature, data) that verified.
+    Only good signatures are remembered: a forged one is checked (and refused) each time,
+    and cannot evict good ones faster than good ones arrive."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._digests: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def digest(key: PublicKey, signature: bytes, data: bytes) -> bytes:
+        h = hashlib.blake2b(digest_size=32)
+        for part in (bytes([key.key_type]), key.raw, signature, data):
+            h.update(len(part).to_bytes(8, "big"))
+            h.update(part)
+        return h.digest()
+
+    def __contains__(self, digest: bytes) -> bool:
+        with self._lock:
+            if digest not in self._digests:
+                return False
+            self._digests.move_to_end(digest)
+            return True
+
+    def add(self, digest: bytes) -> None:
+        with self._lock:
+            self._digests[digest] = None
+            self._digests.move_to_end(digest)
+            while len(self._digests) > self._size:
+                self._digests.popitem(last=False)
+
+
+_VERIFIED = _VerifiedSignatures(VERIFIED_CACHE_SIZE)
 
 
 class KeyType(enum.IntEnum):
@@ -143,7 +185,20 @@ class PublicKey:
         return self._der_or_raw
 
     def verify(self, signature: bytes, data: bytes) -> bool:
-        """True if ``signature`` is this key's signature of ``data`` (per the peer-ids spec)."""
+        """True if ``signature`` is this key's signature of ``data`` (per the peer-ids spec).
+        A signature that verified once is remembered (by a digest) and not checked again."""
+        try:
+            digest = _VerifiedSignatures.digest(self, signature, data)
+        except TypeError:  # not bytes-like: nothing anyone signed
+            return False
+        if digest in _VERIFIED:
+            return True
+        if not self._check(signature, data):
+            return False
+        _VERIFIED.add(digest)
+        return True
+
+    def _check(self, signature: bytes, data: bytes) -> bool:
         try:
             if self.key_type is KeyType.ED25519:
                 ed25519.Ed25519PublicKey.from_public_bytes(self._der_or_raw).verify(signature, data)

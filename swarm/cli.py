@@ -312,6 +312,7 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
         num_samples=args.num_samples,
         seed=args.seed,
         diloco=diloco,
+        centered_clip=args.centered_clip,
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
         checkpoint_every=args.checkpoint_every,
     )
@@ -435,6 +436,12 @@ def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         )
         p.add_argument(
             "--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum (0.9)"
+        )
+        p.add_argument(
+            "--centered-clip",
+            action="store_true",
+            help="average with CenteredClip, so one peer's update moves a step by a bounded "
+            "amount whatever it sends (every peer of the run must give it)",
         )
         p.add_argument(
             "--checkpoint",

@@ -25,7 +25,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -120,10 +120,14 @@ class CollaborativeOptimizer:
             prefix=config.run_id,
             matchmaking=config.matchmaking,
             allreduce=replace(config.allreduce, codec=codec),
+            aggregation=config.aggregation,
         )
         named = {str(i): b for i, b in enumerate(self.buffers)}
         self._averager = Averager(dht.node, named, averager_config)
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()  # the tracker's: read now (or stop)
+        self._hurry = False  # someone waits on the progress records: read them often
+        self._published: tuple[PeerProgress, float] | None = None  # and when (monotonic)
         self._closed = False
         # The progress tracker and every publish in flight: close() ends them (the DHT
         # loop's thread only).
@@ -238,6 +242,17 @@ class CollaborativeOptimizer:
     def _average(self, samples: int, num_peers: int) -> bool:
         """Average the buffers with the swarm (in place). False if no group formed while
         other peers are live: they stepped without us, so our state is stale."""
+        if not all(bool(torch.isfinite(b).all()) for b in self.buffers):
+            # A diverged model or a bad batch: sending it would poison (or, the round
+            # refusing it, stall) everyone. Drop it and take the swarm's state instead.
+            logger.warning(
+                "epoch %d: this peer's update holds NaN or infinity; dropped, resyncing",
+                self.epoch,
+            )
+            self._samples = 0
+            for b in self.buffers:
+                b.zero_()
+            return False
         if num_peers <= 1:  # nobody else is training: no group to look for
             self._stepped_alone()
             return True
@@ -279,9 +294,10 @@ class CollaborativeOptimizer:
             return view
         self._publish_now()
         deadline = time.monotonic() + self.config.max_wait_seconds
-        while not view.ready and time.monotonic() < deadline and not self._behind_view(view):
-            time.sleep(self.config.progress_interval / 4)
-            view = self._summary()
+        with self._hurrying():
+            while not view.ready and time.monotonic() < deadline and not self._behind_view(view):
+                time.sleep(self.config.progress_interval / 4)
+                view = self._summary()
         return view
 
     def _wait_for_outer_step(self) -> None:
@@ -290,19 +306,20 @@ class CollaborativeOptimizer:
         self._publish_now()
         deadline = time.monotonic() + self.config.max_wait_seconds
         me = self.dht.peer.peer_id
-        while time.monotonic() < deadline:
-            now = dht_time()
-            waiting = [
-                r
-                for p, r in self._records.items()
-                if p != me
-                and now - r.time <= self.config.progress_expiration
-                and r.epoch == self.epoch
-                and not r.averaging
-            ]
-            if not waiting:
-                return
-            time.sleep(self.config.progress_interval / 4)
+        with self._hurrying():
+            while time.monotonic() < deadline:
+                now = dht_time()
+                waiting = [
+                    r
+                    for p, r in self._records.items()
+                    if p != me
+                    and now - r.time <= self.config.progress_expiration
+                    and r.epoch == self.epoch
+                    and not r.averaging
+                ]
+                if not waiting:
+                    return
+                time.sleep(self.config.progress_interval / 4)
 
     def _behind_view(self, view: SwarmProgress) -> bool:
         return view.epoch > self.epoch
@@ -417,8 +434,24 @@ class CollaborativeOptimizer:
         with contextlib.suppress(PeersError, RuntimeError):  # the DHT's peer is closed
             self.dht.peer.submit(self._tasks.run(self._publish(self._mine())))
 
+    @contextlib.contextmanager
+    def _hurrying(self) -> Iterator[None]:
+        """While inside, the tracker reads everyone's progress every ``progress_interval``
+        (the training thread is polling the records), not every ``refresh_interval``."""
+        self._hurry = True
+        with contextlib.suppress(PeersError, RuntimeError):  # the DHT's peer is closed
+            self.dht.peer.submit(self._wake_tracker())
+        try:
+            yield
+        finally:
+            self._hurry = False
+
+    async def _wake_tracker(self) -> None:
+        self._wake.set()
+
     async def _publish(self, progress: PeerProgress) -> None:
         node: DHT = self.dht.node
+        self._published = (progress, time.monotonic())
         expiration = dht_time() + self.config.progress_expiration
         with contextlib.suppress(Exception):  # progress is best effort; the next one wins
             await node.store(
@@ -429,18 +462,43 @@ class CollaborativeOptimizer:
             )
 
     async def _track_progress(self) -> None:
-        """Publish my progress and read everyone's, every ``progress_interval``."""
+        """Read everyone's progress every ``refresh_interval``, or ``progress_interval``
+        while the training thread waits on it; publish mine when it changed (at most
+        every ``progress_interval``) and every ``refresh_interval`` regardless."""
         node: DHT = self.dht.node
         while not self._stop.is_set():
-            await self._publish(self._mine())
+            mine = self._mine()
+            if self._stale(mine):
+                await self._publish(mine)
             with contextlib.suppress(Exception):
                 found = await node.get(self._progress_key)
                 if isinstance(found, dict):
                     self._records = _parse_records(found)
             self._first_read.set()
+            self._wake.clear()
+            interval = self.config.progress_interval
+            if not self._hurry:
+                interval = self.config.refresh_interval
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.progress_interval):
-                    await self._stop.wait()
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()  # close() sets it too
+
+    def _stale(self, mine: PeerProgress) -> bool:
+        """Whether the record others see of me should be republished now."""
+        if self._published is None:
+            return True
+        last, at = self._published
+        age = time.monotonic() - at
+        if age >= self.config.refresh_interval:
+            return True
+        changed = (mine.epoch, mine.samples, mine.averaging, mine.fingerprint, mine.expect) != (
+            last.epoch,
+            last.samples,
+            last.averaging,
+            last.fingerprint,
+            last.expect,
+        )
+        return changed and age >= self.config.progress_interval
 
     # --- state ------------------------------------------------------------------------
 
@@ -540,12 +598,13 @@ class CollaborativeOptimizer:
         self._expect = max(1, num_peers)
         self._publish_now()
         self._first_read.wait(timeout)
-        while time.monotonic() < deadline:
-            live = self._live()
-            wanted = max((r.expect for r in live.values() if r.epoch == 0), default=1)
-            if len(live) >= wanted or any(r.epoch > 0 for r in live.values()):
-                break
-            time.sleep(self.config.progress_interval)
+        with self._hurrying():
+            while time.monotonic() < deadline:
+                live = self._live()
+                wanted = max((r.expect for r in live.values() if r.epoch == 0), default=1)
+                if len(live) >= wanted or any(r.epoch > 0 for r in live.values()):
+                    break
+                time.sleep(self.config.progress_interval)
         self._expect = 1
         return len(self._live())
 
@@ -582,6 +641,7 @@ class CollaborativeOptimizer:
 
         async def stop() -> None:
             self._stop.set()
+            self._wake.set()
             # A publish still in flight would outlive us, and maybe the DHT under it.
             await self._tasks.close(CANCEL_TIMEOUT_SECONDS)
             await self._averager.__aexit__(None, None, None)

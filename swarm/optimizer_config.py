@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from averaging import AllReduceConfig, MatchmakingConfig
+from averaging import AllReduceConfig, CenteredClipConfig, MatchmakingConfig
 from swarm.errors import SwarmError
 
 
@@ -73,8 +73,20 @@ class CollaborativeConfig:
     """Groups for each averaging round (sizes come from the progress records)."""
     allreduce: AllReduceConfig = field(default_factory=_default_allreduce)
     """Round timeouts and chunking of the averaging rounds."""
+    aggregation: CenteredClipConfig | None = None
+    """CenteredClip instead of the mean in every round (``CenteredClipConfig()``: the
+    spread rule picks each part's radius), so that one peer's gradient (or DiLoCo
+    parameter change) moves the step by a bounded amount whatever it sends. Every peer
+    of a run must choose the same (it is part of the averaging schema). None: the
+    sample-weighted mean, which one peer can move anywhere."""
     progress_interval: float = 0.05
-    """Seconds between this peer's progress publications (and reads of everyone's)."""
+    """Seconds between reads of everyone's progress while this peer waits for the others
+    (its share of the batch is done, or it waits for a round or for the run to start),
+    and the shortest time between two publications of a changed record of its own."""
+    refresh_interval: float = 0.5
+    """Seconds between reads of everyone's progress while this peer is busy with its own
+    samples, and between republications of an unchanged record. Polling at
+    ``progress_interval`` all the time cost a small model's peer most of a CPU core."""
     progress_expiration: float = 10.0
     """A peer whose last progress record is older than this is counted as gone."""
     max_wait_seconds: float = 2.0
@@ -90,6 +102,7 @@ class CollaborativeConfig:
             raise OptimizerError("target_batch_size must be a positive int")
         for name in (
             "progress_interval",
+            "refresh_interval",
             "progress_expiration",
             "max_wait_seconds",
             "state_timeout",
@@ -97,8 +110,15 @@ class CollaborativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise OptimizerError(f"{name} must be a positive number of seconds")
-        if self.progress_expiration <= 2 * self.progress_interval:
-            raise OptimizerError("progress_expiration must exceed two progress intervals")
+        if self.aggregation is not None and not isinstance(self.aggregation, CenteredClipConfig):
+            raise OptimizerError("aggregation must be None or an averaging.CenteredClipConfig")
+        if self.refresh_interval < self.progress_interval:
+            raise OptimizerError("refresh_interval must be at least progress_interval")
+        if self.progress_expiration <= 2 * self.refresh_interval:
+            raise OptimizerError(
+                "progress_expiration must exceed two refresh intervals (a live peer's "
+                "record would expire between two of its publications)"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,8 @@ def join_command(config: TrainerConfig, initial_peers: Sequence[str]) -> str:
         parts += ["--target-batch-size", str(config.target_batch_size)]
     if config.diloco is not None:
         parts += ["--diloco", str(config.diloco.inner_steps)]
+    if config.centered_clip:
+        parts.append("--centered-clip")
     return " ".join(parts)
 
 

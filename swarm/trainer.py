@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from averaging import CenteredClipConfig
 from peers.config import PeerConfig
 from peers.dht import BlockingDHT, DHTConfig
 from peers.identity import KeyPair, PeerID
@@ -83,6 +84,9 @@ class TrainerConfig:
     """The local optimizer; None: the task's recipe."""
     diloco: DiLoCoConfig | None = None
     """DiLoCo mode instead of gradient averaging."""
+    centered_clip: bool = False
+    """Average with CenteredClip under the spread rule (``CollaborativeConfig.aggregation``)
+    instead of the mean: robust to a minority of peers sending poisoned updates."""
     checkpoint: Path | None = None
     """Resume from this file if it exists, and save to it after training, when
     interrupted (Ctrl-C, SIGTERM) and every ``checkpoint_every`` epochs."""
@@ -119,9 +123,23 @@ class TrainerConfig:
                 "bootstrap --identity KEY --allow ...` and give its address as initial peers"
             )
         # the run id, DiLoCo settings and overrides are checked where they are used
+        if not isinstance(self.centered_clip, bool):
+            raise TaskError(f"centered_clip must be a bool, got {self.centered_clip!r}")
         CollaborativeConfig(
-            run_id=self.run_id, target_batch_size=1, diloco=self.diloco, **self.collaborative
+            run_id=self.run_id,
+            target_batch_size=1,
+            diloco=self.diloco,
+            **_aggregation(self),
+            **self.collaborative,
         )
+
+
+def _aggregation(config: TrainerConfig) -> dict[str, Any]:
+    """``centered_clip`` as the CollaborativeConfig field it stands for (unless the
+    overrides set that field themselves)."""
+    if not config.centered_clip or "aggregation" in config.collaborative:
+        return {}
+    return {"aggregation": CenteredClipConfig()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +224,7 @@ def train(
         run_id=config.run_id,
         target_batch_size=target,
         diloco=config.diloco,
+        **_aggregation(config),
         **config.collaborative,
     )
     started = time.monotonic()

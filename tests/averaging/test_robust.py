@@ -34,6 +34,7 @@ from averaging import (
     RoundResult,
     RoundSpec,
     centered_clip,
+    spread_radius,
 )
 from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO
 from averaging.reduction import capped_sample_weights
@@ -181,6 +182,9 @@ def test_config_is_validated() -> None:
         {"num_iterations": 2.0},
         {"tolerance": -1.0},
         {"weigh_by_samples": 1},
+        {"spread_factor": 0.0},
+        {"spread_factor": float("nan")},
+        {"spread_factor": "2"},
     ]
     for bad in bad_fields:
         with pytest.raises(ValueError):
@@ -195,6 +199,80 @@ def test_config_is_validated() -> None:
             me=_IDS[0],
             aggregation=1.0,  # type: ignore[arg-type]
         )
+
+
+# --- the spread rule (tau=None) ---------------------------------------------------------
+
+
+def _gradients(seed: int, n: int, d: int) -> torch.Tensor:
+    """``n`` honest "gradients": a shared signal plus per-peer noise of the same size."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(d, generator=g) + torch.randn(n, d, generator=g)).double()
+
+
+def test_spread_rule_honest_rounds_are_the_mean(seed: int) -> None:
+    x = _gradients(seed, 8, 2000)
+    got = centered_clip(x, torch.ones(8), tau=None, num_iterations=20)
+    torch.testing.assert_close(got, x.mean(0), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("hostile", [1, 3, 7])
+def test_a_minority_cannot_inflate_the_spread_radius(hostile: int, seed: int) -> None:
+    """Up to 7 of 16 senders send anything (huge, or all alike, far away): the radius
+    stays at most the farthest honest sender's distance from the median, and the
+    result within spread_factor times it, times the hostile share, of the honest mean."""
+    x = _gradients(seed, 16, 1000)
+    honest = x[hostile:]
+    x[:hostile] = x[:hostile] * -1e6
+    weights = torch.ones(16, dtype=torch.float64)
+    radius = spread_radius(x, weights)
+    median = averaging.robust._weighted_median(x, weights / 16)
+    farthest_honest = float((honest - median).norm(dim=1).max())
+    assert 0 < radius <= farthest_honest * (1 + 1e-12)  # equal at 7 of 16: the 9th distance
+    tau = 2.0 * radius
+    got = centered_clip(x, weights, tau=None, num_iterations=1000, tolerance=1e-9)
+    share = hostile / (16 - hostile)
+    assert _distance(got, honest.mean(0)) <= tau * share * (1 + 1e-6)
+    plain = _distance(x.mean(0), honest.mean(0))
+    assert plain > 1000 * _distance(got, honest.mean(0))
+
+
+def test_spread_rule_with_most_senders_identical_gives_their_value() -> None:
+    x = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [50.0, -7.0], [9.0, 9.0]])
+    assert spread_radius(x, torch.ones(5)) == 0.0
+    got = centered_clip(x, torch.ones(5), tau=None, num_iterations=20)
+    assert torch.equal(got, x[0])
+
+
+def test_spread_rule_is_scale_free(seed: int) -> None:
+    """Scaling every input scales the result alike (a fixed tau would not): the rule
+    follows gradients as they shrink over training, down to denormal-adjacent scales."""
+    x = _gradients(seed, 6, 500)
+    x[0] *= -1000
+    reference = centered_clip(x, torch.ones(6), tau=None, num_iterations=50)
+    for scale in (1e-30, 1e-3, 1e20):
+        scaled = centered_clip(x * scale, torch.ones(6), tau=None, num_iterations=50)
+        torch.testing.assert_close(scaled / scale, reference, rtol=1e-9, atol=0)
+
+
+def test_sixteen_peers_one_poisoned_under_the_spread_rule(seed: int) -> None:
+    """A butterfly round with ``tau=None``: each reducer measures its part's radius from
+    its inputs, and every part's result stays within that radius / 15 of the honest
+    mean, with no tau to choose."""
+    rng = random.Random(seed)
+    local, honest_mean, _ = _poisoned_vectors(seed)
+    config = CenteredClipConfig()
+    spec = _spec(16, 4096, 64, rng, config)
+    group = Group(spec, local, dict.fromkeys(_IDS, 1.0), seed)
+    group.run()
+    result = group.results()[0].averaged
+    ones = torch.ones(16, dtype=torch.float64)
+    for start, end in spec.parts():
+        inputs = torch.stack([local[p][start:end] for p in sorted(_IDS)]).double()
+        part_tau = config.spread_factor * spread_radius(inputs, ones)
+        slack = config.tolerance * part_tau + EPS32 * float(result[start:end].norm())
+        got = _distance(result[start:end], honest_mean[start:end])
+        assert got <= part_tau / 15 + slack, (start, got, part_tau)
 
 
 # --- butterfly rounds -----------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from peers import IdentityError, KeyPair, KeyType, PeerID, PublicKey
+from peers import identity as identity_module
 
 # libp2p specs, peer-ids/peer-ids.md, "Test vectors" (hex of the protobuf encodings).
 SPEC_ED25519_PRIVATE = bytes.fromhex(
@@ -67,6 +68,42 @@ def test_sign_and_verify() -> None:
     assert pair.public_key.verify(signature, b"message")
     assert not pair.public_key.verify(signature, b"other message")
     assert not KeyPair.generate().public_key.verify(signature, b"message")
+
+
+def test_a_good_signature_is_checked_once_and_remembered_for_that_key_and_data_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    checks: list[bytes] = []
+    real_check = PublicKey._check
+
+    def counting(self: PublicKey, signature: bytes, data: bytes) -> bool:
+        checks.append(data)
+        return real_check(self, signature, data)
+
+    monkeypatch.setattr(PublicKey, "_check", counting)
+    pair, other = KeyPair.generate(), KeyPair.generate()
+    signature = pair.sign(b"record")
+    assert pair.public_key.verify(signature, b"record")
+    assert pair.public_key.verify(signature, b"record")
+    assert checks == [b"record"]  # the second answer came from the cache
+    # What was remembered vouches for nothing else: another key, message or signature.
+    assert not other.public_key.verify(signature, b"record")
+    assert not pair.public_key.verify(signature, b"recorc")
+    forged = bytes([signature[0] ^ 1]) + signature[1:]
+    assert not pair.public_key.verify(forged, b"record")
+    assert not pair.public_key.verify(forged, b"record")  # refused again, not cached
+    assert len(checks) == 5
+    assert not pair.public_key.verify("not bytes", b"record")  # type: ignore[arg-type]
+
+
+def test_the_signature_cache_is_bounded_and_forgets_the_oldest() -> None:
+    cache = identity_module._VerifiedSignatures(2)
+    for digest in (b"a", b"b", b"c"):
+        cache.add(digest)
+    assert b"a" not in cache and b"b" in cache and b"c" in cache
+    assert b"b" in cache  # a hit makes it the newest
+    cache.add(b"d")
+    assert b"c" not in cache and b"b" in cache
 
 
 def test_key_file_round_trip_with_mode_0600(tmp_path: Path) -> None:

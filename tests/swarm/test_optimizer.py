@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
+import pytest
 import torch
 
 from peers import KeyPair
@@ -58,3 +60,54 @@ def test_close_cancels_the_progress_publishes_in_flight() -> None:
             return len(opt._tasks)
 
         assert dht.peer.run(left(), timeout=5) == 0
+
+
+def test_config_checks_the_cadence_and_the_aggregation() -> None:
+    from averaging import CenteredClipConfig
+    from swarm.optimizer_config import OptimizerError
+
+    CollaborativeConfig(run_id="r", target_batch_size=8, aggregation=CenteredClipConfig())
+    bad: list[dict[str, object]] = [
+        {"refresh_interval": 0.01},  # below progress_interval
+        {"refresh_interval": 6.0},  # a live record would expire between publications
+        {"refresh_interval": 0.0},
+        {"aggregation": "centered-clip"},
+    ]
+    for fields in bad:
+        with pytest.raises(OptimizerError):
+            CollaborativeConfig(run_id="r", target_batch_size=8, **fields)  # type: ignore[arg-type]
+
+
+def test_a_record_is_republished_when_it_changed_or_grew_old() -> None:
+    with BlockingDHT() as dht:
+        param = torch.nn.Parameter(torch.zeros(4))
+        config = CollaborativeConfig(run_id="cadence", target_batch_size=8)
+        with CollaborativeOptimizer(torch.optim.SGD([param], lr=0.1), dht, config) as opt:
+            mine = opt._mine()
+            now = time.monotonic()
+            opt._published = (mine, now)
+            assert not opt._stale(mine)  # unchanged and fresh
+            more = dataclasses.replace(mine, samples=mine.samples + 4, time=mine.time + 0.01)
+            assert not opt._stale(more)  # changed, but published within progress_interval
+            opt._published = (mine, now - 2 * config.progress_interval)
+            assert opt._stale(more)
+            assert not opt._stale(dataclasses.replace(mine, time=mine.time + 0.1))  # same content
+            opt._published = (mine, now - config.refresh_interval)
+            assert opt._stale(mine)  # unchanged, but due for a refresh
+
+
+def test_a_nan_update_is_dropped_and_training_goes_on() -> None:
+    """A diverged batch's gradient never reaches a round (nor, alone, the parameters):
+    the peer drops it, tries to resync, and its next finite step is taken."""
+    with BlockingDHT() as dht:
+        param = torch.nn.Parameter(torch.ones(4))
+        config = CollaborativeConfig(run_id="nan", target_batch_size=8, state_timeout=1.0)
+        with CollaborativeOptimizer(torch.optim.SGD([param], lr=0.5), dht, config) as opt:
+            param.grad = torch.tensor([1.0, float("nan"), 0.0, float("inf")])
+            opt.step(8)
+            assert opt.epoch == 0 and opt.accumulated == 0
+            assert torch.equal(param.detach(), torch.ones(4))
+            param.grad = torch.full((4,), 2.0)
+            opt.step(8)
+            assert opt.epoch == 1
+            assert torch.equal(param.detach(), torch.zeros(4))  # 1 - 0.5 * 2

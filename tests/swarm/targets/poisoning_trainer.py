@@ -1,0 +1,29 @@
+"""A LocalSwarm target: a hostile trainer. It trains like ``trainer_node`` but sends its
+gradient (or DiLoCo parameter change) times ``poison`` (default -1000) into every
+averaging round; it takes the round's result like everyone else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peers.testing import Node, load_target
+from swarm.optimizer import CollaborativeOptimizer
+
+trainer_node = load_target(f"{Path(__file__).parent / 'trainer_node.py'}:trainer_node")
+
+
+async def poisoning_trainer(node: Node) -> None:
+    factor = float(node.options.get("poison", -1000.0))
+    honest_average = CollaborativeOptimizer._average
+
+    def poisoned(self: CollaborativeOptimizer, *args: Any, **kwargs: Any) -> bool:
+        with torch.no_grad():
+            for b in self.buffers:
+                b.mul_(factor)
+        return honest_average(self, *args, **kwargs)
+
+    CollaborativeOptimizer._average = poisoned  # type: ignore[method-assign]
+    await trainer_node(node)
