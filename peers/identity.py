@@ -184,9 +184,13 @@ class PublicKey:
         """The key bytes inside the protobuf (32 bytes for Ed25519)."""
         return self._der_or_raw
 
-    def verify(self, signature: bytes, data: bytes) -> bool:
+    def verify(self, signature: bytes, data: bytes, *, remember: bool = False) -> bool:
         """True if ``signature`` is this key's signature of ``data`` (per the peer-ids spec).
-        A signature that verified once is remembered (by a digest) and not checked again."""
+        ``remember``: for signatures that come back again and again (DHT records), a good
+        one is remembered by a digest and not checked again; handshakes, whose signatures
+        never repeat, do not fill the memory."""
+        if not remember:
+            return self._check(signature, data)
         try:
             digest = _VerifiedSignatures.digest(self, signature, data)
         except TypeError:  # not bytes-like: nothing anyone signed

@@ -262,7 +262,7 @@ class CollaborativeOptimizer:
                 self._averager.step(
                     self.epoch,
                     weight=float(max(samples, 1)),
-                    target_group_size=max(num_peers, 2),
+                    target_group_size=max(self._expected_group(), 2),
                 ),
                 timeout=timeout + self.config.allreduce.round_timeout + 5.0,
             )
@@ -283,6 +283,21 @@ class CollaborativeOptimizer:
             logger.info("epoch %d: round not agreed (%s); resyncing", self.epoch, report)
             return False
         return True
+
+    def _expected_group(self) -> int:
+        """Peers expected in this epoch's round, me included: the live ones in this epoch
+        that added samples to it or started averaging. A member that delivered nothing
+        has no part in the round (its slot was filled by others) and does not come:
+        counting it would make every round wait out the gather window for it."""
+        now, me = dht_time(), self.dht.peer.peer_id
+        return 1 + sum(
+            1
+            for p, r in self._records.items()
+            if p != me
+            and now - r.time <= self.config.progress_expiration
+            and r.epoch == self.epoch
+            and (r.samples or r.averaging)
+        )
 
     def _wait_for_swarm(self, *, always: bool = False) -> SwarmProgress:
         """Once this peer has its share of the global batch (or ``always``), wait (a

@@ -93,6 +93,12 @@ class TrainerConfig:
     checkpoint_every: int = 0
     """Also save the checkpoint after every this many epochs (0: only at the end and
     when interrupted)."""
+    slow_peer_seconds: float = 30.0
+    """Patience with a member that publishes progress but delivered nothing to an epoch
+    (slow, or stuck in a state download): once this peer has done its slot, it fills
+    such a member's slot only after this long. A member that used it up once gets none
+    until it delivers again: a peer that holds a slot and never trains costs the swarm
+    one wait, not one per step."""
     collaborative: dict[str, Any] = field(default_factory=dict)
     """Overrides of :class:`CollaborativeConfig` fields (e.g. timeouts, in tests)."""
 
@@ -123,6 +129,9 @@ class TrainerConfig:
                 "bootstrap --identity KEY --allow ...` and give its address as initial peers"
             )
         # the run id, DiLoCo settings and overrides are checked where they are used
+        slow = self.slow_peer_seconds
+        if isinstance(slow, bool) or not isinstance(slow, int | float) or not 0 <= slow < math.inf:
+            raise TaskError(f"slow_peer_seconds must be >= 0 seconds, got {slow!r}")
         if not isinstance(self.centered_clip, bool):
             raise TaskError(f"centered_clip must be a bool, got {self.centered_clip!r}")
         CollaborativeConfig(
@@ -236,7 +245,7 @@ def train(
                 opt.wait_for_peers(config.num_peers, timeout=STARTUP_WAIT_SECONDS)
                 opt.load_state_from_peers()  # one may have stepped meanwhile
             stream = SampleStream(task.num_train, config.seed)
-            dealer = _Dealer(opt, config.run_id, plan)
+            dealer = _Dealer(opt, config.run_id, plan, config.slow_peer_seconds)
             loss_value = math.nan
             network = _NetworkReport(dht, on_network)
             saved = opt.epoch
@@ -280,9 +289,6 @@ def train(
 
 #: A member whose progress record is this fresh is alive and busy with its slot.
 LIVE_RECORD_SECONDS = 2.0
-#: After this long with our slot done, a member that still delivered nothing has its
-#: slot filled even if it is publishing (stuck, say, in a state download that fails).
-SLOW_PEER_SECONDS = 30.0
 
 
 class _Dealer:
@@ -292,12 +298,17 @@ class _Dealer:
     among the members it sees (in pieces of at most ``local_batch_size``); once that is
     done and the swarm has not stepped within ``max_wait_seconds``, the slots it is to
     fill for members that delivered nothing and stopped publishing (a dead peer; after
-    :data:`SLOW_PEER_SECONDS`, any that delivered nothing); then nothing (``None``:
-    wait). DiLoCo mode: its slot of global step
-    ``epoch * inner_steps + inner_step`` each local step."""
+    ``slow_peer_seconds``, any that delivered nothing; at once, one that used up that
+    patience before and has delivered nothing since); then nothing (``None``: wait).
+    DiLoCo mode: its slot of global step ``epoch * inner_steps + inner_step`` each local
+    step."""
 
-    def __init__(self, opt: CollaborativeOptimizer, run_id: str, plan: RunPlan) -> None:
+    def __init__(
+        self, opt: CollaborativeOptimizer, run_id: str, plan: RunPlan, patience: float
+    ) -> None:
         self._opt = opt
+        self._patience = patience
+        self._slow: set[PeerID] = set()  # used up our patience; none until they deliver
         self._run_id = run_id
         self._plan = plan
         self._me = opt.dht.peer.peer_id
@@ -322,10 +333,14 @@ class _Dealer:
         elif not self._pending:
             now = time.monotonic()
             self._done_at = self._done_at or now
-            delivered = opt.delivered() | self._taken
-            if now - self._done_at < SLOW_PEER_SECONDS:
+            delivered = opt.delivered()
+            self._slow -= delivered  # it delivered (again): patience, as for anyone
+            delivered |= self._taken
+            if now - self._done_at < self._patience:
                 # a member still publishing is slow, not gone: its slot stays its own
-                delivered |= opt.working(within=LIVE_RECORD_SECONDS)
+                delivered |= opt.working(within=LIVE_RECORD_SECONDS) - self._slow
+            else:
+                self._slow |= set(self._order) - delivered
             taken = takeover_slots(self._order, self._me, delivered, opt.epoch, target)
             for peer, slot in taken.items():
                 self._pending += self._pieces(slot)

@@ -197,6 +197,6 @@ def validate(record: Record, now: float) -> Record:
     record = replace(record, expiration_time=expiration)
     if not record.signature:
         raise RecordError(RecordErrorReason.MISSING_SIGNATURE, f"the owner is {owner}")
-    if not public_key.verify(record.signature, record.signing_payload()):
+    if not public_key.verify(record.signature, record.signing_payload(), remember=True):
         raise RecordError(RecordErrorReason.BAD_SIGNATURE, f"not signed by its owner {owner}")
     return record

@@ -83,17 +83,21 @@ def test_a_good_signature_is_checked_once_and_remembered_for_that_key_and_data_o
     monkeypatch.setattr(PublicKey, "_check", counting)
     pair, other = KeyPair.generate(), KeyPair.generate()
     signature = pair.sign(b"record")
-    assert pair.public_key.verify(signature, b"record")
-    assert pair.public_key.verify(signature, b"record")
+    assert pair.public_key.verify(signature, b"record", remember=True)
+    assert pair.public_key.verify(signature, b"record", remember=True)
     assert checks == [b"record"]  # the second answer came from the cache
     # What was remembered vouches for nothing else: another key, message or signature.
-    assert not other.public_key.verify(signature, b"record")
-    assert not pair.public_key.verify(signature, b"recorc")
+    assert not other.public_key.verify(signature, b"record", remember=True)
+    assert not pair.public_key.verify(signature, b"recorc", remember=True)
     forged = bytes([signature[0] ^ 1]) + signature[1:]
-    assert not pair.public_key.verify(forged, b"record")
-    assert not pair.public_key.verify(forged, b"record")  # refused again, not cached
+    assert not pair.public_key.verify(forged, b"record", remember=True)
+    assert not pair.public_key.verify(forged, b"record", remember=True)  # refused again, not cached
     assert len(checks) == 5
-    assert not pair.public_key.verify("not bytes", b"record")  # type: ignore[arg-type]
+    assert not pair.public_key.verify("not bytes", b"record", remember=True)  # type: ignore[arg-type]
+    handshake = pair.sign(b"handshake")
+    assert pair.public_key.verify(handshake, b"handshake")
+    assert pair.public_key.verify(handshake, b"handshake")
+    assert checks[-2:] == [b"handshake", b"handshake"]  # not asked to remember: checked each time
 
 
 def test_the_signature_cache_is_bounded_and_forgets_the_oldest() -> None:
