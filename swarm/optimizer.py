@@ -288,16 +288,10 @@ class CollaborativeOptimizer:
         """Peers expected in this epoch's round, me included: the live ones in this epoch
         that added samples to it or started averaging. A member that delivered nothing
         has no part in the round (its slot was filled by others) and does not come:
-        counting it would make every round wait out the gather window for it."""
-        now, me = dht_time(), self.dht.peer.peer_id
-        return 1 + sum(
-            1
-            for p, r in self._records.items()
-            if p != me
-            and now - r.time <= self.config.progress_expiration
-            and r.epoch == self.epoch
-            and (r.samples or r.averaging)
-        )
+        counting it would make every round wait out the gather window for it (mine says
+        it is averaging by now)."""
+        live = self._live().values()
+        return max(1, sum(1 for r in live if r.epoch == self.epoch and (r.samples or r.averaging)))
 
     def _wait_for_swarm(self, *, always: bool = False) -> SwarmProgress:
         """Once this peer has its share of the global batch (or ``always``), wait (a

@@ -103,6 +103,7 @@ def test_train_starts_a_swarm_and_join_trains_with_it() -> None:
         (["demo", "--num-peers", "1"], "error: num_peers must be in [2, 16], got 1"),
         (["demo", "--task", "imagenet"], "error: unknown task 'imagenet'"),
         (["demo", "--timeout", "0"], "error: argument --timeout: must be positive"),
+        (["train", "--centered-clip=yes"], "argument --centered-clip: ignored explicit argument"),
     ],
 )
 def test_bad_flags_fail_with_a_clear_error_and_exit_code_2(args: list[str], message: str) -> None:

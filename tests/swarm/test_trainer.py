@@ -11,11 +11,36 @@ import pytest
 import torch
 
 from swarm.checkpoint import read_state
-from swarm.errors import CheckpointError
+from swarm.errors import CheckpointError, TaskError
 from swarm.trainer import TrainerConfig, train
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 JSON = ["--progress", "json"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"slow_peer_seconds": -1.0},
+        {"slow_peer_seconds": float("inf")},
+        {"slow_peer_seconds": "30"},
+        {"slow_peer_seconds": True},
+        {"centered_clip": "yes"},
+    ],
+)
+def test_bad_patience_or_aggregation_is_refused(fields: dict[str, object]) -> None:
+    with pytest.raises(TaskError, match=next(iter(fields))):
+        TrainerConfig(task="digits", **fields)  # type: ignore[arg-type]
+
+
+def test_centered_clip_becomes_the_optimizer_aggregation() -> None:
+    from averaging import CenteredClipConfig
+    from swarm.trainer import _aggregation
+
+    assert _aggregation(TrainerConfig(task="digits", centered_clip=True)) == {
+        "aggregation": CenteredClipConfig()
+    }
+    assert _aggregation(TrainerConfig(task="digits")) == {}
 
 
 def test_a_lone_peer_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
