@@ -23,8 +23,9 @@ from typing import Any
 from peers.dht.node import DHT, DHTConfig, ValueWithExpiration, dht_time
 from peers.testing import Node
 
-#: Gets run at once per ``get`` command: enough to overlap lookups, few enough for a
-#: 2-core machine running dozens of nodes.
+#: Gets (and stores) run at once per command: enough to overlap lookups, few enough for
+#: a 2-core machine running dozens of nodes. Unbounded, a writer's 125 stores at once
+#: time out at slow replicas and a record lands on fewer of its replicas than it should.
 CONCURRENT_GETS = 16
 
 
@@ -51,6 +52,16 @@ async def _get_many(
     return list(await asyncio.gather(*(one(k) for k in keys)))
 
 
+async def _store_many(dht: DHT, items: list[list[Any]], ttl: float) -> list[bool]:
+    semaphore = asyncio.Semaphore(CONCURRENT_GETS)
+
+    async def one(key: str, value: Any) -> bool:
+        async with semaphore:
+            return await dht.store(key, value, dht_time() + ttl)
+
+    return list(await asyncio.gather(*(one(k, v) for k, v in items)))
+
+
 async def dht_node(node: Node) -> None:
     options = node.options
     config = DHTConfig(
@@ -66,9 +77,7 @@ async def dht_node(node: Node) -> None:
             op = command.get("op")
             if op == "store":
                 ttl = float(command.get("ttl", 600))
-                results = await asyncio.gather(
-                    *(dht.store(k, v, dht_time() + ttl) for k, v in command["items"])
-                )
+                results = await _store_many(dht, command["items"], ttl)
                 node.report({"event": "stored", "ok": sum(results)})
             elif op == "get":
                 got = await _get_many(dht, command["keys"], float(command.get("timeout", 10)))
