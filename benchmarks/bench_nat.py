@@ -212,16 +212,20 @@ def training(scenario: str, steps: int) -> float:
             end: tuple[float, int] | None = None
             for line in first.stdout:  # bounded: the run ends after ``steps`` steps
                 record = json.loads(line) if line.startswith("{") else {}
-                # progress lines come at most every 0.25 s; the last one marks the end
-                # (not the result line, which follows leaving the swarm and evaluating)
+                # every new epoch prints a progress line: time from the first one past
+                # the warm-up to the first one of the last epoch (not the result line,
+                # which follows leaving the swarm and evaluating)
                 if record.get("event") == "progress" and record["samples"] >= batch * WARM_STEPS:
                     start = start or (time.monotonic(), record["samples"])
-                    end = (time.monotonic(), record["samples"])
+                    if end is None or record["samples"] > end[1]:
+                        end = (time.monotonic(), record["samples"])
             first.wait(timeout=60)
             for proc in joiners:
                 proc.wait(timeout=60)
-            if start is None or end is None or end[0] <= start[0] or first.returncode != 0:
+            if start is None or end is None or first.returncode != 0:
                 raise RuntimeError(f"the training run did not finish (exit {first.returncode})")
+            if end[1] <= start[1] or end[0] <= start[0]:
+                raise RuntimeError(f"no step was timed after the first {WARM_STEPS}: {start, end}")
             return (end[1] - start[1]) / (end[0] - start[0])
         finally:
             for proc in [first, *joiners]:

@@ -255,6 +255,8 @@ def train(
                     slot = dealer.next_slot()
                     if slot is None:  # our part is done: the others are still on theirs
                         opt.wait()
+                        if on_step is not None:  # the epoch may have moved on meanwhile
+                            on_step(opt.statistics(), loss_value)
                         continue
                     loss = task.loss(model, task.examples(stream.indices(slot.start, slot.stop)))
                     loss.backward()  # type: ignore[no-untyped-call]
