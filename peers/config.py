@@ -52,7 +52,15 @@ class PeerConfig:
     max_connections_per_peer: int = limits.MAX_CONNECTIONS_PER_PEER
     """Connections to one PeerID."""
     max_connections_per_ip: int = limits.MAX_CONNECTIONS_PER_IP
-    """Inbound connections (handshaking or established) from one IP address."""
+    """Inbound connections (handshaking or established) from one IP address; an IPv6
+    /64 counts as one address (see :mod:`peers.admission`)."""
+    max_connections_per_subnet: int = limits.MAX_CONNECTIONS_PER_SUBNET
+    """Inbound connections from one public IPv4 /24 or IPv6 /48."""
+    handshake_rate_per_ip: float = limits.HANDSHAKE_RATE_PER_IP
+    """Inbound handshakes per second one IP address (not loopback) may start, once its
+    burst is spent; beyond it, connections are closed as soon as they are accepted."""
+    handshake_burst_per_ip: int = limits.HANDSHAKE_BURST_PER_IP
+    """Inbound handshakes one IP address may start at once after a quiet spell."""
     max_streams_per_connection: int = limits.MAX_STREAMS_PER_CONNECTION
     """Concurrent yamux streams on one connection."""
     allowed_peers: frozenset[PeerID] | None = None
@@ -69,13 +77,20 @@ class PeerConfig:
     libp2p implementations speak; faster on CPUs without AES instructions)."""
 
     def __post_init__(self) -> None:
-        for name in ("dial_timeout", "handshake_timeout", "stream_negotiation_timeout"):
+        for name in (
+            "dial_timeout",
+            "handshake_timeout",
+            "stream_negotiation_timeout",
+            "handshake_rate_per_ip",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         for name in (
             "max_connections",
             "max_connections_per_peer",
             "max_connections_per_ip",
+            "max_connections_per_subnet",
+            "handshake_burst_per_ip",
             "max_streams_per_connection",
         ):
             if getattr(self, name) < 1:

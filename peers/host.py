@@ -41,6 +41,7 @@ from peers.addresses import (
     tcp_target,
     with_peer_id,
 )
+from peers.admission import Admitted, InboundAdmission, Refused
 from peers.config import PeerConfig, PeerStatistics
 from peers.connection import Connection, Stream
 from peers.errors import (
@@ -58,7 +59,7 @@ from peers.errors import (
 )
 from peers.identity import KeyPair, PeerID
 from peers.multistream import MultistreamDialer, MultistreamListener
-from peers.noise import NOISE_CIPHERS
+from peers.noise import NOISE_CIPHERS, NoiseStaticKey
 from peers.rpc import CallContext
 from peers.socket_reader import SocketReader, can_reuse_port, open_connection, start_server
 from peers.stream_socket import stream_as_socket
@@ -97,11 +98,18 @@ class Peer:
         self.config = config or PeerConfig()
         self.identity = self.config.identity or KeyPair.generate()
         self._noise_ciphers = tuple(NOISE_CIPHERS[name] for name in self.config.noise_ciphers)
+        #: One static key for all our handshakes, signed once (see NoiseStaticKey).
+        self._noise_static = NoiseStaticKey.create(self.identity)
         self.peer_id = self.identity.peer_id
         self._handlers: dict[str, StreamHandler] = {}
         self._connections: dict[PeerID, list[Connection]] = defaultdict(list)
         self._dialing: dict[PeerID, asyncio.Future[Connection]] = {}
-        self._inbound_per_ip: dict[str, int] = defaultdict(int)
+        self._admission = InboundAdmission(
+            max_connections_per_ip=self.config.max_connections_per_ip,
+            max_connections_per_subnet=self.config.max_connections_per_subnet,
+            handshake_rate=self.config.handshake_rate_per_ip,
+            handshake_burst=self.config.handshake_burst_per_ip,
+        )
         self._num_connections = 0
         self._servers: list[asyncio.Server] = []
         self._listen_addrs: list[Multiaddr] = []
@@ -265,29 +273,31 @@ class Peer:
     async def _on_tcp_connection(self, reader: SocketReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername") or ("0.0.0.0", 0)
         ip = str(peername[0])
-        if (
-            self._closing
-            or self._num_connections >= self.config.max_connections
-            or self._inbound_per_ip[ip] >= self.config.max_connections_per_ip
-        ):
+        if self._closing or self._num_connections >= self.config.max_connections:
+            admitted: Admitted | Refused = Refused("connection limit reached")
+        else:
+            admitted = self._admission.admit(ip, time.monotonic())
+        if isinstance(admitted, Refused):
             self._counters.inbound_refused += 1
-            logger.info("refusing a connection from %s: connection limit reached", ip)
+            logger.info("refusing a connection from %s: %s", ip, admitted.reason)
             writer.close()
             return
-        self._inbound_per_ip[ip] += 1
         # The server's own task only admits; the connection's life belongs to our group.
-        self._spawn(self._serve_inbound_tcp(reader, writer, ip, int(peername[1])))
+        self._spawn(self._serve_inbound_tcp(reader, writer, admitted, ip, int(peername[1])))
 
     async def _serve_inbound_tcp(
-        self, reader: SocketReader, writer: asyncio.StreamWriter, ip: str, port: int
+        self,
+        reader: SocketReader,
+        writer: asyncio.StreamWriter,
+        admitted: Admitted,
+        ip: str,
+        port: int,
     ) -> None:
         try:
             await self._accept(reader, writer, tcp_multiaddr(ip, port))
         finally:
             writer.close()
-            self._inbound_per_ip[ip] -= 1
-            if not self._inbound_per_ip[ip]:
-                del self._inbound_per_ip[ip]
+            self._admission.release(admitted)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Start work in our TaskGroup, remembered so closing the peer can stop it."""
@@ -334,6 +344,7 @@ class Peer:
             outbound=outbound,
             expected_peer_id=expected,
             ciphers=self._noise_ciphers,
+            static=self._noise_static,
         )
         self._check_allowed(upgraded.remote_peer_id)
         return upgraded

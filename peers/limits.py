@@ -12,10 +12,24 @@ from __future__ import annotations
 #: than this from one identity is a peer trying to multiply its share of our resources.
 MAX_CONNECTIONS_PER_PEER = 4
 
-#: Inbound connections from one IP address, handshaking or established. A local test
-#: swarm runs dozens of peers on 127.0.0.1, so this is generous; on the internet one
-#: host running hundreds of identities is an eclipse attempt.
+#: Inbound connections from one IP address (an IPv6 /64 counts as one), handshaking or
+#: established. A local test swarm runs dozens of peers on 127.0.0.1, so this is
+#: generous; on the internet one host running hundreds of identities is an eclipse
+#: attempt, and the subnet bound below binds first for public addresses.
 MAX_CONNECTIONS_PER_IP = 128
+
+#: Inbound connections from one public IPv4 /24 or IPv6 /48. Sixteen such networks are
+#: needed to take all of MAX_CONNECTIONS; a household or a university lab of
+#: volunteers needs a few each.
+MAX_CONNECTIONS_PER_SUBNET = 64
+
+#: Inbound handshakes one host (not loopback) may start per second, after a burst of
+#: HANDSHAKE_BURST_PER_IP. A peer connects to us once and keeps the connection; a few
+#: volunteers behind one NAT starting at once fit in the burst. Each handshake costs us
+#: about 0.3 ms of CPU (key generation, three Diffie-Hellmans, a signature check), so
+#: one host can take at most a few percent of a core.
+HANDSHAKE_RATE_PER_IP = 10.0
+HANDSHAKE_BURST_PER_IP = 40
 
 #: All connections (both directions). Each costs two tasks and some buffers; a bootstrap
 #: peer on a 1 GiB VPS can afford this many.

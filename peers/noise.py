@@ -379,6 +379,30 @@ def _x25519_key(raw: bytes | None) -> X25519PrivateKey:
     return X25519PrivateKey.from_private_bytes(raw)
 
 
+@dataclass(frozen=True, eq=False)
+class NoiseStaticKey:
+    """A peer's Noise static key with its identity payload (the public identity key and
+    its signature of ``"noise-libp2p-static-key:" || s``), made once and used for every
+    handshake. Without one, each handshake makes and signs a fresh static key: an X25519
+    key generation and an Ed25519 signature that anyone can make us spend by opening a
+    TCP connection and sending 32 bytes. Forward secrecy comes from the ephemeral keys,
+    which stay fresh per handshake (Noise §7.5: ``s`` is long-term)."""
+
+    private_key: X25519PrivateKey
+    payload: bytes
+    peer_id: PeerID
+    """Whose identity the payload proves."""
+
+    @classmethod
+    def create(cls, identity: KeyPair, private_key: bytes | None = None) -> NoiseStaticKey:
+        """A static key for ``identity``: fresh, or the raw 32 bytes (deterministic tests)."""
+        key = _x25519_key(private_key)
+        public = key.public_key().public_bytes_raw()
+        signature = identity.sign(STATIC_KEY_SIGNATURE_PREFIX + public)
+        payload = encode_fields([(1, identity.public_key.to_protobuf()), (2, signature)])
+        return cls(key, payload, identity.peer_id)
+
+
 class NoiseHandshake:
     """libp2p's Noise XX handshake: the Noise state machine plus the identity payloads.
 
@@ -394,19 +418,28 @@ class NoiseHandshake:
         identity: KeyPair,
         expected_peer_id: PeerID | None = None,
         cipher: NoiseCipher = CHACHAPOLY_NOISE,
+        static: NoiseStaticKey | None = None,
         static_private_key: bytes | None = None,
         ephemeral_private_key: bytes | None = None,
     ) -> None:
-        """``cipher`` is the one multistream-select agreed on. The raw 32-byte X25519 keys
-        are for deterministic tests; by default they are fresh. Raises
-        :class:`IdentityError` for a key of the wrong length."""
+        """``cipher`` is the one multistream-select agreed on. ``static``: ``identity``'s
+        long-term static key (:meth:`NoiseStaticKey.create`); without it, a fresh one,
+        or the raw 32 bytes of ``static_private_key``. The raw X25519 keys are for
+        deterministic tests. Raises :class:`IdentityError` for a key of the wrong length,
+        :class:`ValueError` for both ``static`` and ``static_private_key``."""
+        if static is None:
+            static = NoiseStaticKey.create(identity, static_private_key)
+        elif static_private_key is not None:
+            raise ValueError("give static or static_private_key, not both")
+        elif static.peer_id != identity.peer_id:
+            raise ValueError("the static key was made for another identity")
         self._state = XXHandshakeState(
             initiator=initiator,
-            s=_x25519_key(static_private_key),
+            s=static.private_key,
             e=_x25519_key(ephemeral_private_key),
             cipher=cipher,
         )
-        self._identity = identity
+        self._payload = static.payload
         self._expected_peer_id = expected_peer_id
         self._remote_public_key: PublicKey | None = None
         self._remote_peer_id: PeerID | None = None
@@ -436,10 +469,9 @@ class NoiseHandshake:
 
     def write_message(self) -> bytes:
         """Our next handshake message, length-prefixed; LocalProtocolError if not our turn."""
-        state, payload = self._state, b""
-        if state.our_turn and state.message_index > 0:  # messages 2 and 3 identify us
-            signature = self._identity.sign(STATIC_KEY_SIGNATURE_PREFIX + state.static_public)
-            payload = encode_fields([(1, self._identity.public_key.to_protobuf()), (2, signature)])
+        state = self._state
+        # messages 2 and 3 identify us; message 1's payload is empty
+        payload = self._payload if state.our_turn and state.message_index > 0 else b""
         message = state.write_message(payload)
         return _LENGTH.pack(len(message)) + message
 

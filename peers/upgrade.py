@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from peers.errors import HandshakeError, ProtocolNotSupported
 from peers.identity import KeyPair, PeerID, PublicKey
 from peers.multistream import MultistreamDialer, MultistreamListener
-from peers.noise import NOISE_CIPHERS, NoiseCipher, NoiseHandshake, NoiseTransport
+from peers.noise import NOISE_CIPHERS, NoiseCipher, NoiseHandshake, NoiseStaticKey, NoiseTransport
 from peers.yamux import YAMUX_PROTOCOL_ID
 
 #: Bytes read from the socket per step of the handshake.
@@ -87,12 +87,17 @@ async def _noise_handshake(
     source: _Source,
     writer: asyncio.StreamWriter,
     identity: KeyPair,
+    static: NoiseStaticKey | None,
     outbound: bool,
     expected_peer_id: PeerID | None,
     cipher: NoiseCipher,
 ) -> NoiseHandshake:
     handshake = NoiseHandshake(
-        initiator=outbound, identity=identity, expected_peer_id=expected_peer_id, cipher=cipher
+        initiator=outbound,
+        identity=identity,
+        static=static,
+        expected_peer_id=expected_peer_id,
+        cipher=cipher,
     )
     while not handshake.is_complete:
         if handshake.our_turn:
@@ -112,9 +117,11 @@ async def upgrade(
     outbound: bool,
     expected_peer_id: PeerID | None = None,
     ciphers: Sequence[NoiseCipher] = tuple(NOISE_CIPHERS.values()),
+    static: NoiseStaticKey | None = None,
 ) -> UpgradedConnection:
     """Run the whole upgrade; the caller bounds it with a timeout. ``ciphers``: the Noise
-    ciphers we speak, in our order of preference (it decides when we dial).
+    ciphers we speak, in our order of preference (it decides when we dial). ``static``:
+    ``identity``'s long-term Noise static key; a fresh one for this connection if ``None``.
 
     Raises :class:`HandshakeError` (or its subclass ``PeerIDMismatch``) when the remote
     misbehaves, is someone else, or offers neither Noise nor yamux.
@@ -128,7 +135,9 @@ async def upgrade(
     except ProtocolNotSupported as e:
         raise HandshakeError(f"remote speaks none of our Noise ciphers: {e}") from e
     cipher = by_id[selected]
-    handshake = await _noise_handshake(source, writer, identity, outbound, expected_peer_id, cipher)
+    handshake = await _noise_handshake(
+        source, writer, identity, static, outbound, expected_peer_id, cipher
+    )
     transport = handshake.to_transport()
     # Bytes the remote sent right after its last handshake message are transport frames.
     pending = source.take_pending()

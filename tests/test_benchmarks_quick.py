@@ -72,3 +72,24 @@ def test_msgpack_bomb_benchmark_runs() -> None:
     figures = result["figures"]
     assert isinstance(figures, dict)
     assert figures["ours"]["refused"] and not figures["hivemind"]["refused"]
+
+
+@pytest.mark.timeout(200)
+def test_handshake_flood_benchmark_runs() -> None:
+    from peers import limits
+    from peers.netlab import lab_available
+
+    args = ["--quick", "--seconds", "1"] + ([] if HAVE_HIVEMIND else ["--no-hivemind"])
+    result = _run("bench_handshake_flood.py", *args, timeout=180)
+    assert result["benchmark"] == "handshake_flood"
+    if not lab_available()[0]:
+        return
+    figures, ratios = result["figures"], result["ratios"]
+    assert isinstance(figures, dict) and isinstance(ratios, dict)
+    # The rate binds: over a flood of s >= 1 seconds the flooder completes at most the
+    # burst plus s times the rate; and an honest host was served during the flood.
+    bound = limits.HANDSHAKE_BURST_PER_IP + limits.HANDSHAKE_RATE_PER_IP + 1
+    assert 0 < figures["ours_handshakes_per_s"] <= bound
+    assert figures["ours_honest_ping_seconds"] > 0  # NaN when the ping failed
+    if HAVE_HIVEMIND:
+        assert "flood_cpu" in ratios

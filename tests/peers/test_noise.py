@@ -26,6 +26,7 @@ from peers.noise import (
     NoiseCipher,
     NoiseError,
     NoiseHandshake,
+    NoiseStaticKey,
     NoiseTransport,
     XXHandshakeState,
 )
@@ -72,6 +73,35 @@ def test_protocol_constants() -> None:
     assert NOISE_PROTOCOL_ID == "/noise"
     assert MAX_NOISE_FRAME_BYTES == 65535
     assert MAX_PLAINTEXT_PER_FRAME == 65535 - 16
+
+
+def test_a_static_key_serves_every_handshake_and_ephemerals_stay_fresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    listener = KeyPair.generate()
+    static = NoiseStaticKey.create(listener)
+    signs: list[bytes] = []
+    real_sign = KeyPair.sign
+    monkeypatch.setattr(KeyPair, "sign", lambda self, m: signs.append(m) or real_sign(self, m))
+    seen, keys = set(), set()
+    for _ in range(3):
+        initiator = NoiseHandshake(initiator=True, identity=KeyPair.generate())
+        responder = NoiseHandshake(initiator=False, identity=listener, static=static)
+        ours, theirs = handshake(initiator, responder)
+        assert initiator.remote_peer_id == listener.peer_id
+        assert theirs.receive_data(ours.encrypt(b"hello")) == b"hello"
+        seen.add(initiator._state.remote_static)
+        keys.add(ours.encrypt(b"x"))  # fresh ephemerals: fresh transport keys every time
+    assert len(seen) == 1 and len(keys) == 3
+    # the listener signed nothing: its payload was signed when the key was made
+    assert len(signs) == 3  # the three dialers' own fresh static keys
+    other = KeyPair.generate()
+    with pytest.raises(ValueError, match="another identity"):
+        NoiseHandshake(initiator=False, identity=other, static=static)
+    with pytest.raises(ValueError, match="not both"):
+        NoiseHandshake(
+            initiator=False, identity=listener, static=static, static_private_key=b"\0" * 32
+        )
 
 
 def test_handshake_authenticates_both_sides() -> None:
