@@ -24,7 +24,7 @@ from torch import nn
 
 from swarm.errors import TaskError
 from swarm.optim_spec import OptimizerSpec
-from swarm.tasks import Task, get_task
+from swarm.tasks import TASKS, Task, get_task
 from swarm.tasks.base import check_seed
 
 
@@ -33,7 +33,7 @@ class BaselineConfig:
     """One single-process training run."""
 
     task: str
-    """Built-in task name (``swarm.tasks.TASKS``)."""
+    """A built-in task name or ``package.module:factory`` (:func:`swarm.tasks.get_task`)."""
     batch_size: int
     """Global batch size: examples per optimizer step."""
     num_samples: int
@@ -112,7 +112,7 @@ def run_baseline(
     """
     if task is None:
         task = get_task(config.task)
-    elif task.name != config.task:
+    elif config.task in TASKS and task.name != config.task:
         raise TaskError(f"config names task {config.task!r} but got a {task.name!r} task")
     model = task.make_model(config.seed)
     model.train()

@@ -319,12 +319,14 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """Join a swarm (or start one) and train a built-in task."""
+    """Join a swarm (or start one) and train a built-in task or the user's own."""
     from swarm.errors import SwarmError
+    from swarm.tasks import get_task
     from swarm.train_command import run_train, sigterm_as_interrupt, stop_when_stdin_closes
 
     try:
         config = _trainer_config(args)
+        get_task(config.task)  # a factory of the user's that fails is a usage error too
     except SwarmError as e:
         raise UsageError(str(e)) from e
     sigterm_as_interrupt()
@@ -348,6 +350,7 @@ def _demo(args: argparse.Namespace) -> int:
     """A whole local swarm trains a small model, then meets the single-process baseline."""
     from swarm.demo import DemoConfig, DemoError, run_demo
     from swarm.errors import SwarmError
+    from swarm.tasks import get_task
     from swarm.train_command import sigterm_as_interrupt
 
     try:
@@ -359,6 +362,7 @@ def _demo(args: argparse.Namespace) -> int:
             seed=args.seed,
             timeout=args.timeout,
         )
+        get_task(config.task)  # a factory of the user's that fails is a usage error too
     except SwarmError as e:
         raise UsageError(str(e)) from e
     sigterm_as_interrupt()
@@ -395,7 +399,12 @@ def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
             help="peers of the swarm to join through"
             + ("" if name == "join" else " (none: host a new swarm's bootstrap peer here)"),
         )
-        p.add_argument("--task", default="digits", help="built-in task: digits, charlm (digits)")
+        p.add_argument(
+            "--task",
+            default="digits",
+            help="built-in task (digits, charlm) or your own as MODULE:FACTORY, a Task "
+            "subclass or a function returning a swarm.tasks.Task (digits)",
+        )
         p.add_argument("--run-id", default="demo", help="the training run to join (demo)")
         p.add_argument(
             "--num-peers",

@@ -32,7 +32,7 @@ from swarm.optimizer import CollaborativeOptimizer
 from swarm.optimizer_config import CollaborativeConfig, DiLoCoConfig, OptimizerStatistics
 from swarm.progress import MAX_EXPECTED_PEERS
 from swarm.shares import Slot, my_slot, share_order, takeover_slots
-from swarm.tasks import TASKS, get_task
+from swarm.tasks import check_task_name, get_task
 from swarm.tasks.base import Recipe, SampleStream, check_seed
 from swarm.training_state import pack_state, unpack_state
 
@@ -48,7 +48,9 @@ class TrainerConfig:
     """What one peer trains and how it joins."""
 
     task: str = "digits"
-    """A built-in task (``swarm.tasks.TASKS``)."""
+    """A built-in task (``swarm.tasks.TASKS``) or ``package.module:factory`` naming your
+    own :class:`swarm.tasks.Task` (:func:`swarm.tasks.get_task`); every peer of a run
+    must be able to import it."""
     run_id: str = "demo"
     """Peers with the same run id (and task) train one model together."""
     initial_peers: tuple[str, ...] = ()
@@ -103,10 +105,7 @@ class TrainerConfig:
     """Overrides of :class:`CollaborativeConfig` fields (e.g. timeouts, in tests)."""
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise TaskError(
-                f"unknown task {self.task!r}; built-in tasks: {', '.join(sorted(TASKS))}"
-            )
+        check_task_name(self.task)
         if not isinstance(self.num_peers, int) or self.num_peers < 1:
             raise TaskError(f"num_peers must be >= 1, got {self.num_peers!r}")
         if self.num_peers > MAX_EXPECTED_PEERS:

@@ -90,6 +90,21 @@ def test_train_starts_a_swarm_and_join_trains_with_it() -> None:
         (["train", "--num-peers", "5000"], "error: num_peers must be <= 4096, got 5000"),
         (["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--rank", "1"], "unrecognized"),
         (["train", "--task", "imagenet"], "error: unknown task 'imagenet'"),
+        (
+            ["train", "--task", "no_such_module:make"],
+            "error: cannot load task 'no_such_module:make'",
+        ),
+        (["train", "--task", "bad_tasks:missing"], "error: cannot load task 'bad_tasks:missing'"),
+        (
+            ["train", "--task", "bad_tasks:NOT_CALLABLE"],
+            "is not callable (a int): name a Task subclass",
+        ),
+        (["train", "--task", "bad_tasks:raises"], "raised RuntimeError('no data here')"),
+        (
+            ["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--task", "bad_tasks:returns_a_dict"],
+            "returned a dict, not a swarm.tasks.Task",
+        ),
+        (["demo", "--task", "bad_tasks:raises"], "raised RuntimeError('no data here')"),
         (["train", "--run-id", "a/b"], "error: run_id must be a non-empty string without '/'"),
         (["train", "--diloco", "0"], "error: argument --diloco: must be at least 1"),
         (["train", "--outer-momentum", "1.5", "--diloco", "5"], "error: need outer_lr > 0"),
@@ -107,7 +122,9 @@ def test_train_starts_a_swarm_and_join_trains_with_it() -> None:
     ],
 )
 def test_bad_flags_fail_with_a_clear_error_and_exit_code_2(args: list[str], message: str) -> None:
-    out = subprocess.run([*SWARM, *args], capture_output=True, text=True, timeout=60)
+    # cwd: where the user's own task modules are found (bad_tasks.py)
+    here = Path(__file__).parent / "tasks_for_cli"
+    out = subprocess.run([*SWARM, *args], capture_output=True, text=True, timeout=60, cwd=here)
     assert out.returncode == 2, out.stdout + out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
 
