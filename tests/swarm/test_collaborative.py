@@ -4,7 +4,6 @@ comes back, and DiLoCo sends far fewer bytes for a comparable loss."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from peers.testing import LocalSwarm, PeerProcess
 from swarm.baseline import BaselineConfig, run_baseline
 from swarm.tasks import get_task
 
-TARGET = f"{Path(__file__).parent / 'targets' / 'trainer_node.py'}:trainer_node"
+TARGET = "swarm.testing:trainer_node"
 NUM_PEERS = 4
 GLOBAL_BATCH = 64
 NUM_SAMPLES = GLOBAL_BATCH * 320  # the task recipe: converged, so run-to-run noise is small

@@ -13,7 +13,7 @@ from typing import Any
 from peers.testing import LocalSwarm, PeerProcess
 
 TARGETS = Path(__file__).parent / "targets"
-HONEST = f"{TARGETS / 'trainer_node.py'}:trainer_node"
+HONEST = "swarm.testing:trainer_node"
 HOSTILE = f"{TARGETS / 'poisoning_trainer.py'}:poisoning_trainer"
 #: 64 samples per peer and step: with 16 the honest gradients' spread is so much larger
 #: than their mean that a pull of a third of it (the bound, for 1 of 4) stalls digits.

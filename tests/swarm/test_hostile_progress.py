@@ -10,7 +10,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
@@ -20,7 +19,7 @@ from swarm.optimizer import CollaborativeOptimizer
 from swarm.optimizer_config import CollaborativeConfig
 from swarm.tasks import get_task
 
-TARGET = f"{Path(__file__).parent / 'targets' / 'trainer_node.py'}:trainer_node"
+TARGET = "swarm.testing:trainer_node"
 GLOBAL_BATCH = 64
 STEPS = 40
 PATIENCE = 5.0

@@ -6,7 +6,6 @@ peer processes must keep their own model, pace and hyperparameters."""
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 
@@ -16,7 +15,7 @@ from swarm.optimizer import CollaborativeOptimizer
 from swarm.optimizer_config import CollaborativeConfig
 from swarm.tasks import get_task
 
-TARGET = f"{Path(__file__).parent / 'targets' / 'trainer_node.py'}:trainer_node"
+TARGET = "swarm.testing:trainer_node"
 GLOBAL_BATCH = 64
 STEPS = 90  # long enough that the newcomer joins a run still training
 FAST = {"progress_expiration": 3.0, "max_wait_seconds": 1.0}

@@ -4,15 +4,13 @@ averaging round; it takes the round's result like everyone else."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from peers.testing import Node, load_target
+from peers.testing import Node
 from swarm.optimizer import CollaborativeOptimizer
-
-trainer_node = load_target(f"{Path(__file__).parent / 'trainer_node.py'}:trainer_node")
+from swarm.testing import trainer_node
 
 
 async def poisoning_trainer(node: Node) -> None:
