@@ -25,7 +25,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -54,6 +54,7 @@ from swarm.optimizer_config import (
     OptimizerError,
     OptimizerStatistics,
 )
+from swarm.optimizer_face import SchedulerFactory, TorchOptimizerFace
 from swarm.progress import PeerProgress, SwarmProgress, split_winner, summarize
 from swarm.training_state import pack_state, state_problem, unpack_state
 
@@ -71,25 +72,34 @@ _CODECS: dict[str, Callable[[], Codec]] = {
 }
 
 
-class CollaborativeOptimizer:
+class CollaborativeOptimizer(TorchOptimizerFace):
     """Steps ``optimizer`` together with the swarm of ``config.run_id`` found through
-    ``dht``. Call :meth:`step` after each local ``loss.backward()`` with the batch size;
-    call :meth:`close` (or use ``with``) when done."""
+    ``dht``. Call :meth:`step` after each local ``loss.backward()`` (with the batch
+    size, or set ``config.batch_size_per_step``); call :meth:`close` (or use ``with``)
+    when done. It is a ``torch.optim.Optimizer`` to the training loop
+    (:mod:`swarm.optimizer_face`): ``zero_grad``, ``param_groups``, ``state_dict``, and
+    ``scheduler``, a function that builds a learning-rate scheduler for ``optimizer``,
+    stepped once per global step."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         dht: BlockingDHT,
         config: CollaborativeConfig,
+        *,
+        scheduler: SchedulerFactory | None = None,
     ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise OptimizerError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
         self.optimizer = optimizer
         self.dht = dht
         self.config = config
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         if not self.params or any(p.device.type != "cpu" for p in self.params):
             raise OptimizerError("the optimizer must hold CPU parameters")
-        self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self.epoch = 0
+        self._init_face(scheduler)
+        self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self._samples = 0
         self._averaging = False
         self._fingerprint = b""
@@ -115,7 +125,9 @@ class CollaborativeOptimizer:
                 momentum=config.diloco.outer_momentum,
                 nesterov=config.diloco.outer_momentum > 0,
             )
-        codec = _CODECS[config.diloco.codec]() if config.diloco else NoneCodec()
+        # DiLoCo's parameter changes travel with its own codec; gradients with the one
+        # config.allreduce names (CollaborativeConfig refuses a choice of both).
+        codec = _CODECS[config.diloco.codec]() if config.diloco else config.allreduce.codec
         averager_config = AveragerConfig(
             prefix=config.run_id,
             matchmaking=config.matchmaking,
@@ -138,13 +150,32 @@ class CollaborativeOptimizer:
 
     # --- the training loop's side ------------------------------------------------------
 
-    def step(self, batch_size: int) -> None:
-        """Account for a local batch of ``batch_size`` samples whose gradients are in the
-        parameters' ``.grad``; take a swarm step when the swarm is ready. Gradients are
-        consumed (zeroed). Blocks during averaging and state downloads."""
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise OptimizerError("batch_size must be a positive int")
+    def step(  # type: ignore[override]
+        self, batch_size: int | None = None, closure: Callable[[], Any] | None = None
+    ) -> Any:
+        """Account for a local batch of ``batch_size`` samples (default
+        ``config.batch_size_per_step``) whose gradients are in the parameters' ``.grad``;
+        take a swarm step when the swarm is ready. Gradients are consumed (zeroed).
+        Blocks during averaging and state downloads. ``closure``, as a torch optimizer
+        takes it (also as the only argument, ``step(closure)``), is called first, with
+        gradients on, and its value returned."""
+        if callable(batch_size) and closure is None:
+            batch_size, closure = None, batch_size
+        if batch_size is None:
+            batch_size = self.config.batch_size_per_step
+            if not batch_size:
+                raise OptimizerError(
+                    "step needs the local batch size: step(batch_size), or set "
+                    "CollaborativeConfig.batch_size_per_step"
+                )
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise OptimizerError(f"batch_size must be a positive int, got {batch_size!r}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self._step(batch_size)
+        return loss
 
     def wait(self) -> None:
         """Nothing new to add (this peer did its part of the global batch): wait, at most
@@ -344,6 +375,7 @@ class CollaborativeOptimizer:
 
     def _finish_epoch(self) -> None:
         self.epoch += 1
+        self._follow_epoch()  # the scheduler steps once per global step
         self._averaging = False
         self._samples = 0
         for b in self.buffers:
@@ -564,6 +596,7 @@ class CollaborativeOptimizer:
             logger.warning("could not load state from peers: %s", e)
             return False
         self.epoch = int(counters["epoch"])
+        self._follow_epoch()
         self._fingerprint = (
             fingerprint if fingerprint is not None else bytes(counters.get("fingerprint", b""))
         )
@@ -624,6 +657,46 @@ class CollaborativeOptimizer:
             return False
         self._load_state()
         return True
+
+    # --- state_dict (swarm.optimizer_face) ----------------------------------------------
+
+    def _extra_state(self) -> dict[str, Any]:
+        if self._outer is None:
+            return {}
+        return {
+            "outer": self._outer.state_dict(),
+            "anchor": [a.detach().clone() for a in self._anchor],
+        }
+
+    def _check_extra_state(self, state_dict: Mapping[str, Any]) -> None:
+        if self._outer is None:
+            if "outer" in state_dict:
+                raise OptimizerError("a DiLoCo optimizer's state_dict; this one averages gradients")
+            return
+        anchor = state_dict.get("anchor")
+        if "outer" not in state_dict or not isinstance(anchor, list):
+            raise OptimizerError("not a DiLoCo optimizer's state_dict (no outer optimizer)")
+        if len(anchor) != len(self._anchor) or any(
+            not isinstance(t, torch.Tensor) or t.shape != a.shape
+            for t, a in zip(anchor, self._anchor, strict=False)
+        ):
+            raise OptimizerError("the state_dict's DiLoCo anchor does not fit these parameters")
+
+    def _load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
+        if self._outer is None:
+            return
+        self._outer.load_state_dict(state_dict["outer"])
+        with torch.no_grad():
+            for a, saved in zip(self._anchor, state_dict["anchor"], strict=True):
+                a.copy_(saved)
+
+    def _restarted(self) -> None:
+        self._samples = 0
+        self._inner_steps = 0
+        self._averaging = False
+        for b in self.buffers:
+            b.zero_()
+        self._publish_now()
 
     # --- lifecycle --------------------------------------------------------------------
 

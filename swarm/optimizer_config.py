@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from averaging import AllReduceConfig, CenteredClipConfig, MatchmakingConfig
+from averaging import AllReduceConfig, CenteredClipConfig, MatchmakingConfig, NoneCodec
 from swarm.errors import SwarmError
 
 
@@ -94,6 +94,9 @@ class CollaborativeConfig:
     it goes on accumulating (a fast peer in a slow swarm: its extra samples still count)."""
     state_timeout: float = 30.0
     """Seconds a late joiner or a peer that fell behind may spend downloading state."""
+    batch_size_per_step: int = 0
+    """Samples one call of ``step()`` without a batch size stands for (a training loop
+    written for torch optimizers calls ``optimizer.step()``); 0: ``step`` must be told."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
@@ -112,6 +115,14 @@ class CollaborativeConfig:
                 raise OptimizerError(f"{name} must be a positive number of seconds")
         if self.aggregation is not None and not isinstance(self.aggregation, CenteredClipConfig):
             raise OptimizerError("aggregation must be None or an averaging.CenteredClipConfig")
+        size = self.batch_size_per_step
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise OptimizerError(f"batch_size_per_step must be an int >= 0, got {size!r}")
+        if self.diloco is not None and not isinstance(self.allreduce.codec, NoneCodec):
+            raise OptimizerError(
+                "in DiLoCo mode parameter changes travel with diloco.codec "
+                f"({self.diloco.codec!r}); leave allreduce.codec at NoneCodec"
+            )
         if self.refresh_interval < self.progress_interval:
             raise OptimizerError("refresh_interval must be at least progress_interval")
         if self.progress_expiration <= 2 * self.refresh_interval:
