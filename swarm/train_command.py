@@ -20,6 +20,7 @@ from typing import TextIO
 
 import torch
 
+from peers.addresses import parse_multiaddr, tcp_target
 from peers.config import PeerConfig
 from peers.dht import BlockingDHT
 from swarm.errors import TaskError
@@ -61,19 +62,34 @@ def join_command(config: TrainerConfig, initial_peers: Sequence[str]) -> str:
 
 
 @contextlib.contextmanager
-def hosted_bootstrap(listen: Sequence[str]) -> Iterator[list[str]]:
-    """A bootstrap DHT node in this process for the duration; yields its multiaddrs.
+def hosted_bootstrap(listen: Sequence[str], announce: Sequence[str] = ()) -> Iterator[list[str]]:
+    """A bootstrap DHT node in this process for the duration; yields its multiaddrs
+    (``announce`` instead of the bound ones, if given).
 
     Raises :class:`TaskError` if ``listen`` is empty (a peer nobody can dial cannot
     start a swarm) and the ``peers`` errors of a bad or busy address.
     """
     if not listen:
         raise TaskError("a swarm's first peer must listen: give --listen, or --initial-peers")
-    boot = BlockingDHT(peer_config=PeerConfig(listen_addrs=tuple(listen)))
+    config = PeerConfig(listen_addrs=tuple(listen), announce_addrs=tuple(announce))
+    boot = BlockingDHT(peer_config=config)
     try:
         yield [str(a) for a in boot.peer.listen_addrs]
     finally:
         boot.close()
+
+
+def next_ports(addrs: Sequence[str]) -> tuple[str, ...]:
+    """``addrs`` with each fixed TCP port one higher (port 0 stays 0): where the trainer
+    of ``swarm train`` listens while its hosted bootstrap peer has the ports given."""
+    shifted = []
+    for addr in addrs:
+        target = tcp_target(parse_multiaddr(addr))
+        port = target.port + 1 if target.port else 0
+        if port > 65535:
+            raise TaskError(f"{addr}: the trainer takes the next port, and there is none")
+        shifted.append(addr.replace(f"/tcp/{target.port}", f"/tcp/{port}", 1))
+    return tuple(shifted)
 
 
 def run_train(
@@ -90,11 +106,22 @@ def run_train(
     display = TrainDisplay(plan_run(config, get_task(config.task).recipe), progress, stream)
     with contextlib.ExitStack() as stack:
         if not config.initial_peers:
-            addrs = stack.enter_context(hosted_bootstrap(config.listen))
-            config = dataclasses.replace(config, initial_peers=tuple(addrs))
+            addrs = stack.enter_context(hosted_bootstrap(config.listen, config.announce))
+            # The bootstrap peer keeps the ports given; this trainer takes the next ones.
+            config = dataclasses.replace(
+                config,
+                initial_peers=tuple(addrs),
+                listen=next_ports(config.listen),
+                announce=next_ports(config.announce),
+            )
             display.message("started a new swarm; its bootstrap peer listens on")
             for addr in addrs:
                 display.message(f"  {addr}")
+            if all(_is_loopback(a) for a in addrs):
+                display.message(
+                    "  (loopback only: other machines cannot join; listen on this machine's "
+                    "address, e.g. --listen /ip4/0.0.0.0/tcp/31337)"
+                )
             display.message("others join it with")
             display.message(f"  {join_command(config, [_dialable(addrs)])}")
         display.message(f"training {config.task} (run {config.run_id!r}) ...")
@@ -103,9 +130,13 @@ def run_train(
     return result
 
 
+def _is_loopback(addr: str) -> bool:
+    return addr.startswith(("/ip4/127.", "/ip6/::1/"))
+
+
 def _dialable(addrs: Sequence[str]) -> str:
     """The address to show first: one other machines can dial, if there is one."""
-    remote = [a for a in addrs if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+    remote = [a for a in addrs if not _is_loopback(a)]
     return (remote or list(addrs))[0]
 
 

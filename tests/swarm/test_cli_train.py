@@ -198,3 +198,49 @@ def test_an_unwritable_checkpoint_path_is_a_usage_error_before_training(tmp_path
         [*SWARM, "train", *LOCAL, "--checkpoint-every", "5"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "checkpoint_every needs a checkpoint path" in out.stderr
+
+
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too (bounded tries; both are checked, not held)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_a_fixed_listen_port_hosts_the_bootstrap_and_the_trainer_takes_the_next() -> None:
+    port = _two_free_ports()
+    out = subprocess.run(
+        [*SWARM, "train", "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--num-samples", "320"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"--initial-peers /ip4/127.0.0.1/tcp/{port}/p2p/" in out.stdout
+    assert "loopback only: other machines cannot join" in out.stdout
+    _summary(out.stdout, 5)
+
+
+def test_next_ports_shifts_fixed_ports_only() -> None:
+    from swarm.errors import TaskError
+    from swarm.train_command import next_ports
+
+    assert next_ports(["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/0", "/ip4/1.2.3.4/tcp/9"]) == (
+        "/ip4/0.0.0.0/tcp/4002",
+        "/ip6/::/tcp/0",
+        "/ip4/1.2.3.4/tcp/10",
+    )
+    with pytest.raises(TaskError, match="the trainer takes the next port"):
+        next_ports(["/ip4/0.0.0.0/tcp/65535"])
