@@ -48,6 +48,7 @@ from peers.dht.records import RecordError, owner_marker, owner_of
 from peers.errors import PeersError
 from peers.identity import PeerID
 from peers.owned_tasks import CANCEL_TIMEOUT_SECONDS, OwnedTasks
+from swarm.device_buffers import AveragingBuffers
 from swarm.errors import SwarmError
 from swarm.optimizer_config import (
     CollaborativeConfig,
@@ -95,11 +96,13 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         self.dht = dht
         self.config = config
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        if not self.params or any(p.device.type != "cpu" for p in self.params):
-            raise OptimizerError("the optimizer must hold CPU parameters")
+        if not self.params:
+            raise OptimizerError("the optimizer holds no parameters")
         self.epoch = 0
         self._init_face(scheduler)
-        self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        #: What is averaged: host buffers, and accumulators on each parameter's device.
+        self._averaged = AveragingBuffers(self.params)
+        self.buffers = self._averaged.host
         self._samples = 0
         self._averaging = False
         self._fingerprint = b""
@@ -219,10 +222,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
 
     def _gradient_step(self, batch_size: int) -> None:
         if batch_size:
-            with torch.no_grad():
-                for p, b in zip(self.params, self.buffers, strict=True):
-                    if p.grad is not None:
-                        b.add_(p.grad, alpha=float(batch_size))
+            self._averaged.add_gradients(self.params, float(batch_size))
             self._zero_grads()
             self._samples += batch_size
         view = self._wait_for_swarm(always=not batch_size)
@@ -230,15 +230,12 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             return
         self._averaging = True
         self._publish_now()
-        with torch.no_grad():
-            for b in self.buffers:
-                b.div_(float(self._samples))
+        self._averaged.to_host()
+        self._averaged.divide_host(float(self._samples))
         if not self._average(self._samples, view.num_peers):
             self._load_state()
             return
-        with torch.no_grad():
-            for p, b in zip(self.params, self.buffers, strict=True):
-                p.grad = b.to(p.dtype).clone()
+        self._averaged.host_as_gradients(self.params)
         self.optimizer.step()
         self._zero_grads()
         self._finish_epoch()
@@ -253,16 +250,16 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             return
         self._averaging = True
         self._wait_for_outer_step()
-        with torch.no_grad():
-            for p, a, b in zip(self.params, self._anchor, self.buffers, strict=True):
-                torch.sub(a, p.detach(), out=b)  # the outer "gradient": anchor - current
+        # the outer "gradient": anchor - current
+        self._averaged.set_difference(self._anchor, self.params)
+        self._averaged.to_host()
         if not self._average(self._samples, self._summary().num_peers):
             self._load_state()
             return
         with torch.no_grad():
-            for p, a, b in zip(self.params, self._anchor, self.buffers, strict=True):
+            for p, a in zip(self.params, self._anchor, strict=True):
                 p.copy_(a)
-                p.grad = b.to(p.dtype).clone()
+        self._averaged.host_as_gradients(self.params)
         self._outer.step()
         self._zero_grads()
         with torch.no_grad():
@@ -273,7 +270,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
     def _average(self, samples: int, num_peers: int) -> bool:
         """Average the buffers with the swarm (in place). False if no group formed while
         other peers are live: they stepped without us, so our state is stale."""
-        if not all(bool(torch.isfinite(b).all()) for b in self.buffers):
+        if not self._averaged.host_finite():
             # A diverged model or a bad batch: sending it would poison (or, the round
             # refusing it, stall) everyone. Drop it and take the swarm's state instead.
             logger.warning(
@@ -281,8 +278,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                 self.epoch,
             )
             self._samples = 0
-            for b in self.buffers:
-                b.zero_()
+            self._averaged.zero()
             return False
         if num_peers <= 1:  # nobody else is training: no group to look for
             self._stepped_alone()
@@ -378,8 +374,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         self._follow_epoch()  # the scheduler steps once per global step
         self._averaging = False
         self._samples = 0
-        for b in self.buffers:
-            b.zero_()
+        self._averaged.zero()
         self._publish_now()
         self._share_state()
 
@@ -602,8 +597,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         )
         self._samples = 0
         self._inner_steps = 0
-        for b in self.buffers:
-            b.zero_()
+        self._averaged.zero()
         if self._anchor:
             with torch.no_grad():
                 for p, a in zip(self.params, self._anchor, strict=True):
@@ -694,8 +688,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         self._samples = 0
         self._inner_steps = 0
         self._averaging = False
-        for b in self.buffers:
-            b.zero_()
+        self._averaged.zero()
         self._publish_now()
 
     # --- lifecycle --------------------------------------------------------------------

@@ -22,8 +22,10 @@ def pack_state(
     optimizers: Mapping[str, torch.optim.Optimizer],
     counters: Mapping[str, Any],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Named tensors and metadata for ``params``, the optimizers' state and ``counters``."""
-    tensors = {f"param/{i}": p.detach() for i, p in enumerate(params)}
+    """Named tensors and metadata for ``params``, the optimizers' state and ``counters``.
+    The tensors are on the CPU (where peers read them): a device tensor is copied, a
+    CPU one is not."""
+    tensors = {f"param/{i}": p.detach().cpu() for i, p in enumerate(params)}
     metadata: dict[str, Any] = {"counters": dict(counters), "optimizers": {}}
     for name, optimizer in optimizers.items():
         state = optimizer.state_dict()
@@ -31,7 +33,7 @@ def pack_state(
         for index, entries in state["state"].items():
             for key, value in entries.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optimizer/{name}/{index}/{key}"] = value.detach()
+                    tensors[f"optimizer/{name}/{index}/{key}"] = value.detach().cpu()
                 else:
                     plain.setdefault(str(index), {})[key] = value
         groups = portable_param_groups(state["param_groups"])

@@ -224,3 +224,57 @@ def test_a_diloco_state_dict_keeps_the_outer_optimizer_and_anchor(dht: BlockingD
         assert torch.equal(opt._anchor[0], state["anchor"][0])
         with pytest.raises(OptimizerError, match="anchor does not fit"):
             opt.load_state_dict({**state, "anchor": [torch.zeros(7)] * 2})
+
+
+def _run_lone(dht: BlockingDHT, diloco: bool) -> list[torch.Tensor]:
+    model = _model()
+    config = _config(diloco=DiLoCoConfig(inner_steps=2)) if diloco else _config()
+    with CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, config) as opt:
+        _train(opt, model, _data(6), local_steps=8)
+        assert opt.epoch == 4
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("diloco", [False, True], ids=["gradients", "diloco"])
+def test_the_device_path_accumulates_apart_and_copies_once_per_global_step(
+    dht: BlockingDHT, monkeypatch: pytest.MonkeyPatch, diloco: bool
+) -> None:
+    """Parameters on a GPU accumulate on their device and cross to the host buffers once
+    per global step. That path runs here on CPU tensors (an accumulator apart from each
+    host buffer, as a CUDA parameter gets): the same parameters, bit for bit."""
+    from swarm import device_buffers
+
+    host_path = _run_lone(dht, diloco)
+    copies: list[int] = []
+    real_to_host = device_buffers.AveragingBuffers.to_host
+
+    def counted(self: device_buffers.AveragingBuffers) -> None:
+        assert all(a is not h for a, h in zip(self.accumulators, self.host, strict=True))
+        copies.append(1)
+        real_to_host(self)
+
+    monkeypatch.setattr(device_buffers, "_separate", lambda param: True)
+    monkeypatch.setattr(device_buffers.AveragingBuffers, "to_host", counted)
+    with BlockingDHT() as other:
+        device_path = _run_lone(other, diloco)
+    assert len(copies) == 4  # once per global step, not per local step
+    for a, b in zip(host_path, device_path, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_averaging_buffers_cast_gradients_to_each_parameters_dtype() -> None:
+    from swarm.device_buffers import AveragingBuffers
+
+    params = [nn.Parameter(torch.ones(3, dtype=torch.float64)), nn.Parameter(torch.ones(2))]
+    buffers = AveragingBuffers(params)
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    buffers.add_gradients(params, 3.0)
+    buffers.to_host()
+    assert [h.dtype for h in buffers.host] == [torch.float32, torch.float32]
+    buffers.divide_host(2.0)
+    buffers.host_as_gradients(params)
+    assert params[0].grad is not None and params[0].grad.dtype == torch.float64
+    assert torch.equal(params[0].grad, torch.full((3,), 3.0, dtype=torch.float64))
+    buffers.zero()  # the gradients are copies, not the buffers
+    assert params[1].grad is not None and torch.equal(params[1].grad, torch.full((2,), 3.0))
