@@ -61,6 +61,10 @@ class PeerConfig:
     burst is spent; beyond it, connections are closed as soon as they are accepted."""
     handshake_burst_per_ip: int = limits.HANDSHAKE_BURST_PER_IP
     """Inbound handshakes one IP address may start at once after a quiet spell."""
+    idle_connection_seconds: float = limits.IDLE_CONNECTION_SECONDS
+    """When all ``max_connections`` are taken, an inbound connection may be closed to
+    make room for a new one once it has had no stream for this long (the longest idle
+    first; never one carrying a relay reservation of ours)."""
     max_streams_per_connection: int = limits.MAX_STREAMS_PER_CONNECTION
     """Concurrent yamux streams on one connection."""
     allowed_peers: frozenset[PeerID] | None = None
@@ -82,6 +86,7 @@ class PeerConfig:
             "handshake_timeout",
             "stream_negotiation_timeout",
             "handshake_rate_per_ip",
+            "idle_connection_seconds",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -127,4 +132,6 @@ class PeerStatistics:
     num_handshake_failures: int
     num_not_allowed: int
     """Connections refused (or dials not made) for a peer outside the allow-list."""
+    num_idle_closed: int
+    """Idle inbound connections closed to make room for new ones."""
     num_streams_refused: int

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -393,6 +394,8 @@ class Connection:
         self._streams: dict[int, Stream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed: ConnectionClosed | None = None
+        #: When a stream last opened or ended (monotonic): idle time counts from it.
+        self._streams_changed_at = time.monotonic()
         self._closed_event = asyncio.Event()
         self._flush_scheduled = False
 
@@ -403,6 +406,13 @@ class Connection:
     @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    def idle_seconds(self, now: float) -> float | None:
+        """Seconds since the last stream ended (or the connection opened), ``None``
+        while a stream is open. ``now``: ``time.monotonic()``."""
+        if self._streams:
+            return None
+        return max(0.0, now - self._streams_changed_at)
 
     def session_statistics(self) -> YamuxStatistics:
         """Counters of the yamux session: streams, and bytes each way."""
@@ -496,6 +506,7 @@ class Connection:
             elif isinstance(event, StreamOpened):
                 stream = Stream(self, event.stream_id, outbound=False)
                 self._streams[event.stream_id] = stream
+                self._streams_changed_at = time.monotonic()
                 task = self._group.create_task(self._serve_inbound(stream))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -507,6 +518,7 @@ class Connection:
             elif isinstance(event, YamuxStreamReset):
                 stream = self._streams.pop(event.stream_id, None)
                 if stream is not None:
+                    self._streams_changed_at = time.monotonic()
                     stream._fail(StreamReset("stream was reset by the remote"))
             elif isinstance(event, StreamRejected):
                 logger.info(
@@ -563,6 +575,7 @@ class Connection:
         stream_id = self._session.open_stream()
         stream = Stream(self, stream_id, outbound=True)
         self._streams[stream_id] = stream
+        self._streams_changed_at = time.monotonic()
         self._flush_soon()
         return stream
 
@@ -594,7 +607,8 @@ class Connection:
             self._forget_if_done(stream)
 
     def _reset_stream(self, stream_id: int) -> None:
-        self._streams.pop(stream_id, None)
+        if self._streams.pop(stream_id, None) is not None:
+            self._streams_changed_at = time.monotonic()
         if self._closed is None:
             with contextlib.suppress(YamuxError):
                 self._session.reset_stream(stream_id)
@@ -604,3 +618,4 @@ class Connection:
         if (stream._write_closed and stream._eof) or stream._error is not None:
             if self._streams.get(stream.stream_id) is stream:
                 del self._streams[stream.stream_id]
+                self._streams_changed_at = time.monotonic()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from multiaddr import Multiaddr
 
-from peers import rpc
+from peers import limits, rpc
 from peers.address_book import AddressBook, expand_wildcard
 from peers.addresses import (
     circuit_address,
@@ -89,6 +89,7 @@ class _Counters:
     handshake_failures: int = 0
     not_allowed: int = 0
     streams_refused: int = 0
+    idle_closed: int = 0
 
 
 class Peer:
@@ -273,10 +274,13 @@ class Peer:
     async def _on_tcp_connection(self, reader: SocketReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername") or ("0.0.0.0", 0)
         ip = str(peername[0])
-        if self._closing or self._num_connections >= self.config.max_connections:
+        now = time.monotonic()
+        if self._closing or (
+            self._num_connections >= self.config.max_connections and not self._close_idle(now)
+        ):
             admitted: Admitted | Refused = Refused("connection limit reached")
         else:
-            admitted = self._admission.admit(ip, time.monotonic())
+            admitted = self._admission.admit(ip, now)
         if isinstance(admitted, Refused):
             self._counters.inbound_refused += 1
             logger.info("refusing a connection from %s: %s", ip, admitted.reason)
@@ -284,6 +288,34 @@ class Peer:
             return
         # The server's own task only admits; the connection's life belongs to our group.
         self._spawn(self._serve_inbound_tcp(reader, writer, admitted, ip, int(peername[1])))
+
+    def _close_idle(self, now: float) -> int:
+        """All connections are taken: close the inbound ones idle longest (no stream for
+        ``idle_connection_seconds``; none carrying a relay reservation of ours), at most
+        ``MAX_IDLE_CLOSED_PER_ACCEPT``. Returns how many: the newcomer takes the place of
+        one (they are counted until their tasks end, a moment later)."""
+        relay = self.nat.relay_service
+        idle: list[tuple[float, Connection]] = []
+        for conn in (c for cs in self._connections.values() for c in cs):
+            seconds = conn.idle_seconds(now)
+            if (
+                seconds is not None
+                and seconds >= self.config.idle_connection_seconds
+                and not conn.outbound
+                and not conn.relayed
+                and not conn.is_closed
+                and not (relay is not None and relay.holds_reservation(conn))
+            ):
+                idle.append((seconds, conn))
+        idle.sort(key=lambda pair: pair[0], reverse=True)
+        closing = [conn for _, conn in idle[: limits.MAX_IDLE_CLOSED_PER_ACCEPT]]
+        for conn in closing:
+            logger.info(
+                "closing a connection from %s: idle, and a newcomer needs room", conn.remote_peer_id
+            )
+            conn.close()
+        self._counters.idle_closed += len(closing)
+        return len(closing)
 
     async def _serve_inbound_tcp(
         self,
@@ -816,6 +848,7 @@ class Peer:
             num_inbound_connections_refused=self._counters.inbound_refused,
             num_handshake_failures=self._counters.handshake_failures,
             num_not_allowed=self._counters.not_allowed,
+            num_idle_closed=self._counters.idle_closed,
             num_streams_refused=self._counters.streams_refused,
         )
 

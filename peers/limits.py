@@ -49,3 +49,14 @@ STREAM_NEGOTIATION_TIMEOUT_SECONDS = 10.0
 #: Largest identify message we read (listen addresses and protocol names; go-libp2p caps
 #: it at 2 KiB of addresses plus protocols, so 64 KiB is ample).
 MAX_IDENTIFY_BYTES = 64 * 1024
+
+#: Seconds an inbound connection may go without a stream before it is the first to go
+#: when all MAX_CONNECTIONS are taken. Peers keep connections to those they talk to, and
+#: a DHT contact or an averaging partner opens a stream every few seconds to a minute;
+#: one that opened nothing for this long is cheap to reconnect later.
+IDLE_CONNECTION_SECONDS = 30.0
+
+#: At most this many idle connections are closed to make room for one new one: enough
+#: that a full peer takes newcomers in again, few enough that a burst of connections
+#: cannot clear out every idle peer at once.
+MAX_IDLE_CLOSED_PER_ACCEPT = 4

@@ -76,6 +76,10 @@ class RelayService:
     def statistics(self) -> RelayResourceStatistics:
         return self.resources.statistics()
 
+    def holds_reservation(self, conn: Connection) -> bool:
+        """Whether ``conn`` carries a reservation of ours (closing it would end it)."""
+        return conn in self._watched
+
     async def _answer(self, stream: Stream, status: Status, **fields: object) -> None:
         message = HopMessage(type=HopType.STATUS, status=status, **fields)  # type: ignore[arg-type]
         with contextlib.suppress(ConnectionClosed):

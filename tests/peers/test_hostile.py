@@ -670,6 +670,41 @@ def test_connections_per_ip_are_bounded() -> None:
     run(main())
 
 
+def test_idle_connections_make_room_for_a_newcomer_when_every_slot_is_taken() -> None:
+    """Connections that went quiet are the first to go when all are taken; one with a
+    stream open stays. Before, a peer whose slots were held by idle connections turned
+    every newcomer away for as long as the holders liked."""
+    busy_protocol = "/hostile/busy/1.0.0"
+
+    async def main() -> None:
+        config = PeerConfig(max_connections=4, idle_connection_seconds=0.2)
+        async with victim_and_honest(config) as (victim, honest), Peer() as busy:
+            release = asyncio.Event()
+
+            async def hold(stream: Stream) -> None:
+                await release.wait()
+
+            victim.set_stream_handler(busy_protocol, hold)
+            stream = await busy.new_stream(victim.listen_addrs[0], busy_protocol)
+            async with contextlib.AsyncExitStack() as holders:
+                for _ in range(3):  # whole upgrades under fresh identities, then silence
+                    reader, writer = await holders.enter_async_context(raw_tcp(victim))
+                    await upgrade(reader, writer, identity=KeyPair.generate(), outbound=True)
+                await wait_until(lambda: victim.statistics().num_connections == 4)
+                await asyncio.sleep(0.3)  # the holders' silence: idle_connection_seconds
+                async with asyncio.timeout(WAIT_SECONDS):
+                    await honest.connect(victim.listen_addrs[0])
+                await assert_serves(victim, honest)
+                stats = victim.statistics()
+                assert 1 <= stats.num_idle_closed <= 3, stats
+                busy_conn = victim.connection_to(busy.peer_id)
+                assert busy_conn is not None and not busy_conn.is_closed  # it had a stream
+            release.set()
+            await stream.close()
+
+    run(main())
+
+
 def test_second_connection_from_the_same_identity_is_refused() -> None:
     async def main() -> None:
         identity = KeyPair.generate()
