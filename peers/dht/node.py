@@ -30,7 +30,9 @@ from peers.dht.lookup import Lookup
 from peers.dht.protocol import (
     FIND_NODE_PROTOCOL,
     FIND_VALUE_PROTOCOL,
+    MAX_FIND_VALUE_PAGES,
     MAX_RECORDS_PER_MESSAGE,
+    MAX_REPLY_RECORD_BYTES,
     PING_PROTOCOL,
     STORE_PROTOCOL,
     FindNodeRequest,
@@ -46,6 +48,7 @@ from peers.dht.protocol import (
     contacts_from_wire,
     record_from_wire,
     record_to_wire,
+    record_wire_bytes,
     sender_addrs,
 )
 from peers.dht.records import Record, RecordError, owner_of, validate
@@ -313,12 +316,12 @@ class DHT:
     ) -> FindValueResponse:
         self._counters.served["find_value"] += 1
         self._heard_from(context.remote_peer_id, request.sender)
-        records = self._records_for(request.key, dht_time())[:MAX_RECORDS_PER_MESSAGE]
+        records, more = _page(self._records_for(request.key, dht_time()), request.after)
         nearest = self.routing.nearest(
             key_id(request.key), self.config.k, exclude=(context.remote_peer_id,)
         )
         return FindValueResponse(
-            [record_to_wire(r) for r in records], [contact_to_wire(c) for c in nearest]
+            [record_to_wire(r) for r in records], [contact_to_wire(c) for c in nearest], more
         )
 
     async def rpc_store(self, request: StoreRequest, context: CallContext) -> StoreResponse:
@@ -372,14 +375,27 @@ class DHT:
     async def call_find_value(
         self, contact: Contact, key: bytes
     ) -> tuple[list[Record], list[Contact]]:
-        response = await self._call(
-            contact, FIND_VALUE_PROTOCOL, FindValueRequest(self._sender(), key), FindValueResponse
-        )
-        if len(response.records) > MAX_RECORDS_PER_MESSAGE:
-            raise WireError("too many records in one response")
-        return [record_from_wire(r) for r in response.records], contacts_from_wire(
-            response.contacts
-        )
+        """``contact``'s records under ``key`` (every page of them, at most
+        ``MAX_FIND_VALUE_PAGES``) and the contacts it knows nearest to it."""
+        records: list[Record] = []
+        contacts: list[Contact] = []
+        after: bytes | None = None
+        for page in range(MAX_FIND_VALUE_PAGES):
+            request = FindValueRequest(self._sender(), key, after)
+            response = await self._call(contact, FIND_VALUE_PROTOCOL, request, FindValueResponse)
+            if len(response.records) > MAX_RECORDS_PER_MESSAGE:
+                raise WireError("too many records in one response")
+            got = [record_from_wire(r) for r in response.records]
+            records += got
+            if page == 0:
+                contacts = contacts_from_wire(response.contacts)
+            last = got[-1].subkey if got else None
+            # A page must move on: a server that says "more" without a later subkey
+            # (an older or a hostile one) has said all it will.
+            if not response.more or last is None or (after is not None and last <= after):
+                break
+            after = last
+        return records, contacts
 
     async def call_store(self, contact: Contact, records: list[Record]) -> list[bool]:
         response = await self._call(
@@ -583,3 +599,24 @@ class DHT:
             rpcs_sent=dict(self._counters.sent),
             rpcs_failed=dict(self._counters.failed),
         )
+
+
+def _page(records: list[Record], after: bytes | None) -> tuple[list[Record], bool]:
+    """One find-value reply's records: the plain value (first page only), then subkeys
+    in order after ``after``, up to ``MAX_REPLY_RECORD_BYTES`` (at least one); and
+    whether any are left."""
+    plain = [r for r in records if r.subkey is None] if after is None else []
+    keyed = sorted(
+        (r for r in records if r.subkey is not None and (after is None or r.subkey > after)),
+        key=lambda r: r.subkey or b"",
+    )
+    page: list[Record] = []
+    size = 0
+    candidates = [*plain, *keyed]
+    for record in candidates:
+        cost = record_wire_bytes(record)
+        if page and (size + cost > MAX_REPLY_RECORD_BYTES or len(page) >= MAX_RECORDS_PER_MESSAGE):
+            break
+        page.append(record)
+        size += cost
+    return page, len(page) < len(candidates)

@@ -30,6 +30,13 @@ MAX_CONTACTS_PER_RESPONSE = 32
 #: Records one store request or one find-value response may carry: one key's subkeys
 #: (announcements of many peers under one key) or a batch of stores.
 MAX_RECORDS_PER_MESSAGE = 1024
+#: Bytes of records one find-value reply carries (it always carries one, if any is
+#: left): a key holding more is read in pages. A whole key may hold 1024 values of 8 KiB;
+#: replying with all of it to a 100-byte request was an 80,000x amplification, and a
+#: caller withholding its window kept 8 MiB per stream waiting in our memory.
+MAX_REPLY_RECORD_BYTES = 256 * 1024
+#: Pages one read of a key may take from one peer: 8 MiB of records at the page size.
+MAX_FIND_VALUE_PAGES = 32
 
 
 @dataclass(frozen=True)
@@ -80,12 +87,24 @@ class FindNodeResponse:
 class FindValueRequest:
     sender: SenderInfo
     key: bytes
+    after: bytes | None = None
+    """A later page: the records whose subkey sorts after this one (``None``: the
+    first page, the plain value first). Older peers ignore it and send everything."""
 
 
 @dataclass(frozen=True)
 class FindValueResponse:
     records: list[WireRecord]
     contacts: list[WireContact]
+    more: bool = False
+    """Records are left after these (ask again ``after`` the last one's subkey)."""
+
+
+def record_wire_bytes(record: Record) -> int:
+    """About what ``record`` takes in a reply (its fields and their framing)."""
+    return (
+        len(record.key) + len(record.subkey or b"") + len(record.value) + len(record.signature) + 32
+    )
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,13 @@ from peers.dht.ids import Contact, node_id_of
 from peers.dht.node import DHT, DHTConfig, ValueWithExpiration, dht_time
 from peers.dht.protocol import (
     FIND_NODE_PROTOCOL,
+    FIND_VALUE_PROTOCOL,
+    MAX_REPLY_RECORD_BYTES,
     STORE_PROTOCOL,
     FindNodeRequest,
     FindNodeResponse,
+    FindValueRequest,
+    FindValueResponse,
     SenderInfo,
     StoreRequest,
     StoreResponse,
@@ -218,5 +222,64 @@ def test_an_undecodable_value_does_not_hide_the_others_under_its_key(arun: Run) 
             lone = WireRecord(b"lone", None, b"\xc1", expiration)
             assert await raw_store(attacker, victim, [lone]) == [True]
             assert await victim.get(b"lone") is None
+
+    arun(main())
+
+
+def test_a_big_key_is_read_in_pages_of_bounded_size(arun: Run) -> None:
+    """A key holding 600 kB: a 100-byte request gets at most MAX_REPLY_RECORD_BYTES of
+    it (it got all of it, up to 8 MiB, before), and a reader still gets every value."""
+
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            expiration = dht_time() + 300
+            values = {f"peer{i:03d}".encode(): "x" * 6000 for i in range(100)}
+            records = [wire(b"big", v, expiration, subkey=k) for k, v in values.items()]
+            assert all(await raw_store(attacker, victim, records))
+            pages, after, seen = 0, None, []
+            while True:  # bounded: every page moves past its last subkey
+                response = await attacker.call_unary(
+                    victim.peer.peer_id,
+                    FIND_VALUE_PROTOCOL,
+                    FindValueRequest(SenderInfo(), b"big", after),
+                    FindValueResponse,
+                    timeout=10,
+                )
+                pages += 1
+                size = sum(len(r.value) + len(r.subkey or b"") for r in response.records)
+                assert 0 < size <= MAX_REPLY_RECORD_BYTES
+                seen += [r.subkey for r in response.records]
+                if not response.more:
+                    break
+                after = response.records[-1].subkey
+            assert pages == 3 and seen == sorted(values)  # in order, none twice
+            async with (
+                Peer() as reader_peer,
+                DHT(
+                    reader_peer,
+                    DHTConfig(initial_peers=(str(victim.peer.listen_addrs[0]),), **FAST),
+                ) as reader,
+            ):
+                got = await reader.get(b"big")
+                assert isinstance(got, dict) and sorted(got) == sorted(values)
+
+    arun(main())
+
+
+def test_a_server_that_always_says_more_costs_a_bounded_read(arun: Run) -> None:
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            calls = 0
+            record = wire(b"k", "v", dht_time() + 60, subkey=b"same")
+
+            async def endless(request: FindValueRequest, context: object) -> FindValueResponse:
+                nonlocal calls
+                calls += 1
+                return FindValueResponse([record], [], more=True)
+
+            attacker.add_unary_handler(FIND_VALUE_PROTOCOL, endless, FindValueRequest)
+            contact = Contact(attacker.peer_id, tuple(str(a) for a in attacker.listen_addrs))
+            records, _ = await victim.call_find_value(contact, b"k")
+            assert calls == 2 and len(records) == 2  # the second page did not move on
 
     arun(main())
