@@ -21,7 +21,15 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+import weakref
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+)
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -72,6 +80,11 @@ STREAM_FIRST_FRAME_SECONDS = 120.0
 MAX_HANDLER_SECONDS = 600.0
 #: Most bytes a framed stream takes from its stream at once.
 _READ_BYTES = 1 << 20
+#: Handlers one remote peer may have running here at once, every protocol and every
+#: connection together. A peer's own work needs a few dozen (a DHT writer's 16 stores, a
+#: mixture of experts' calls to one server); without this bound, 4 connections of 256
+#: streams each let one peer hold a thousand handlers and what they reply, unread.
+MAX_CALLS_IN_FLIGHT_PER_PEER = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +204,64 @@ def _timeout_of(frame: list[Any]) -> float | None:
 # --- serving ----------------------------------------------------------------------
 
 
+class _CallsInFlight:
+    """Handlers running for each remote peer, on one of our peers."""
+
+    def __init__(self) -> None:
+        self.counts: dict[PeerID, int] = {}
+
+    @contextlib.contextmanager
+    def admit(self, remote: PeerID) -> Iterator[bool]:
+        """Yields False (and counts nothing) if ``remote`` is at its bound."""
+        held = self.counts.get(remote, 0)
+        if held >= MAX_CALLS_IN_FLIGHT_PER_PEER:
+            yield False
+            return
+        self.counts[remote] = held + 1
+        try:
+            yield True
+        finally:
+            left = self.counts[remote] - 1
+            if left:
+                self.counts[remote] = left
+            else:
+                del self.counts[remote]
+
+
+_CALLS: weakref.WeakKeyDictionary[Peer, _CallsInFlight] = weakref.WeakKeyDictionary()
+
+
+def calls_in_flight(peer: Peer) -> dict[PeerID, int]:
+    """Handlers running on ``peer`` now, by the remote peer they serve."""
+    tracker = _CALLS.get(peer)
+    return dict(tracker.counts) if tracker is not None else {}
+
+
+def _calls_of(peer: Peer) -> _CallsInFlight:
+    tracker = _CALLS.get(peer)
+    if tracker is None:
+        tracker = _CALLS[peer] = _CallsInFlight()
+    return tracker
+
+
+async def _serve_admitted(
+    peer: Peer, stream: Stream, framed: FramedStream, work: Awaitable[None]
+) -> None:
+    """Run ``work`` for ``stream``'s remote if it is under its bound of calls in flight;
+    else refuse the call with an error frame (the remote's, and only its, to retry)."""
+    with _calls_of(peer).admit(stream.remote_peer_id) as admitted:
+        if admitted:
+            await _serve_guarded(stream, work)
+            return
+        if asyncio.iscoroutine(work):
+            work.close()  # never started
+        error = RemoteProtocolError(
+            f"{MAX_CALLS_IN_FLIGHT_PER_PEER} calls of yours are in flight here already"
+        )
+        with contextlib.suppress(ConnectionClosed):
+            await _refuse(framed, error)
+
+
 def add_unary_handler(
     peer: Peer,
     protocol: str,
@@ -231,7 +302,7 @@ def add_unary_handler(
             await framed.write_frame(reply)
             await stream.close()
 
-        await _serve_guarded(stream, work())
+        await _serve_admitted(peer, stream, framed, work())
 
     peer.set_stream_handler(protocol, serve)
 
@@ -290,7 +361,7 @@ def add_stream_handler(
                         await aclose()
             await stream.close()
 
-        await _serve_guarded(stream, work())
+        await _serve_admitted(peer, stream, framed, work())
 
     peer.set_stream_handler(protocol, serve)
 

@@ -705,6 +705,46 @@ def test_idle_connections_make_room_for_a_newcomer_when_every_slot_is_taken() ->
     run(main())
 
 
+def test_calls_in_flight_are_bounded_per_peer_and_cost_no_one_else() -> None:
+    from peers.rpc import MAX_CALLS_IN_FLIGHT_PER_PEER, calls_in_flight
+
+    slow_protocol = "/hostile/slow/1.0.0"
+
+    async def main() -> None:
+        async with victim_and_honest() as (victim, honest), Peer() as greedy:
+            release = asyncio.Event()
+
+            async def slow(request: str, context: CallContext) -> str:
+                await release.wait()
+                return request
+
+            victim.add_unary_handler(slow_protocol, slow, str)
+            addr = victim.listen_addrs[0]
+            await greedy.connect(addr)
+            calls = [
+                asyncio.ensure_future(greedy.call_unary(addr, slow_protocol, str(i), str))
+                for i in range(MAX_CALLS_IN_FLIGHT_PER_PEER + 5)
+            ]
+            await wait_until(
+                lambda: (
+                    calls_in_flight(victim).get(greedy.peer_id) == MAX_CALLS_IN_FLIGHT_PER_PEER
+                    and sum(c.done() for c in calls) == 5
+                )
+            )
+            refused = [c for c in calls if c.done()]
+            for call in refused:
+                with pytest.raises(RemoteError, match="calls of yours are in flight"):
+                    call.result()
+            await assert_serves(victim, honest)  # another peer is not touched
+            release.set()
+            async with asyncio.timeout(WAIT_SECONDS):
+                answers = await asyncio.gather(*(c for c in calls if c not in refused))
+            assert len(answers) == MAX_CALLS_IN_FLIGHT_PER_PEER
+            await wait_until(lambda: greedy.peer_id not in calls_in_flight(victim))
+
+    run(main())
+
+
 def test_second_connection_from_the_same_identity_is_refused() -> None:
     async def main() -> None:
         identity = KeyPair.generate()
