@@ -386,7 +386,10 @@ def _non_negative_int(text: str) -> int:
 
 def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     for name, help_text in (
-        ("train", "train a built-in task with a swarm; with no --initial-peers, start one"),
+        (
+            "train",
+            "train a task (built in or your own) with a swarm; with no --initial-peers, start one",
+        ),
         ("join", "join a running swarm through --initial-peers and train with it"),
     ):
         p = sub.add_parser(name, help=help_text)
@@ -701,7 +704,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_stage_parser(sub)
     _add_train_parsers(sub)
     _add_demo_parser(sub)
+    for name, command in sub.choices.items():
+        summary = next(a.help for a in sub._choices_actions if a.dest == name)
+        command.description = f"{summary}."
+        command.epilog = "example:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
+
+
+_PEER = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
+#: One example per command, shown by ``swarm COMMAND --help``.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "bootstrap": ("swarm bootstrap --listen /ip4/0.0.0.0/tcp/31337 --identity boot.key",),
+    "ping": (f"swarm ping {_PEER}",),
+    "status": (f"swarm status --initial-peers {_PEER}",),
+    "serve": (
+        "swarm serve --expert-pattern 'ffn.[0:4].[0:4]' --hidden-dim 1024 --optimizer adam \\",
+        f"    --lr 1e-3 --listen /ip4/0.0.0.0/tcp/31338 --initial-peers {_PEER}",
+    ),
+    "serve-stage": (
+        f"swarm serve-stage --model digits --stage auto --lr 1e-3 --initial-peers {_PEER}",
+    ),
+    "train": (
+        "swarm train --listen /ip4/0.0.0.0/tcp/31337 --num-peers 2   # prints the join command",
+        "swarm train --task my_task:make_task   # your own swarm.tasks.Task (MODULE:FACTORY)",
+    ),
+    "join": (f"swarm join --initial-peers {_PEER} --task digits --run-id demo",),
+    "demo": ("swarm demo --num-peers 4",),
+}
 
 
 TORCH_COMMANDS = frozenset({"serve", "serve-stage", "train", "join", "demo"})

@@ -187,3 +187,28 @@ def test_no_command_says_it_runs_the_demo_and_where_help_is() -> None:
         "swarm: no command given, so running the demo (swarm demo); swarm --help lists the commands"
     )
     assert error.startswith("swarm demo: error: swarm demo needs PyTorch")
+
+
+def test_every_command_has_a_description_and_an_example_that_parses() -> None:
+    import shlex
+
+    from swarm.cli import EXAMPLES, build_parser
+
+    parser = build_parser()
+    real_peer = (
+        "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWEHcPYfshUhjJdxeGGP12Jikv4UWyTL12fnE2Yja3tfqH"
+    )
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(commands) == set(EXAMPLES)
+    for name, command in commands.items():
+        text = command.format_help()
+        assert command.description and "example:" in text, name
+        joined = " ".join(line.removesuffix("\\").strip() for line in EXAMPLES[name])
+        for example in joined.split("swarm ")[1:]:
+            words = shlex.split(
+                example.split("#")[0].replace(
+                    "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...", real_peer
+                )
+            )
+            args = parser.parse_args(words)  # exits 2 (SystemExit) if an example is wrong
+            assert args.command == name
