@@ -275,12 +275,13 @@ class Peer:
         peername = writer.get_extra_info("peername") or ("0.0.0.0", 0)
         ip = str(peername[0])
         now = time.monotonic()
-        if self._closing or (
+        admitted = Refused("closing") if self._closing else self._admission.admit(ip, now)
+        # Idle connections make room only for a newcomer its source checks let in.
+        if isinstance(admitted, Admitted) and (
             self._num_connections >= self.config.max_connections and not self._close_idle(now)
         ):
-            admitted: Admitted | Refused = Refused("connection limit reached")
-        else:
-            admitted = self._admission.admit(ip, now)
+            self._admission.release(admitted)
+            admitted = Refused("connection limit reached")
         if isinstance(admitted, Refused):
             self._counters.inbound_refused += 1
             logger.info("refusing a connection from %s: %s", ip, admitted.reason)

@@ -705,6 +705,30 @@ def test_idle_connections_make_room_for_a_newcomer_when_every_slot_is_taken() ->
     run(main())
 
 
+def test_a_newcomer_its_source_checks_refuse_closes_no_idle_connection() -> None:
+    """Idle connections make room only for someone who gets in: a flooder refused for
+    its address must not clear them out."""
+
+    async def main() -> None:
+        config = PeerConfig(
+            max_connections=3, max_connections_per_ip=3, idle_connection_seconds=0.1
+        )
+        async with victim_and_honest(config) as (victim, honest):
+            async with contextlib.AsyncExitStack() as holders:
+                for _ in range(3):
+                    reader, writer = await holders.enter_async_context(raw_tcp(victim))
+                    await upgrade(reader, writer, identity=KeyPair.generate(), outbound=True)
+                await wait_until(lambda: victim.statistics().num_connections == 3)
+                await asyncio.sleep(0.2)  # the holders' silence: idle_connection_seconds
+                with pytest.raises(DialError):  # a fourth from the same address
+                    async with asyncio.timeout(WAIT_SECONDS):
+                        await honest.connect(victim.listen_addrs[0])
+                stats = victim.statistics()
+                assert stats.num_idle_closed == 0 and stats.num_connections == 3, stats
+
+    run(main())
+
+
 def test_calls_in_flight_are_bounded_per_peer_and_cost_no_one_else() -> None:
     from peers.rpc import MAX_CALLS_IN_FLIGHT_PER_PEER, calls_in_flight
 
