@@ -126,7 +126,13 @@ def test_counts_follow_admits_and_releases(events: list[tuple[str, bool]]) -> No
 
 
 @pytest.mark.parametrize(
-    "field", ["max_connections_per_subnet", "handshake_burst_per_ip", "handshake_rate_per_ip"]
+    "field",
+    [
+        "max_connections_per_subnet",
+        "handshake_burst_per_ip",
+        "handshake_rate_per_ip",
+        "idle_connection_seconds",
+    ],
 )
 @pytest.mark.parametrize("value", [0, -1])
 def test_config_refuses_bounds_that_admit_nothing(field: str, value: int) -> None:
