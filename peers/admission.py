@@ -28,7 +28,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from peers.subnets import IPV4_PREFIX, IPV6_PREFIX
+from peers.subnets import public_block
 
 #: An IPv6 host: the prefix a single line or machine is given.
 IPV6_HOST_PREFIX = 64
@@ -70,9 +70,7 @@ def source_of(ip: str) -> Source:
     if not address.is_global:
         return Source(host=host, subnet=None, rate_limited=True)
     # The same blocks as peers.subnets.source_group: what one line or tenant holds.
-    bits = IPV4_PREFIX if address.version == 4 else IPV6_PREFIX
-    subnet = str(ipaddress.ip_network(f"{address}/{bits}", strict=False))
-    return Source(host=host, subnet=subnet, rate_limited=True)
+    return Source(host=host, subnet=public_block(address), rate_limited=True)
 
 
 @dataclass(slots=True)

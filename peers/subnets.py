@@ -40,9 +40,13 @@ def source_group(addr: Multiaddr | None, peer_id: PeerID) -> str:
         return f"peer/{peer_id.to_base58()}"
     if not ip.is_global:
         return f"host/{ip}"
+    return f"net/{public_block(ip)}"
+
+
+def public_block(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """The block a public address counts by: its /24 (IPv4) or /48 (IPv6)."""
     bits = IPV4_PREFIX if ip.version == 4 else IPV6_PREFIX
-    network = ipaddress.ip_network(f"{ip}/{bits}", strict=False)
-    return f"net/{network}"
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
 
 
 def _first_ip(addr: Multiaddr | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
