@@ -135,3 +135,5 @@ class PeerStatistics:
     num_idle_closed: int
     """Idle inbound connections closed to make room for new ones."""
     num_streams_refused: int
+    num_addresses_refused: int
+    """Addresses learned from peers that we will not dial (``peers.dial_filter``)."""

@@ -44,6 +44,7 @@ from peers.addresses import (
 from peers.admission import Admitted, InboundAdmission, Refused
 from peers.config import PeerConfig, PeerStatistics
 from peers.connection import Connection, Stream
+from peers.dial_filter import LocalNetworks, dialable, refusal
 from peers.errors import (
     AddressError,
     ConnectionClosed,
@@ -60,6 +61,7 @@ from peers.errors import (
 from peers.identity import KeyPair, PeerID
 from peers.multistream import MultistreamDialer, MultistreamListener
 from peers.noise import NOISE_CIPHERS, NoiseStaticKey
+from peers.printable import printable
 from peers.rpc import CallContext
 from peers.socket_reader import SocketReader, can_reuse_port, open_connection, start_server
 from peers.stream_socket import stream_as_socket
@@ -82,6 +84,11 @@ STREAM_LIMIT_BYTES = 2**20
 
 StreamHandler = Callable[[Stream], Awaitable[None]]
 
+#: Seconds between two reads of this machine's interfaces for the dial filter: a laptop
+#: that changes networks is right again within this, and a DHT that learns hundreds of
+#: addresses a second reads them rarely.
+LOCAL_NETWORKS_SECONDS = 30.0
+
 
 @dataclass
 class _Counters:
@@ -90,6 +97,7 @@ class _Counters:
     not_allowed: int = 0
     streams_refused: int = 0
     idle_closed: int = 0
+    addresses_refused: int = 0
 
 
 class Peer:
@@ -118,6 +126,7 @@ class Peer:
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._address_book = AddressBook()
+        self._local: tuple[float, LocalNetworks] | None = None
         self._counters = _Counters()
         self._closing = False
         self._reuse_port = self.config.reuse_port and can_reuse_port()
@@ -487,12 +496,39 @@ class Peer:
 
     # --- outbound ----------------------------------------------------------------
 
-    def add_addresses(self, peer_id: PeerID, addrs: Iterable[Multiaddr | str]) -> None:
-        """Remember where ``peer_id`` can be dialed."""
-        self._address_book.add(peer_id, (split_peer_id(parse_multiaddr(a))[0] for a in addrs))
+    def add_addresses(
+        self, peer_id: PeerID, addrs: Iterable[Multiaddr | str], *, learned: bool = True
+    ) -> None:
+        """Remember where ``peer_id`` can be dialed. Addresses ``learned`` from peers
+        are kept only if sensible to dial (:mod:`peers.dial_filter`: no loopback, LAN or
+        DNS addresses but where we share that network); ``learned=False`` for addresses
+        the user gave, kept as given and never evicted by learned ones."""
+        parsed = [split_peer_id(parse_multiaddr(a))[0] for a in addrs]
+        if learned:
+            local = self.local_networks()
+            kept = dialable(parsed, local)
+            refused = [a for a in parsed if a not in kept]
+            if refused:
+                self._counters.addresses_refused += len(refused)
+                logger.debug(
+                    "not dialing %d of %s's addresses: %s",
+                    len(refused),
+                    peer_id,
+                    printable("; ".join(f"{a}: {refusal(a, local)}" for a in refused)),
+                )
+            parsed = kept
+        self._address_book.add(peer_id, parsed, pin=not learned)
 
     def known_addresses(self, peer_id: PeerID) -> list[Multiaddr]:
-        return list(self._address_book.addrs.get(peer_id, ()))
+        return self._address_book.get(peer_id)
+
+    def local_networks(self) -> LocalNetworks:
+        """Where we are (for :mod:`peers.dial_filter`), read again every
+        :data:`LOCAL_NETWORKS_SECONDS`: a laptop changes networks."""
+        now = time.monotonic()
+        if self._local is None or now - self._local[0] > LOCAL_NETWORKS_SECONDS:
+            self._local = (now, LocalNetworks.of_this_machine(self.bound_addrs()))
+        return self._local[1]
 
     def connection_to(self, peer_id: PeerID) -> Connection | None:
         """A live connection to ``peer_id``, a direct one if there is one."""
@@ -519,7 +555,7 @@ class Peer:
         maddr = parse_multiaddr(addr)
         transport, expected = split_peer_id(maddr)
         if expected is not None:
-            self.add_addresses(expected, [transport])
+            self.add_addresses(expected, [transport], learned=False)
             await self._get_connection(expected)
             return expected
         conn = await self._dial_address(transport, None)
@@ -637,7 +673,7 @@ class Peer:
             if not self._register(conn):
                 writer.close()
                 raise LimitExceeded(f"too many connections to {conn.remote_peer_id}")
-            self.add_addresses(conn.remote_peer_id, [addr])
+            self._address_book.add(conn.remote_peer_id, [addr])  # it worked: keep it
             assert self._group is not None
             registered = True
             self._spawn(self._run_outbound(conn))
@@ -698,7 +734,7 @@ class Peer:
             finally:
                 if not ready.done():
                     ready.cancel()
-        self.add_addresses(destination, [addr])
+        self._address_book.add(destination, [addr])  # it worked: keep it
         # The peer we reached starts a hole punch at once (DCUtR: the side that accepted
         # the relayed connection does). Its first message comes about a round trip
         # after the connection is up, which took at least one and a half.
@@ -851,6 +887,7 @@ class Peer:
             num_not_allowed=self._counters.not_allowed,
             num_idle_closed=self._counters.idle_closed,
             num_streams_refused=self._counters.streams_refused,
+            num_addresses_refused=self._counters.addresses_refused,
         )
 
     # --- conveniences ------------------------------------------------------------

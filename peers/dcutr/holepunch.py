@@ -38,6 +38,7 @@ from peers.dcutr.messages import (
     encode_hole_punch,
 )
 from peers.delimited import encode_delimited, read_delimited
+from peers.dial_filter import dialable
 from peers.errors import ConnectionClosed, HandshakeError, PeersError
 from peers.identity import PeerID
 from peers.reachability import NatMapping
@@ -102,8 +103,10 @@ class HolePuncher:
     async def _dial_any(
         self, remote: PeerID, addrs: tuple[Multiaddr, ...], *, as_initiator: bool
     ) -> Connection | None:
-        """Dial all of ``addrs`` at once; the first connection that upgrades wins."""
-        addrs = tuple(direct_addresses(addrs))[:MAX_DIALS_PER_ATTEMPT]
+        """Dial all of ``addrs`` at once; the first connection that upgrades wins. The
+        remote chose them, so only those sensible to dial are (``peers.dial_filter``)."""
+        local = self.peer.local_networks()
+        addrs = tuple(dialable(direct_addresses(addrs), local))[:MAX_DIALS_PER_ATTEMPT]
         if not addrs:
             return None
 
