@@ -80,6 +80,7 @@ from averaging.butterfly_records import (
 )
 from averaging.compression import EncodedTensor, EncodeError, NoneCodec, decode_tensor
 from averaging.partition import chunk_ranges
+from averaging.round_feedback import RoundErrors
 from peers.errors import IdentityError, PeersError, RemoteProtocolError
 from peers.identity import PeerID
 from peers.rpc import FramedStream
@@ -162,10 +163,13 @@ class RoundRunner:
         local: torch.Tensor,
         weight: float,
         config: AllReduceConfig,
+        errors: RoundErrors | None = None,
     ) -> None:
         self.peer = peer
         self.spec = spec
         self.config = config
+        # Error feedback (a lossy codec's residuals): only a lossy codec leaves any.
+        self._errors = errors if config.codec.name != "none" else None
         self.round = ButterflyRound(spec, local, weight)
         self._me = spec.me
         # A member with weight 0 (client mode) reduces nothing and cannot be dialed.
@@ -227,6 +231,8 @@ class RoundRunner:
             finally:
                 await self._close_links()
         result = self._final_result(agreed)
+        if self._errors is not None:
+            self._errors.settle(result.report)
         # Drop what the round held (chunks, encodings, links) now rather than when the
         # cyclic garbage collector gets to it: a 64M-element round holds gigabytes.
         self._encoded.clear()
@@ -665,7 +671,13 @@ class RoundRunner:
         codec = self.config.codec
         encoded = []
         for start, end in chunk_ranges(part.start, part.end, self.spec.chunk_elements):
-            encoded.append(self._encode_values(part.values[start - part.start : end - part.start]))
+            values = part.values[start - part.start : end - part.start]
+            if self._errors is None:
+                encoded.append(self._encode_values(values))
+                continue
+            compensated = self._errors.to_publish(start, end, values)
+            encoded.append(self._encode_values(compensated))
+            self._errors.on_published(start, compensated, encoded[-1])
         if codec.name != "none":  # hold what the receivers will decode (results identical)
             decoded = torch.cat([decode_tensor(e).to(torch.float32) for e in encoded])
             self.round.set_published_part(part_index, decoded)
@@ -848,6 +860,10 @@ class RoundRunner:
     def _encode(self, item: _Item) -> list[object] | None:
         if isinstance(item, Outgoing):
             encoded = self._encode_values(item.values)
+            if self._errors is not None:
+                part_start, part_end = self.spec.parts()[item.part_index]
+                ranges = chunk_ranges(part_start, part_end, self.spec.chunk_elements)
+                self._errors.on_sent(ranges[item.chunk_index][0], item.values, encoded)
             return encode_message(
                 ChunkMessage(item.part_index, item.chunk_index, item.weight, encoded)
             )

@@ -20,6 +20,7 @@ from averaging.allreduce import RoundRunner
 from averaging.allreduce_config import AllReduceConfig, AllReduceError, AllReduceResult
 from averaging.allreduce_wire import ALLREDUCE_PROTOCOL, decode_hello
 from averaging.butterfly_records import RoundSpec
+from averaging.round_feedback import RoundErrors
 from peers.errors import PeersError
 from peers.rpc import FramedStream
 from peers.stream_api import StreamHost, StreamLike
@@ -65,6 +66,7 @@ class AllReduceService:
         local: torch.Tensor,
         weight: float,
         config: AllReduceConfig | None = None,
+        errors: RoundErrors | None = None,
     ) -> AllReduceResult:
         """Average ``local`` (a flat float32 tensor, left unchanged) with the members of
         ``spec``, weighting it by ``weight`` (e.g. its sample count). Members must know
@@ -76,12 +78,16 @@ class AllReduceService:
         :class:`AllReduceError` for a round id already running here, and
         :class:`~averaging.butterfly_records.RoundError` for a tensor or weight that does
         not fit ``spec``. Cancellation closes every link of the round.
+
+        ``errors`` (from :meth:`~averaging.round_feedback.RoundFeedback.round`) records
+        what a lossy codec leaves out of this round and applies it when the round ends;
+        ``local`` should then be the compensated vector.
         """
         if spec.me != self.peer.peer_id:
             raise AllReduceError("spec.me must be this peer")
         if spec.round_id in self._rounds or spec.round_id in self._ended:
             raise AllReduceError(f"round {spec.round_id.hex()} already ran here")
-        runner = RoundRunner(self.peer, spec, local, weight, config or self.config)
+        runner = RoundRunner(self.peer, spec, local, weight, config or self.config, errors)
         self._rounds[spec.round_id] = runner
         self._started.setdefault(spec.round_id, asyncio.Event()).set()
         try:

@@ -31,6 +31,7 @@ from averaging.matchmaking import Matchmaker
 from averaging.matchmaking_records import Group, MatchmakingConfig
 from averaging.partition import flatten
 from averaging.robust import CenteredClipConfig
+from averaging.round_feedback import RoundFeedback
 from averaging.state_donor import StateServer
 from averaging.state_manifest import DTYPES, TensorSpec
 from averaging.state_records import LoadedState, StateSyncConfig
@@ -68,6 +69,11 @@ class AveragerConfig:
     senders (``RoundSpec.max_weight_ratio``; part of the schema); None: no cap."""
     state_sync: StateSyncConfig = field(default_factory=StateSyncConfig)
     """How :meth:`Averager.load_state_from_peers` downloads."""
+    error_feedback: bool = False
+    """Carry what the lossy codec (``allreduce.codec``) leaves out of each round into
+    the next (:mod:`averaging.round_feedback`), so rounding errors cancel over rounds
+    instead of adding up. Local to this peer: members need not agree on it. Needs a
+    lossy codec; costs two float32 vectors the size of the tensors."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix or "/" in self.prefix:
@@ -77,6 +83,8 @@ class AveragerConfig:
             isinstance(ratio, int | float) and math.isfinite(ratio) and ratio >= 1
         ):
             raise AveragerError("max_weight_ratio must be None or a finite number >= 1")
+        if self.error_feedback and self.allreduce.codec.name == "none":
+            raise AveragerError("error_feedback needs a lossy codec (allreduce.codec)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +125,7 @@ class Averager:
         self._matchmaker: Matchmaker | None = None
         self._service: AllReduceService | None = None
         self._state: StateServer | None = None
+        self._feedback: RoundFeedback | None = None
 
     async def __aenter__(self) -> Averager:
         async with AsyncExitStack() as stack:
@@ -179,6 +188,12 @@ class Averager:
         )
         matched = time.monotonic()
         flat = flatten([t.detach() for t in self.tensors.values()]).to(torch.float32)
+        errors = None
+        if self.config.error_feedback:
+            if self._feedback is None:
+                self._feedback = RoundFeedback(flat.numel())
+            flat = self._feedback.compensate(flat)
+            errors = self._feedback.round()
         spec = RoundSpec(
             round_id=group.round_id,
             members=group.members,
@@ -189,7 +204,7 @@ class Averager:
             aggregation=self.config.aggregation,
             max_weight_ratio=self.config.max_weight_ratio,
         )
-        outcome = await self._service.run_round(spec, flat, weight)
+        outcome = await self._service.run_round(spec, flat, weight, errors=errors)
         self._write_back(outcome.result.averaged)
         self._measured(outcome)
         return AveragingStep(group, outcome, matched - started, time.monotonic() - matched)

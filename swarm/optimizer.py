@@ -136,6 +136,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             matchmaking=config.matchmaking,
             allreduce=replace(config.allreduce, codec=codec),
             aggregation=config.aggregation,
+            error_feedback=config.error_feedback,
         )
         named = {str(i): b for i, b in enumerate(self.buffers)}
         self._averager = Averager(dht.node, named, averager_config)

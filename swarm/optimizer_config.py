@@ -97,6 +97,11 @@ class CollaborativeConfig:
     batch_size_per_step: int = 0
     """Samples one call of ``step()`` without a batch size stands for (a training loop
     written for torch optimizers calls ``optimizer.step()``); 0: ``step`` must be told."""
+    error_feedback: bool = False
+    """Carry what the lossy codec leaves out of each round (``allreduce.codec`` for
+    gradients, ``diloco.codec`` for DiLoCo's parameter changes) into the next round, so
+    rounding errors cancel over steps instead of adding up (``AveragerConfig``'s). Local
+    to this peer; needs a lossy codec."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
@@ -123,6 +128,9 @@ class CollaborativeConfig:
                 "in DiLoCo mode parameter changes travel with diloco.codec "
                 f"({self.diloco.codec!r}); leave allreduce.codec at NoneCodec"
             )
+        lossy = self.diloco.codec != "none" if self.diloco else self.allreduce.codec.name != "none"
+        if self.error_feedback and not lossy:
+            raise OptimizerError("error_feedback needs a lossy codec (float16 or 8-bit)")
         if self.refresh_interval < self.progress_interval:
             raise OptimizerError("refresh_interval must be at least progress_interval")
         if self.progress_expiration <= 2 * self.refresh_interval:

@@ -64,7 +64,7 @@ def test_close_cancels_the_progress_publishes_in_flight() -> None:
 
 def test_config_checks_the_cadence_and_the_aggregation() -> None:
     from averaging import CenteredClipConfig
-    from swarm.optimizer_config import OptimizerError
+    from swarm.optimizer_config import DiLoCoConfig, OptimizerError
 
     CollaborativeConfig(run_id="r", target_batch_size=8, aggregation=CenteredClipConfig())
     bad: list[dict[str, object]] = [
@@ -72,10 +72,13 @@ def test_config_checks_the_cadence_and_the_aggregation() -> None:
         {"refresh_interval": 6.0},  # a live record would expire between publications
         {"refresh_interval": 0.0},
         {"aggregation": "centered-clip"},
+        {"error_feedback": True},  # gradients travel exact by default: nothing to feed back
+        {"error_feedback": True, "diloco": DiLoCoConfig(codec="none")},
     ]
     for fields in bad:
         with pytest.raises(OptimizerError):
             CollaborativeConfig(run_id="r", target_batch_size=8, **fields)  # type: ignore[arg-type]
+    CollaborativeConfig(run_id="r", target_batch_size=8, error_feedback=True, diloco=DiLoCoConfig())
 
 
 def test_a_record_is_republished_when_it_changed_or_grew_old() -> None:
