@@ -78,3 +78,7 @@ class DHTStatistics:
     rpcs_served: dict[str, int]
     rpcs_sent: dict[str, int]
     rpcs_failed: dict[str, int]
+    num_stores_refused_far: int = 0
+    """Records refused because at least k nodes we know are closer to their key."""
+    num_contacts_refused_by_source: int = 0
+    """Contacts not added because their network already holds its share of the table."""

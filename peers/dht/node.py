@@ -53,12 +53,13 @@ from peers.dht.protocol import (
 )
 from peers.dht.records import Record, RecordError, owner_of, validate
 from peers.dht.routing import RoutingTable
-from peers.dht.storage import RecordStore, StoreResult
+from peers.dht.storage import OWN_SOURCE, RecordStore, StoreResult
 from peers.errors import PeersError, StreamReset
 from peers.host import Peer
 from peers.identity import PeerID
 from peers.rpc import CallContext
 from peers.serialization import SerializationError, pack, unpack
+from peers.subnets import source_group
 from peers.wire import WireError
 
 __all__ = [
@@ -93,6 +94,7 @@ class _Counters:
     served: Counter[str] = field(default_factory=Counter)
     sent: Counter[str] = field(default_factory=Counter)
     failed: Counter[str] = field(default_factory=Counter)
+    stores_refused_far: int = 0
 
 
 def _as_key(key: str | bytes) -> bytes:
@@ -263,18 +265,34 @@ class DHT:
         self._learn(Contact(peer_id, addrs))
 
     def _learn(self, contact: Contact) -> None:
-        stale = self.routing.update(contact, time.monotonic())
+        stale = self.routing.update(contact, time.monotonic(), source=self._source_of(contact))
         self._remember_addrs(contact)
         if stale is not None and stale.peer_id not in self._pinging and self._group is not None:
             self._pinging.add(stale.peer_id)
             self._spawn(self._ping_stale(stale, contact))
+
+    def _is_near(self, key: bytes) -> bool:
+        """Whether a record under ``key`` belongs here: fewer than k of the nodes we know
+        are closer to it than we are. Records live at the ``num_replicas`` closest nodes,
+        so an honest store meets this with room to spare for our stale contacts; a
+        stranger cannot make far nodes hold its records."""
+        target = key_id(key)
+        mine = distance(self.node_id, target)
+        closer = self.routing.nearest(target, self.config.k)
+        return len(closer) < self.config.k or distance(closer[-1].node_id, target) > mine
+
+    def _source_of(self, contact: Contact) -> str | None:
+        """The network ``contact`` reaches us from (``peers.subnets``): its connection's
+        remote address, never an address it claims. None without a connection."""
+        conn = self.peer.connection_to(contact.peer_id)
+        return None if conn is None else source_group(conn.remote_address, contact.peer_id)
 
     async def _ping_stale(self, stale: Contact, newcomer: Contact) -> None:
         try:
             await self._call(stale, PING_PROTOCOL, PingRequest(self._sender()), PingResponse)
         except (PeersError, TimeoutError):
             self.routing.remove(stale.peer_id)
-            self.routing.update(newcomer, time.monotonic())
+            self.routing.update(newcomer, time.monotonic(), source=self._source_of(newcomer))
         finally:
             self._pinging.discard(stale.peer_id)
 
@@ -329,13 +347,18 @@ class DHT:
         if len(request.records) > MAX_RECORDS_PER_MESSAGE:
             raise WireError(f"more than {MAX_RECORDS_PER_MESSAGE} records in one store")
         self._heard_from(context.remote_peer_id, request.sender)
+        # Quotas count by network, not identity (``peers.subnets``): identities are cheap.
+        conn = self.peer.connection_to(context.remote_peer_id)
+        source = source_group(conn and conn.remote_address, context.remote_peer_id)
         accepted = []
         now = dht_time()
         for wire in request.records:
+            if not self._is_near(wire.key):
+                self._counters.stores_refused_far += 1
+                accepted.append(False)
+                continue
             try:
-                result = self.store_.store(
-                    record_from_wire(wire), source=context.remote_peer_id, now=now
-                )
+                result = self.store_.store(record_from_wire(wire), source=source, now=now)
             except RecordError as e:
                 logger.info("refused a record from %s: %s", context.remote_peer_id, e)
                 accepted.append(False)
@@ -492,10 +515,7 @@ class DHT:
             len(nearest) < self.config.num_replicas
             or distance(self.node_id, target) < distance(nearest[-1].node_id, target)
         ):
-            if (
-                self.store_.store(record, source=self.peer.peer_id, now=dht_time())
-                is StoreResult.ACCEPTED
-            ):
+            if self.store_.store(record, source=OWN_SOURCE, now=dht_time()) is StoreResult.ACCEPTED:
                 accepted += 1
         results = await asyncio.gather(
             *(self.call_store(c, [record]) for c in nearest), return_exceptions=True
@@ -598,6 +618,8 @@ class DHT:
             rpcs_served=dict(self._counters.served),
             rpcs_sent=dict(self._counters.sent),
             rpcs_failed=dict(self._counters.failed),
+            num_stores_refused_far=self._counters.stores_refused_far,
+            num_contacts_refused_by_source=self.routing.num_refused_by_source,
         )
 
 

@@ -11,6 +11,7 @@ answered) or ``remove``/``record_failure`` (it did not).
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from bisect import bisect_right
 from collections.abc import Collection
@@ -32,6 +33,14 @@ REPLACEMENT_CACHE_SIZE = K
 #: failure already means a failed dial or a deadline missed. Three forgives a brief
 #: stall without keeping a dead peer in every lookup for long.
 MAX_FAILURES = 3
+#: Contacts one source (a public /24 or /48, a private host: ``peers.subnets``) may have
+#: in one bucket, and in the whole table. Identities cost ~43 µs, networks do not: without
+#: these, one machine could fill every bucket and the neighbourhood of any key (an
+#: eclipse). Two per bucket and eight in all are what go-libp2p's routing-table
+#: diversity filter allows by its defaults (per /16 there; we count the finer
+#: ``peers.subnets`` sources, as everywhere else); honest peers rarely share a /24.
+MAX_PER_SOURCE_PER_BUCKET = 2
+MAX_PER_SOURCE = 8
 _ID_SPACE_END = 1 << ID_BITS
 
 
@@ -43,12 +52,13 @@ class RoutingStatistics:
 
 
 class _Entry:
-    __slots__ = ("contact", "last_seen", "num_failures")
+    __slots__ = ("contact", "last_seen", "num_failures", "source")
 
-    def __init__(self, contact: Contact, last_seen: float) -> None:
+    def __init__(self, contact: Contact, last_seen: float, source: str | None) -> None:
         self.contact = contact
         self.last_seen = last_seen
         self.num_failures = 0
+        self.source = source
 
 
 class _Bucket:
@@ -84,11 +94,15 @@ class RoutingTable:
         # A new table has never refreshed anything: its one bucket is due at once.
         self._buckets = [_Bucket(0, _ID_SPACE_END, float("-inf"))]
         self._lows = [0]  # the buckets' lower bounds, sorted, for bisection
+        self._per_source: dict[str, int] = {}  # entries (not replacements) per source
+        self.num_refused_by_source = 0
 
     # --- heard from, found dead --------------------------------------------------------
 
-    def update(self, contact: Contact, now: float) -> Contact | None:
-        """``contact`` answered us or called us, at time ``now``.
+    def update(self, contact: Contact, now: float, *, source: str | None = None) -> Contact | None:
+        """``contact`` answered us or called us, at time ``now``, from ``source`` (the
+        network it reached us from, :func:`peers.subnets.source_group`; None: unknown,
+        not limited).
 
         A known contact moves to its bucket's most-recently-seen end, takes the new
         addresses (kept as they were if the new contact has none) and has its failures
@@ -97,7 +111,9 @@ class RoutingTable:
         cache (§4.1) and the bucket's least-recently-seen contact is returned: the caller
         pings it, then calls ``update`` (alive: it stays, as §2.2 prefers old live nodes)
         or ``remove`` (dead: the newest replacement takes its place). Returns None in
-        every other case. Our own id is never added.
+        every other case. Our own id is never added, nor a new contact whose source
+        already has :data:`MAX_PER_SOURCE_PER_BUCKET` contacts in its bucket (entries
+        and replacements together) or :data:`MAX_PER_SOURCE` in the table.
         """
         node_id = contact.node_id
         if node_id == self.local_id:
@@ -111,15 +127,21 @@ class RoutingTable:
             entry.num_failures = 0
             bucket.entries[contact.peer_id] = entry
             return None
+        if self._source_is_full(bucket, source):
+            self.num_refused_by_source += 1
+            return None
         while len(bucket.entries) >= self.k and self._can_split(bucket):
             self._split(bucket)
             bucket = self._bucket_of(node_id)
-        fresh = _Entry(contact, now)
+            if self._source_is_full(bucket, source):
+                self.num_refused_by_source += 1
+                return None
+        fresh = _Entry(contact, now, source)
         stale = bucket.replacements.pop(contact.peer_id, None)
         if stale is not None and not contact.addrs:
             fresh.contact = stale.contact
         if len(bucket.entries) < self.k:
-            bucket.entries[contact.peer_id] = fresh
+            self._add(bucket, fresh)
             return None
         if self.replacement_cache_size > 0:
             bucket.replacements[contact.peer_id] = fresh
@@ -132,7 +154,9 @@ class RoutingTable:
         seen replacement into its place (§4.1). Unknown peers are ignored."""
         bucket = self._bucket_of(node_id_of(peer_id))
         bucket.replacements.pop(peer_id, None)
-        if bucket.entries.pop(peer_id, None) is not None:
+        entry = bucket.entries.pop(peer_id, None)
+        if entry is not None:
+            self._forget_source(entry)
             self._fill_from_replacements(bucket)
 
     def record_failure(self, peer_id: PeerID, now: float) -> bool:
@@ -252,6 +276,30 @@ class RoutingTable:
         self._fill_from_replacements(upper)
 
     def _fill_from_replacements(self, bucket: _Bucket) -> None:
-        while len(bucket.entries) < self.k and bucket.replacements:
-            peer_id = next(reversed(bucket.replacements))  # the most recently seen
-            bucket.entries[peer_id] = bucket.replacements.pop(peer_id)
+        for peer_id in reversed(list(bucket.replacements)):  # the most recently seen first
+            if len(bucket.entries) >= self.k:
+                break
+            entry = bucket.replacements.pop(peer_id)
+            if not self._source_is_full(bucket, entry.source):
+                self._add(bucket, entry)
+
+    def _source_is_full(self, bucket: _Bucket, source: str | None) -> bool:
+        if source is None:
+            return False
+        if self._per_source.get(source, 0) >= MAX_PER_SOURCE:
+            return True
+        held = itertools.chain(bucket.entries.values(), bucket.replacements.values())
+        return sum(1 for e in held if e.source == source) >= MAX_PER_SOURCE_PER_BUCKET
+
+    def _add(self, bucket: _Bucket, entry: _Entry) -> None:
+        bucket.entries[entry.contact.peer_id] = entry
+        if entry.source is not None:
+            self._per_source[entry.source] = self._per_source.get(entry.source, 0) + 1
+
+    def _forget_source(self, entry: _Entry) -> None:
+        if entry.source is not None:
+            left = self._per_source[entry.source] - 1
+            if left:
+                self._per_source[entry.source] = left
+            else:
+                del self._per_source[entry.source]

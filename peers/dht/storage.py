@@ -10,8 +10,11 @@ Rules:
 - *Plain value and subkeys are separate entries.* Under a key, subkey None holds the
   plain value and each subkey its own entry; neither replaces nor hides the other, so a
   plain store on a shared announce key cannot wipe the announcements.
-- *Per-source quotas.* ``source`` is the authenticated peer that sent the store (our own
-  PeerID for what we store ourselves). Each source has a hard cap on records and bytes.
+- *Per-source quotas.* ``source`` is where the store came from: the DHT node passes the
+  sender's network (``peers.subnets.source_group``: a public /24 or /48, a private host,
+  or the identity itself on loopback), so a thousand identities on one network share
+  one quota; :data:`OWN_SOURCE` for what we store ourselves. Each source has a hard cap
+  on records and bytes.
   A replaced record is credited back to its old source and charged to the new one.
 - *Max-min fair eviction when full.* When the store (bytes) or a key (subkeys) is full,
   expired records are purged first; then a record is evicted only from the source that
@@ -32,6 +35,9 @@ from dataclasses import dataclass
 from peers.dht.records import MAX_SUBKEYS_PER_KEY, Record, RecordError, validate
 from peers.identity import PeerID
 
+#: Who a stored record is charged to: a network's name (``peers.subnets``) or a PeerID.
+Source = str | PeerID
+
 #: What one stored record costs beyond its bytes: the Python objects holding it (record,
 #: entry, dict and set slots, a heap item) take about this much. It also makes a flood of
 #: empty records cost memory quota like the memory it really takes.
@@ -39,6 +45,8 @@ RECORD_OVERHEAD_BYTES = 256
 #: Memory for records stored for others. 64 MiB is affordable on the small server a
 #: bootstrap peer runs on, and is far more than a node's share of a swarm's records.
 MAX_STORE_BYTES = 64 * 1024 * 1024
+#: Where a node's own records count.
+OWN_SOURCE = "self"
 #: Bytes one source may hold: 1/16 of the store, so fewer than 16 sources can never fill it.
 MAX_BYTES_PER_SOURCE = 4 * 1024 * 1024
 #: Records one source may hold. An honest peer stores a few announcements of its own, but
@@ -79,7 +87,7 @@ class StoreStatistics:
 @dataclass(slots=True, eq=False)
 class _Entry:
     record: Record
-    source: PeerID
+    source: Source
     cost: int
 
 
@@ -97,8 +105,8 @@ def _fair_victims(
     ``candidates`` excludes the newcomer's source, which will hold ``mine`` units; each
     victim source loses its soonest-expiring entries first.
     """
-    usage: dict[PeerID, int] = {}
-    queues: dict[PeerID, list[_Entry]] = {}
+    usage: dict[Source, int] = {}
+    queues: dict[Source, list[_Entry]] = {}
     for entry in candidates:
         usage[entry.source] = usage.get(entry.source, 0) + size(entry)
         queues.setdefault(entry.source, []).append(entry)
@@ -134,8 +142,8 @@ class RecordStore:
         self.max_bytes_per_source = max_bytes_per_source
         self.max_records_per_source = max_records_per_source
         self._keys: dict[bytes, dict[bytes | None, _Entry]] = {}
-        self._by_source: dict[PeerID, set[_Entry]] = {}
-        self._source_bytes: dict[PeerID, int] = {}
+        self._by_source: dict[Source, set[_Entry]] = {}
+        self._source_bytes: dict[Source, int] = {}
         self._stored_bytes = 0
         self._num_records = 0
         self._expiry: list[tuple[float, int, _Entry]] = []
@@ -144,7 +152,7 @@ class RecordStore:
         self._outcomes = dict.fromkeys(["invalid", *StoreResult.__members__], 0)
         self._num_evicted = 0
 
-    def store(self, record: Record, *, source: PeerID, now: float) -> StoreResult:
+    def store(self, record: Record, *, source: Source, now: float) -> StoreResult:
         """Store ``record`` sent by ``source``; raises :class:`RecordError` if it is invalid."""
         try:
             record = validate(record, now)
@@ -155,7 +163,7 @@ class RecordStore:
         self._outcomes[result.name] += 1
         return result
 
-    def _store_valid(self, record: Record, source: PeerID, now: float) -> StoreResult:
+    def _store_valid(self, record: Record, source: Source, now: float) -> StoreResult:
         self.purge_expired(now)
         entries = self._keys.get(record.key, {})
         old = entries.get(record.subkey)
@@ -239,7 +247,7 @@ class RecordStore:
                 num_purged += 1
         return num_purged
 
-    def usage(self, source: PeerID) -> tuple[int, int]:
+    def usage(self, source: Source) -> tuple[int, int]:
         """How many records, and how many bytes (see :func:`record_cost`), ``source`` holds."""
         return len(self._by_source.get(source, ())), self._source_bytes.get(source, 0)
 

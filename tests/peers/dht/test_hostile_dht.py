@@ -4,13 +4,14 @@ flooding stores, and lies about who is where. Each is sent over the real RPC."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
 
 from peers import KeyPair, Peer, PeerConfig, RemoteError
-from peers.dht.ids import Contact, node_id_of
+from peers.dht.ids import Contact, distance, key_id, node_id_of
 from peers.dht.node import DHT, DHTConfig, ValueWithExpiration, dht_time
 from peers.dht.protocol import (
     FIND_NODE_PROTOCOL,
@@ -281,5 +282,34 @@ def test_a_server_that_always_says_more_costs_a_bounded_read(arun: Run) -> None:
             contact = Contact(attacker.peer_id, tuple(str(a) for a in attacker.listen_addrs))
             records, _ = await victim.call_find_value(contact, b"k")
             assert calls == 2 and len(records) == 2  # the second page did not move on
+
+    arun(main())
+
+
+def test_a_store_far_from_its_key_is_refused(arun: Run) -> None:
+    """Issue 21, item 4: records live at the nodes closest to their key. A node that
+    knows k nodes closer to a key than itself refuses to hold records under it, so a
+    stranger cannot make any node it likes hold its records."""
+
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            k = victim.config.k
+            contacts = [Contact(KeyPair.generate().peer_id) for _ in range(3 * k)]
+            for i, contact in enumerate(contacts):
+                victim.routing.update(contact, float(i))
+
+            def closer(key: bytes) -> int:
+                mine = distance(victim.node_id, key_id(key))
+                return sum(1 for c in contacts if distance(c.node_id, key_id(key)) < mine)
+
+            far = next(key for key in (os.urandom(8) for _ in range(1000)) if closer(key) > k)
+            near = next(key for key in (os.urandom(8) for _ in range(10_000)) if closer(key) == 0)
+            expires = dht_time() + 60
+            result = await raw_store(
+                attacker, victim, [wire(far, "x", expires), wire(near, "y", expires)]
+            )
+            assert result == [False, True]
+            assert victim.statistics().num_stores_refused_far == 1
+            assert held(victim, far) is None and held(victim, near) is not None
 
     arun(main())

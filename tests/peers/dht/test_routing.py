@@ -12,7 +12,14 @@ import random
 import pytest
 
 from peers.dht.ids import ID_BITS, Contact, distance, key_id, node_id_of
-from peers.dht.routing import MAX_FAILURES, K, RoutingStatistics, RoutingTable
+from peers.dht.routing import (
+    MAX_FAILURES,
+    MAX_PER_SOURCE,
+    MAX_PER_SOURCE_PER_BUCKET,
+    K,
+    RoutingStatistics,
+    RoutingTable,
+)
 from peers.identity import KeyPair, PeerID
 
 TOP_BIT = 1 << (ID_BITS - 1)
@@ -222,3 +229,52 @@ def test_rejects_bad_parameters() -> None:
         RoutingTable(1 << ID_BITS)
     with pytest.raises(ValueError):
         RoutingTable(0, k=0)
+
+
+def test_one_network_gets_two_places_per_bucket_and_eight_in_the_table() -> None:
+    """Issue 21, item 4: identities are cheap, networks are not. Contacts from one
+    source take at most MAX_PER_SOURCE_PER_BUCKET places of a bucket and MAX_PER_SOURCE
+    of the table, and are not kept as replacements; other sources are unaffected."""
+    rng = seeded()
+    local = node_id_of(random_peer(rng))
+    table = RoutingTable(local)
+    sybils = far_contacts(local, rng, 30)
+    for i, contact in enumerate(sybils):
+        assert table.update(contact, float(i), source="net/203.0.113.0/24") is None
+    assert len(table) == MAX_PER_SOURCE_PER_BUCKET
+    assert table.statistics().num_replacements == 0
+    assert table.num_refused_by_source == 30 - MAX_PER_SOURCE_PER_BUCKET
+    honest = far_contacts(local, rng, 5)
+    for i, contact in enumerate(honest):
+        table.update(contact, 100.0 + i, source=f"net/198.51.{i}.0/24")
+    assert all(c.peer_id in table for c in honest)
+    # Across buckets (honest peers of distinct networks split the table): eight in all.
+    for i in range(400):
+        table.update(Contact(random_peer(rng)), 150.0 + i, source=f"peer/{i}")
+    assert table.statistics().num_buckets > MAX_PER_SOURCE // MAX_PER_SOURCE_PER_BUCKET
+    everywhere = {Contact(random_peer(rng)) for _ in range(2000)}
+    for i, contact in enumerate(everywhere):
+        table.update(contact, 200.0 + i, source="host/198.19.0.2")
+    placed = [c for c in table.contacts() if c in everywhere]
+    assert 0 < len(placed) <= MAX_PER_SOURCE
+    for bucket in table._buckets:
+        held = [*bucket.entries, *bucket.replacements]
+        assert sum(1 for p in held if Contact(p) in everywhere) <= MAX_PER_SOURCE_PER_BUCKET
+    # A contact of that source that leaves frees its place (a replacement of the same
+    # source may take it at once), and the bound holds through churn.
+    for leaving in placed:
+        table.remove(leaving.peer_id)
+        assert leaving.peer_id not in table
+        for i, contact in enumerate(everywhere):
+            table.update(contact, 5000.0 + i, source="host/198.19.0.2")
+        assert 0 < sum(1 for c in table.contacts() if c in everywhere) <= MAX_PER_SOURCE
+    check_invariants(table)
+
+
+def test_contacts_of_unknown_source_are_not_limited() -> None:
+    rng = seeded()
+    local = node_id_of(random_peer(rng))
+    table = RoutingTable(local)
+    for i, contact in enumerate(far_contacts(local, rng, K)):
+        table.update(contact, float(i))
+    assert len(table) == K
