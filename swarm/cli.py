@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 import time
@@ -83,14 +84,19 @@ async def _serve(args: argparse.Namespace) -> int:
         optimizer = None
         if args.optimizer != "none":
             optimizer = OptimizerSpec(kind=args.optimizer, lr=args.lr)
+        trainers = allowed_peers(
+            args.allow_trainer, args.allow_trainer_file, file_option="--allow-trainer-file"
+        )
         config = ServeConfig(
             uids=tuple(uids),
             module=args.module,
             hidden_dim=args.hidden_dim,
             max_batch_size=args.max_batch_size,
             optimizer=optimizer,
+            clip_grad_norm=args.clip_grad_norm,
             seed=args.seed,
             server=ServerConfig(
+                allowed_trainers=trainers,
                 announce_interval=args.announce_interval,
                 announce_ttl=3 * args.announce_interval,
                 linear_kernels=args.linear_kernels,
@@ -540,6 +546,26 @@ def _stage(text: str) -> int | None:
     return value
 
 
+#: ``ServeConfig.clip_grad_norm``'s default, ``swarm.experts.backend.DEFAULT_CLIP_GRAD_NORM``
+#: (why 1.0 is said there). Not imported: that would import torch when the command starts;
+#: tests/swarm/test_experts_trust.py checks that the two agree.
+DEFAULT_CLIP_GRAD_NORM = 1.0
+
+
+def _clip_grad_norm(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite positive number, or none for no clipping; got {text!r}"
+        )
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -604,6 +630,26 @@ def _add_serve_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     serve.add_argument("--hidden-dim", type=_positive_int, default=1024, help="(default 1024)")
     serve.add_argument("--seed", type=int, help="seed module initialisation")
+    serve.add_argument(
+        "--clip-grad-norm",
+        type=_clip_grad_norm,
+        default=DEFAULT_CLIP_GRAD_NORM,
+        metavar="NORM",
+        help="bound each caller's gradient norm, and each step's, to NORM; none: do not clip "
+        f"(only for callers you trust) ({DEFAULT_CLIP_GRAD_NORM})",
+    )
+    serve.add_argument(
+        "--allow-trainer",
+        action="append",
+        type=peer_id_arg,
+        metavar="PEERID",
+        help="train only on backward calls of these peers (forward stays open); repeatable",
+    )
+    serve.add_argument(
+        "--allow-trainer-file",
+        metavar="PATH",
+        help="trainers' peer IDs, one per line (# comments); with --allow-trainer, both",
+    )
     _add_server_options(serve)
 
 
@@ -721,6 +767,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "serve": (
         "swarm serve --expert-pattern 'ffn.[0:4].[0:4]' --hidden-dim 1024 --optimizer adam \\",
         f"    --lr 1e-3 --listen /ip4/0.0.0.0/tcp/31338 --initial-peers {_PEER}",
+        "swarm serve --uids ffn.0.0 --allow-trainer-file trainers.txt   # only they train it",
     ),
     "serve-stage": (
         f"swarm serve-stage --model digits --stage auto --lr 1e-3 --initial-peers {_PEER}",

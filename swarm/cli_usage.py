@@ -110,17 +110,20 @@ def peer_id_arg(text: str) -> str:
     return text
 
 
-def allowed_peers(allow: list[str] | None, allow_file: str | None) -> frozenset[PeerID] | None:
+def allowed_peers(
+    allow: list[str] | None, allow_file: str | None, *, file_option: str = "--allow-file"
+) -> frozenset[PeerID] | None:
     """The allow-list ``--allow`` and ``--allow-file`` give (``None`` if neither): peer
     IDs, one per line in the file, ``#`` starting a comment. Raises
-    :class:`UsageError` for a file that cannot be read or holds something else."""
+    :class:`UsageError` for a file that cannot be read or holds something else, naming
+    it as ``file_option`` (another list read the same way, as ``--allow-trainer-file``)."""
     texts = list(allow or [])
     if allow_file is not None:
         try:
             lines = Path(allow_file).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-            raise UsageError(f"--allow-file {allow_file}: {reason}") from e
+            raise UsageError(f"{file_option} {allow_file}: {reason}") from e
         for number, line in enumerate(lines, 1):
             text = line.split("#", 1)[0].strip()
             if not text:
@@ -128,7 +131,7 @@ def allowed_peers(allow: list[str] | None, allow_file: str | None) -> frozenset[
             try:
                 peer_id_arg(text)
             except argparse.ArgumentTypeError as e:
-                raise UsageError(f"--allow-file {allow_file}, line {number}: {e}") from None
+                raise UsageError(f"{file_option} {allow_file}, line {number}: {e}") from None
             texts.append(text)
     if allow is None and allow_file is None:
         return None

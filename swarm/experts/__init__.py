@@ -28,6 +28,7 @@ from swarm.experts.errors import (
     ExpertProtocolError,
     NotEnoughExperts,
     ServerBusy,
+    TrainingNotAllowed,
 )
 from swarm.experts.layers import FeedforwardBlock, module_factory
 from swarm.experts.moe import MoEConfig, MoEStatistics, RemoteMixtureOfExperts
@@ -61,6 +62,7 @@ __all__ = [
     "ServerConfig",
     "ServerStatistics",
     "TensorSpec",
+    "TrainingNotAllowed",
     "call_backward",
     "call_forward",
     "call_info",

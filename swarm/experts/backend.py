@@ -11,10 +11,19 @@ since (otherwise it recomputes, on the new parameters, like hivemind).
 
 The optimizer step is separate (:meth:`ModuleBackend.step`), so the server can send the
 input gradients first and step while they travel.
+
+Gradients are clipped by default (:data:`DEFAULT_CLIP_GRAD_NORM`), twice: each caller's
+*contribution* to a step (the gradients of its requests in the batch, closed by
+:meth:`ModuleBackend.end_contribution`) on its own, then, if a batch held several
+callers, their sum. So an SGD step moves the parameters by at most ``lr *
+clip_grad_norm`` whatever the callers sent, and one caller's huge gradient cannot drown
+out the others' in a step they share. A contribution whose norm is not finite (finite
+values can overflow in the backward) is dropped. See docs/experts-trust.md.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +33,14 @@ from torch import nn
 from swarm.experts.schema import FLOAT_DTYPES, ExpertInfo, TensorSpec
 from swarm.experts.uids import check_uid
 
+#: Default bound on the gradient norm of each caller's contribution to an optimizer step,
+#: and of the step's whole gradient. 1.0 is the usual bound of large-model recipes (GPT-3,
+#: Llama, torchtitan's ``max_norm``): honest gradients of a well-scaled loss are mostly
+#: below it, so it seldom changes an honest step; and it is what makes a step's size
+#: independent of what a caller sends: a backward with gradients a million times too
+#: large moves SGD's parameters by at most ``lr * 1.0``, and cannot fill Adam's second
+#: moment with a value that freezes the module's training for thousands of steps.
+DEFAULT_CLIP_GRAD_NORM = 1.0
 #: Samples of the trial forward that finds a module's output specs: 2, not 1, so that
 #: a module that squeezes its batch dimension by mistake is caught.
 TRIAL_BATCH_SIZE = 2
@@ -38,6 +55,13 @@ class BackendStatistics:
     num_batches: int
     num_optimizer_steps: int
     compute_seconds: float
+    num_contributions: int = 0
+    """Callers' contributions to optimizer steps (see :meth:`ModuleBackend.end_contribution`)."""
+    num_clipped_contributions: int = 0
+    """Contributions whose gradient norm exceeded ``clip_grad_norm`` (scaled down to it).
+    Most of them clipped, from honest callers, means the bound is too low for the loss."""
+    num_dropped_contributions: int = 0
+    """Contributions dropped because their gradient norm was not finite."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +76,12 @@ class KeptForward:
 
 
 class ModuleBackend:
-    """A torch module hosted under ``uid``, with its input specs and its optimizer."""
+    """A torch module hosted under ``uid``, with its input specs and its optimizer.
+
+    ``clip_grad_norm`` bounds the gradient norm of each caller's contribution to a step
+    and of the step's sum (:data:`DEFAULT_CLIP_GRAD_NORM`); ``None`` turns clipping off,
+    for a module whose callers are all trusted. ValueError for one that is not finite
+    and positive."""
 
     def __init__(
         self,
@@ -62,8 +91,9 @@ class ModuleBackend:
         inputs: Sequence[TensorSpec],
         max_batch_size: int,
         optimizer: torch.optim.Optimizer | None = None,
-        clip_grad_norm: float | None = None,
+        clip_grad_norm: float | None = DEFAULT_CLIP_GRAD_NORM,
     ) -> None:
+        check_clip_grad_norm(clip_grad_norm)
         self.uid = check_uid(uid)
         self.module = module
         first = next(iter(module.parameters()), None)
@@ -87,6 +117,11 @@ class ModuleBackend:
         self._num_batches = self._num_steps = 0
         self._version = 0  # bumped by every change of the parameters: steps and others
         self._compute_seconds = 0.0
+        # The step's gradient so far: each closed contribution, clipped, summed (held by
+        # reference: the first one's tensors become the sum, so one caller costs no copy).
+        self._summed: dict[nn.Parameter, torch.Tensor] = {}
+        self._num_summed = 0
+        self._num_contributions = self._num_clipped = self._num_dropped = 0
 
     def forward(
         self, inputs: Sequence[torch.Tensor], *, keep: bool = False
@@ -142,14 +177,58 @@ class ModuleBackend:
             for leaf, spec in zip(kept.leaves, self.info.inputs, strict=True)
         ]
 
+    def end_contribution(self) -> None:
+        """The gradients accumulated since the last call are one caller's contribution
+        to the next step: clip them to ``clip_grad_norm`` on their own (drop them if
+        their norm is not finite) and add them to the step's sum. Without clipping, or
+        without an optimizer, it does nothing: the gradients simply accumulate."""
+        if self.clip_grad_norm is None or self.optimizer is None:
+            return
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if not params:
+            return
+        self._num_contributions += 1
+        norm = _clip([p.grad for p in params if p.grad is not None], self.clip_grad_norm)
+        if not math.isfinite(norm):
+            self._num_dropped += 1
+        else:
+            if norm > self.clip_grad_norm:
+                self._num_clipped += 1
+            self._num_summed += 1
+            for p in params:
+                assert p.grad is not None
+                total = self._summed.get(p)
+                if total is None:
+                    self._summed[p] = p.grad
+                else:
+                    total.add_(p.grad)
+        for p in params:
+            p.grad = None
+
+    def discard_gradients(self) -> None:
+        """Forget the gradients accumulated for the next step (a failed batch's)."""
+        self._summed.clear()
+        self._num_summed = 0
+        for p in self.module.parameters():
+            p.grad = None
+
     def step(self) -> None:
-        """Apply the accumulated gradients (clipped if configured), then clear them."""
+        """Apply the accumulated gradients (clipped if configured), then clear them.
+        Gradients not yet closed by :meth:`end_contribution` count as one contribution."""
         if self.optimizer is None:
-            for p in self.module.parameters():  # nothing trains it: do not let grads pile up
-                p.grad = None
+            self.discard_gradients()  # nothing trains it: do not let grads pile up
             return
         if self.clip_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
+            self.end_contribution()
+            for p, total in self._summed.items():
+                p.grad = total
+            if self._num_summed > 1:  # one contribution is clipped already
+                _clip(list(self._summed.values()), self.clip_grad_norm)
+            empty = not self._summed  # every contribution was dropped
+            self._summed = {}
+            self._num_summed = 0
+            if empty:
+                return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._num_steps += 1
@@ -166,7 +245,38 @@ class ModuleBackend:
             num_batches=self._num_batches,
             num_optimizer_steps=self._num_steps,
             compute_seconds=self._compute_seconds,
+            num_contributions=self._num_contributions,
+            num_clipped_contributions=self._num_clipped,
+            num_dropped_contributions=self._num_dropped,
         )
+
+
+def check_clip_grad_norm(value: float | None) -> float | None:
+    """``value`` itself; ValueError unless it is ``None`` (no clipping) or finite and
+    positive (infinity would be clipping that never clips: say ``None``)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"clip_grad_norm must be finite and positive, or None for no clipping; got {value!r}"
+        )
+    return value
+
+
+def _clip(grads: Sequence[torch.Tensor], max_norm: float) -> float:
+    """The total 2-norm of ``grads``; if it is finite and over ``max_norm``, scales them in
+    place to ``max_norm``. Unlike ``nn.utils.clip_grad_norm_``, gradients under the bound
+    are left alone rather than multiplied by 1: a second pass over them that most honest
+    steps need not pay. Half-precision gradients are summed in float32, so an honest
+    norm past 65504 is not taken for an overflow."""
+    norms = [
+        torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
+        for g in grads
+    ]
+    norm = float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms])))
+    if math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm
 
 
 def _leaves(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,9 +1,10 @@
 """Errors of remote experts, split by whose fault it is (STYLE.md 5).
 
-On a server, :class:`BadExpertRequest` and :class:`ServerBusy` are raised by handlers
-and reach the caller as :class:`peers.RemoteError` with that type name and message. A
-caller sees :class:`ExpertInputError` for its own inputs (checked before anything is
-sent), :class:`ExpertProtocolError` for a reply that breaks the protocol, and
+On a server, :class:`BadExpertRequest`, :class:`ServerBusy` and
+:class:`TrainingNotAllowed` are raised by handlers and reach the caller as
+:class:`peers.RemoteError` with that type name and message. A caller sees
+:class:`ExpertInputError` for its own inputs (checked before anything is sent),
+:class:`ExpertProtocolError` for a reply that breaks the protocol, and
 :class:`NotEnoughExperts` when a mixture could not reach its quorum.
 """
 
@@ -29,7 +30,14 @@ class BadExpertRequest(ExpertError, ValueError):
 
 
 class ServerBusy(ExpertError):
-    """The module's queue is full; the caller may retry elsewhere or later."""
+    """The module's queue, or the caller's share of it, is full; the caller may retry
+    elsewhere or later."""
+
+
+class TrainingNotAllowed(ExpertError, PermissionError):
+    """A backward (training) call from a peer the server does not let train
+    (``ServerConfig.allowed_trainers``): refused before any compute. The caller may
+    still call forward."""
 
 
 class ExpertInputError(ExpertError, ValueError):

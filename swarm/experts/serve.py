@@ -17,7 +17,7 @@ from torch import nn
 
 from peers.dht import DHT
 from peers.host import Peer
-from swarm.experts.backend import ModuleBackend
+from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM, ModuleBackend, check_clip_grad_norm
 from swarm.experts.errors import ModuleFactoryError
 from swarm.experts.layers import module_factory
 from swarm.experts.schema import MAX_BATCH_SIZE, TensorSpec
@@ -45,12 +45,15 @@ class ServeConfig:
     """Most samples one batch (and one request) may hold."""
     optimizer: OptimizerSpec | None = field(default_factory=_default_optimizer)
     """How each module is trained on its backward passes; ``None``: not trained."""
-    clip_grad_norm: float | None = None
-    """Clip each module's gradient norm to this before its optimizer step."""
+    clip_grad_norm: float | None = DEFAULT_CLIP_GRAD_NORM
+    """Bound on the gradient norm of each caller's contribution to an optimizer step,
+    and of the step's whole gradient (:data:`swarm.experts.backend.DEFAULT_CLIP_GRAD_NORM`,
+    1.0: an SGD step then moves the parameters by at most ``lr * 1.0``, whatever a
+    caller sends). ``None`` turns clipping off: only for callers you trust."""
     seed: int | None = None
     """Seeds module initialisation (module i gets ``seed + i``); ``None``: random."""
     server: ServerConfig = field(default_factory=ServerConfig)
-    """Batching and announcing."""
+    """Batching, per-caller queue shares, who may train, announcing."""
 
     def __post_init__(self) -> None:
         if not self.uids:
@@ -64,8 +67,7 @@ class ServeConfig:
             raise ValueError(f"hidden_dim must be in [1, 65536], got {self.hidden_dim}")
         if not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
             raise ValueError(f"max_batch_size must be in [1, {MAX_BATCH_SIZE}]")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError("clip_grad_norm must be positive")
+        check_clip_grad_norm(self.clip_grad_norm)
 
 
 def build_backends(config: ServeConfig) -> list[ModuleBackend]:

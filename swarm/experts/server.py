@@ -3,12 +3,15 @@
 ``async with ExpertServer(peer, backends, config, dht=dht)`` registers the experts
 protocol on ``peer``, starts one :class:`ModuleWorker` per module and (with a DHT)
 announces the modules once, then every ``announce_interval``; its tasks live in a
-TaskGroup it owns (STYLE.md 3). Every request is checked against
-the module's schema before it is decoded or queued; a bad one costs only its caller a
-:class:`BadExpertRequest`. A pipeline stage is hosted the same way as an expert: a
-module under a uid such as ``stage.2``. The modules' ``nn.Linear`` layers compute
-with oneDNN where a probe finds it faster than torch's kernels (``linear_kernels`` in
-:class:`ServerConfig`; :mod:`swarm.experts.kernels`).
+TaskGroup it owns (STYLE.md 3). Every request is checked against the module's schema
+before it is decoded or queued; a bad one costs only its caller a
+:class:`BadExpertRequest`. Each request is queued as its caller's (the remote peer's),
+within that caller's share of the module's queue, and a backward from a peer outside
+``ServerConfig.allowed_trainers`` is refused with :class:`TrainingNotAllowed` before
+anything else (docs/experts-trust.md). A pipeline stage is hosted the same way as an
+expert: a module under a uid such as ``stage.2``. The modules' ``nn.Linear`` layers
+compute with oneDNN where a probe finds it faster than torch's kernels
+(``linear_kernels`` in :class:`ServerConfig`; :mod:`swarm.experts.kernels`).
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import torch
 
 from peers.dht import DHT, dht_time
 from peers.host import Peer
+from peers.identity import PeerID
 from peers.rpc import CallContext
 from peers.runtime import keep_freed_memory
 from peers.serialization import MAX_FRAME_BYTES
 from swarm.experts.announce import Announcement, ExpertLocation, declare_experts
 from swarm.experts.backend import BackendStatistics, KeptForward, ModuleBackend
 from swarm.experts.batching import Batcher
-from swarm.experts.errors import BadExpertRequest
+from swarm.experts.errors import BadExpertRequest, TrainingNotAllowed
 from swarm.experts.kept import KeptStore
 from swarm.experts.kernels import use_linear_kernels
 from swarm.experts.schema import ExpertInfo, TensorSpec, check_batch
@@ -66,6 +70,8 @@ class ServerStatistics:
     queued_samples: dict[str, int]
     throughput: dict[str, float]
     num_announcements: int
+    num_refused_trainings: int
+    """Backward calls refused because their peer is not in ``allowed_trainers``."""
     linear_kernels: str
     """Which kernels the hosted modules' Linear layers use: ``"onednn"`` or ``"torch"``."""
 
@@ -97,9 +103,12 @@ class ExpertServer:
             if backend.uid in self.workers:
                 raise ValueError(f"uid {backend.uid} is hosted twice")
             max_batch = backend.info.max_batch_size
+            queued = self.config.max_queued_batches
+            per_caller = min(self.config.max_queued_batches_per_caller, queued)
             batcher: Batcher[int] = Batcher(
                 max_batch_size=max_batch,
-                max_queued_samples=self.config.max_queued_batches * max_batch,
+                max_queued_samples=queued * max_batch,
+                max_queued_samples_per_caller=per_caller * max_batch,
                 min_batch_size=min(self.config.min_batch_size, max_batch),
                 max_wait_seconds=self.config.max_wait_seconds,
             )
@@ -116,6 +125,7 @@ class ExpertServer:
         self._group: asyncio.TaskGroup | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._num_announcements = 0
+        self._num_refused_trainings = 0
 
     async def __aenter__(self) -> ExpertServer:
         self._group = asyncio.TaskGroup()
@@ -156,6 +166,10 @@ class ExpertServer:
 
     # --- handlers ------------------------------------------------------------------
 
+    def _may_train(self, caller: PeerID) -> bool:
+        allowed = self.config.allowed_trainers
+        return allowed is None or caller in allowed
+
     def _worker(self, uid: str) -> ModuleWorker:
         worker = self.workers.get(uid)
         if worker is None:
@@ -173,7 +187,9 @@ class ExpertServer:
         inputs, batch = _decode(
             f"forward {info.uid}: inputs", request.inputs, info.inputs, info.max_batch_size
         )
-        outputs, kept = await worker.submit("forward", (inputs,), batch, keep=request.keep)
+        caller = context.remote_peer_id
+        keep = request.keep and self._may_train(caller)  # no graph for a refused backward
+        outputs, kept = await worker.submit("forward", (inputs,), batch, keep=keep, caller=caller)
         token = 0
         if kept is not None:
             token = worker.kept.put(context.remote_peer_id, kept, time.monotonic())
@@ -183,6 +199,14 @@ class ExpertServer:
         self, request: BackwardRequest, context: CallContext
     ) -> BackwardResponse:
         worker = self._worker(request.uid)
+        caller = context.remote_peer_id
+        if not self._may_train(caller):
+            self._num_refused_trainings += 1
+            raise TrainingNotAllowed(
+                f"backward refused: this server trains {request.uid[:128]!r} only on the "
+                f"gradients of its allowed trainers, and {caller} is not one of them; "
+                "forward calls are open to you"
+            )
         info = worker.backend.info
         codec = _codec(request.reply_codec)
         what = f"backward {info.uid}"
@@ -192,10 +216,12 @@ class ExpertServer:
         )
         kept = None
         if request.forward_token:
-            kept = worker.kept.take(context.remote_peer_id, request.forward_token, time.monotonic())
+            kept = worker.kept.take(caller, request.forward_token, time.monotonic())
             if kept is not None and kept.leaves[0].shape[0] != batch:
                 kept = None  # not this batch's graph: recompute
-        grad_inputs, _ = await worker.submit("backward", (inputs, grads), batch, kept=kept)
+        grad_inputs, _ = await worker.submit(
+            "backward", (inputs, grads), batch, kept=kept, caller=caller
+        )
         return BackwardResponse([None if g is None else encode(g, codec) for g in grad_inputs])
 
     # --- announcing ----------------------------------------------------------------
@@ -232,6 +258,7 @@ class ExpertServer:
             queued_samples={uid: w.batcher.num_queued_samples for uid, w in self.workers.items()},
             throughput={uid: w.throughput for uid, w in self.workers.items()},
             num_announcements=self._num_announcements,
+            num_refused_trainings=self._num_refused_trainings,
             linear_kernels="onednn" if self.uses_onednn else "torch",
         )
 

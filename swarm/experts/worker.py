@@ -1,8 +1,12 @@
 """The task that runs one hosted module: queue, batch, compute, reply, then step.
 
-Handlers ``submit`` a request and await its share of a batch. The worker asks its
-:class:`Batcher` what to run, joins the requests of a batch along the batch dimension,
-computes, and splits the results. Work expected to take more than
+Handlers ``submit`` a request, as its caller's, and await its share of a batch. The
+worker asks its :class:`Batcher` what to run (each caller within its share of the queue,
+callers round-robin), joins the requests of a batch along the batch dimension, computes,
+and splits the results. A backward batch runs caller by caller, and each caller's
+gradients are clipped on their own before the step (:meth:`ModuleBackend.end_contribution`),
+so one caller's huge gradient cannot drown out the others'; a batch that fails leaves no
+gradient behind for the next step. Work expected to take more than
 ``INLINE_COMPUTE_SECONDS`` (judged by the measured time per sample of its kind, forward
 or backward: a backward costs about twice a forward) runs in a thread of the loop's
 default executor (the event loop keeps moving bytes and enforcing deadlines while torch
@@ -24,7 +28,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,6 +58,7 @@ class _Job:
     future: asyncio.Future[tuple[Result, KeptForward | None]]
     keep: bool
     kept: KeptForward | None
+    caller: Hashable
 
 
 class ModuleWorker:
@@ -82,15 +87,18 @@ class ModuleWorker:
         *,
         keep: bool = False,
         kept: KeptForward | None = None,
+        caller: Hashable = None,
     ) -> tuple[Result, KeptForward | None]:
         """This request's results once its batch has run (and a forward's graph if
-        ``keep`` and it ran alone). Raises ``ServerBusy`` if the queue is full, or what
-        the module raised. Cancelling it (the caller's deadline) takes the request out
-        of the queue if it has not started."""
+        ``keep`` and it ran alone). ``caller`` (the remote peer) gets its share of the
+        queue and its own clipped contribution to the step (:mod:`swarm.experts.batching`,
+        :meth:`ModuleBackend.end_contribution`). Raises ``ServerBusy`` if the queue, or
+        the caller's share of it, is full, or what the module raised. Cancelling it (the
+        caller's deadline) takes the request out of the queue if it has not started."""
         loop = asyncio.get_running_loop()
         ticket = next(self._tickets)
-        self.batcher.submit(ticket, kind, num_samples, loop.time())
-        job = _Job(parts, loop.create_future(), keep, kept)
+        self.batcher.submit(ticket, kind, num_samples, loop.time(), caller=caller)
+        job = _Job(parts, loop.create_future(), keep, kept, caller)
         self._jobs[ticket] = job
         self._wake.set()
         try:
@@ -165,6 +173,7 @@ class ModuleWorker:
             try:
                 results, seconds = self._timed(lambda: self._compute(batch.kind, jobs))
             except Exception as e:  # the module's own failure: every caller hears it
+                self.backend.discard_gradients()  # none of the batch's may reach a step
                 hand(self._fail, batch, jobs, e)
                 return False
             hand(self._deliver, batch, jobs, results, seconds)
@@ -222,22 +231,33 @@ class ModuleWorker:
         await _finish(_in_thread(self._step))
 
     def _compute(self, kind: Kind, jobs: Sequence[_Job]) -> list[tuple[Result, KeptForward | None]]:
-        """Join, compute, split. A forward keeps its graph only if it ran alone; a
-        backward with a kept graph runs on its own, the others together."""
+        """Join, compute, split. A forward keeps its graph only if it ran alone. A
+        backward runs caller by caller, each caller's gradients closed as its own
+        contribution to the step; within a caller, a request with a kept graph runs on
+        its own, the others together."""
         if kind == "forward":
             keep = len(jobs) == 1 and jobs[0].keep
             outputs, kept = self.backend.forward(_join([j.parts[0] for j in jobs]), keep=keep)
             return [(r, kept) for r in _split(outputs, [_size(j) for j in jobs])]
-        results: dict[int, Result] = {}
+        by_caller: dict[Hashable, list[int]] = {}
         for i, job in enumerate(jobs):
-            if job.kept is not None and self.backend.is_fresh(job.kept):
-                results[i] = self.backend.backward(job.parts[0], job.parts[1], job.kept)
-        rest = [i for i in range(len(jobs)) if i not in results]
-        if rest:
-            inputs = _join([jobs[i].parts[0] for i in rest])
-            grads = _join([jobs[i].parts[1] for i in rest])
-            split = _split(self.backend.backward(inputs, grads), [_size(jobs[i]) for i in rest])
-            results.update(zip(rest, split, strict=True))
+            by_caller.setdefault(job.caller, []).append(i)
+        results: dict[int, Result] = {}
+        for indices in by_caller.values():
+            rest = []
+            for i in indices:
+                job = jobs[i]
+                if job.kept is not None and self.backend.is_fresh(job.kept):
+                    results[i] = self.backend.backward(job.parts[0], job.parts[1], job.kept)
+                else:
+                    rest.append(i)
+            if rest:
+                inputs = _join([jobs[i].parts[0] for i in rest])
+                grads = _join([jobs[i].parts[1] for i in rest])
+                sizes = [_size(jobs[i]) for i in rest]
+                split = _split(self.backend.backward(inputs, grads), sizes)
+                results.update(zip(rest, split, strict=True))
+            self.backend.end_contribution()
         return [(results[i], None) for i in range(len(jobs))]
 
 

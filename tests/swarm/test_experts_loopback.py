@@ -33,6 +33,7 @@ from swarm.experts import (
 )
 from swarm.experts import server as server_module
 from swarm.experts import worker as worker_module
+from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM
 from swarm.experts.batching import Batcher
 from swarm.experts.kept import KeptStore
 from swarm.experts.layers import FeedforwardBlock
@@ -154,6 +155,9 @@ def test_remote_expert_matches_local_module_values_gradients_and_updates() -> No
         (h_ref.square().sum() + 3 * s_ref.sum()).backward()
         assert x_remote.grad is not None and x_local.grad is not None
         torch.testing.assert_close(x_remote.grad, x_local.grad, atol=1e-6, rtol=0)
+        # the server clips by default (DEFAULT_CLIP_GRAD_NORM), and this loss's gradient
+        # is larger: the reference clips the same way
+        assert nn.utils.clip_grad_norm_(local_module.parameters(), DEFAULT_CLIP_GRAD_NORM) > 1
         local_opt.step()
         # the server steps after replying, before the next batch: a second forward runs
         # with the updated parameters on both sides
@@ -377,6 +381,7 @@ def test_a_kept_forward_spares_the_recomputation_unless_a_step_made_it_stale(aru
         for x, g in ((x1, g1), (x2, g2), (x2, g2)):
             leaf = x.clone().requires_grad_()
             reference(leaf).backward(g)
+            nn.utils.clip_grad_norm_(reference.parameters(), DEFAULT_CLIP_GRAD_NORM)  # as served
             ref_opt.step()
             ref_opt.zero_grad()
             expected.append(leaf.grad)
@@ -553,6 +558,7 @@ def test_a_threaded_backward_replies_before_its_step_and_the_next_batch_waits_fo
         reference(xr).backward(grad)
         assert grad_x is not None and xr.grad is not None
         assert torch.allclose(grad_x, xr.grad)
+        nn.utils.clip_grad_norm_(reference.parameters(), DEFAULT_CLIP_GRAD_NORM)  # as served
         torch.optim.SGD(reference.parameters(), lr=0.5).step()
         with torch.no_grad():
             assert torch.allclose(out, reference(x))  # computed after the step
