@@ -39,6 +39,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from averaging.accusations import (
+    Accusation,
+    AccusationBook,
+    Added,
+    Echo,
+    accusation_signed,
+    echo_signed,
+    sign_accusation,
+    sign_echo,
+)
 from averaging.agreement import Adoption, Ballot, check_vote, sign_vote, vote_signed_by
 from averaging.allreduce_config import (
     FLUSH_SECONDS,
@@ -52,16 +62,21 @@ from averaging.allreduce_wire import (
     AveragedMessage,
     ChunkMessage,
     CopyMessage,
+    EchoMessage,
     FetchMessage,
     HaveMessage,
     Message,
     NoticeMessage,
     SuspectMessage,
     VoteMessage,
+    accusations_of,
     decode_message,
+    echo_from_wire,
+    echo_to_wire,
     encode_hello,
     encode_message,
     link_opener,
+    notice_of,
     peer_ids,
 )
 from averaging.butterfly import ButterflyRound
@@ -192,6 +207,7 @@ class RoundRunner:
         self._reducing_since = self._started  # and since I last inherited a part
         self._encoded: dict[int, list[EncodedTensor]] = {}
         self._ballot = Ballot(spec.members)
+        self._accusations = AccusationBook(spec.members)
         self._votes: dict[bytes, VoteMessage] = {}  # fingerprint -> the first vote for it
         self._first_vote_at: float | None = None
         self._voted = False
@@ -644,10 +660,10 @@ class RoundRunner:
                 link = self.links.get(event.peer)
                 if link is not None:
                     link.ignored = True
-                notice = NoticeMessage([event.peer.to_bytes()])
-                for m, other in self.links.items():
-                    if m not in self.round.failed or m == event.peer:
-                        other.send(notice)
+                if event.peer not in self._accusations.counted:
+                    # My own observation: I accuse it, in my name (counted accusations
+                    # of others were relayed when they came).
+                    self._accuse_in_my_name(event.peer)
             elif isinstance(event, PartReassigned):
                 now = self._loop.time()
                 if event.new_reducer == self._me:
@@ -707,7 +723,7 @@ class RoundRunner:
     def _receive_butterfly(
         self,
         sender: PeerID,
-        message: ChunkMessage | AveragedMessage | NoticeMessage | SuspectMessage,
+        message: ChunkMessage | AveragedMessage | NoticeMessage | SuspectMessage | EchoMessage,
     ) -> None:
         round_id = self.spec.round_id
         if isinstance(message, ChunkMessage):
@@ -736,6 +752,8 @@ class RoundRunner:
                     contributors,
                 )
             )
+        elif isinstance(message, EchoMessage):
+            self._take_echo(sender, echo_from_wire(message))
         elif isinstance(message, SuspectMessage):
             for member in peer_ids(message.suspected):
                 if member not in self.spec.members:
@@ -744,8 +762,79 @@ class RoundRunner:
                     self._reported.setdefault(member, set()).add(sender)
             self._changed.set()  # a member I yield to may now be excluded at once
         else:
-            excluded = peer_ids(message.excluded)
-            self._handle(self.round.on_exclusion_notice(sender, round_id, excluded))
+            for accusation in accusations_of(message):
+                self._take_accusation(sender, accusation)
+
+    def _take_accusation(self, sender: PeerID, accusation: Accusation) -> None:
+        """Check, record and relay one accusation; exclude (or withdraw) if it counts."""
+        members = self.spec.members
+        if accusation.accuser not in members or accusation.accused not in members:
+            raise RemoteProtocolError("an accusation names a non-member")
+        if accusation.accuser == accusation.accused:
+            raise RemoteProtocolError("a member accuses itself")
+        if not accusation_signed(accusation, self.spec.round_id):
+            # The sender's fault whether it is the accuser or a relayer: a relayer
+            # checks an accusation before it passes it on.
+            raise RemoteProtocolError("an accusation whose signature is not its accuser's")
+        added = self._accusations.add(accusation)
+        if not added.new:
+            return
+        self._send(notice_of([accusation]), skip=sender, accused=accusation.accused)
+        if added.equivocator is not None and added.equivocator != self._me:
+            logger.info("round %s: %s equivocated", self._tag, added.equivocator)
+            if added.equivocator not in self.round.failed:
+                self._handle(self.round.on_sender_failed(added.equivocator, "equivocated"))
+        self._after_added(added, accusation)
+
+    def _take_echo(self, sender: PeerID, echo: Echo) -> None:
+        members = self.spec.members
+        if not {echo.accuser, echo.accused, echo.echoer} <= set(members):
+            raise RemoteProtocolError("an echo names a non-member")
+        if echo.accuser == echo.accused:
+            raise RemoteProtocolError("an echo of a member accusing itself")
+        if not echo_signed(echo, self.spec.round_id):
+            raise RemoteProtocolError("an echo whose signature is not its echoer's")
+        added = self._accusations.add_echo(echo)
+        if added.new:
+            self._send(echo_to_wire(echo), skip=sender, accused=echo.accused)
+            if added.counted is not None:
+                self._handle(self.round.on_accusation(added.counted, echo.accuser))
+
+    def _after_added(self, added: Added, accusation: Accusation) -> None:
+        if added.counted is not None:
+            self._handle(self.round.on_accusation(added.counted, accusation.accuser))
+        if added.echo:  # the first seq-0 accusation of its accuser I see: echo it once
+            echo = sign_echo(
+                self.peer.identity, self.spec.round_id, accusation.accuser, accusation.accused
+            )
+            self._take_own_echo(echo)
+
+    def _take_own_echo(self, echo: Echo) -> None:
+        added = self._accusations.add_echo(echo)
+        self._send(echo_to_wire(echo), skip=None, accused=echo.accused)
+        if added.counted is not None:
+            self._handle(self.round.on_accusation(added.counted, echo.accuser))
+
+    def accuse(self, member: PeerID) -> None:
+        """Accuse ``member`` in this peer's name, as on its own observation (the round's
+        code does when it excludes a member; the fault checker plays a member that
+        accuses falsely with it)."""
+        self._accuse_in_my_name(member)
+
+    def _accuse_in_my_name(self, member: PeerID) -> None:
+        seq = self._accusations.next_seq(self._me)
+        accusation = sign_accusation(self.peer.identity, self.spec.round_id, member, seq)
+        added = self._accusations.add(accusation)
+        self._send(notice_of([accusation]), skip=None, accused=member)
+        self._after_added(added, accusation)
+
+    def _send(
+        self, message: NoticeMessage | EchoMessage, skip: PeerID | None, accused: PeerID
+    ) -> None:
+        """To every member still in the round, and to the accused (so it withdraws)."""
+        for m, link in self.links.items():
+            if m != skip and (m not in self.round.failed or m == accused):
+                link.send(message)
 
     def _link_failed(self, link: _Link, error: BaseException) -> None:
         if link.dead:

@@ -60,6 +60,11 @@ class AllReduceService:
     ) -> None:
         self.peer.remove_stream_handler(ALLREDUCE_PROTOCOL)
 
+    def running(self, round_id: bytes) -> RoundRunner | None:
+        """The round ``round_id`` while it runs here (for tools that inspect or drive it,
+        such as the fault checker)."""
+        return self._rounds.get(round_id)
+
     async def run_round(
         self,
         spec: RoundSpec,

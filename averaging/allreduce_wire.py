@@ -1,4 +1,4 @@
-"""Wire messages of a networked butterfly round (``/swarmtrain/averaging/allreduce/3.0.0``).
+"""Wire messages of a networked butterfly round (``/swarmtrain/averaging/allreduce/4.0.0``).
 
 A round runs over one stream per pair of members (:func:`link_opener` says which side
 opens it). The opener's first frame is a :class:`Hello` naming the round and the digest
@@ -7,7 +7,11 @@ both sides send any of the other messages, each frame a msgpack array ``[tag, bo
 
 - :class:`ChunkMessage` a sender's encoded chunk of a part the receiver reduces;
 - :class:`AveragedMessage` a reducer's encoded, averaged chunk, with its contributors;
-- :class:`NoticeMessage` members the sender excluded (the flood of butterfly rule 4);
+- :class:`NoticeMessage` signed accusations: members excluded, each accusation by its
+  author (``averaging.accusations``); every member relays each one it has not seen
+  (the flood of butterfly rule 4), so a relayer cannot accuse in another's name;
+- :class:`EchoMessage` a member's signed echo of an accuser's first accusation, relayed
+  like accusations (a first accusation counts alone once a quorum echoed it);
 - :class:`VoteMessage` a member's one vote (``averaging.agreement``): the fingerprint
   and part digests of the result it holds, signed by the voter; every member relays
   each vote it has not seen to its other links, so votes cross cut links and reach
@@ -29,13 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from averaging.accusations import Accusation, Echo
 from averaging.butterfly_records import PartDigest, RoundSpec
 from averaging.compression import EncodedTensor
 from peers.errors import IdentityError, RemoteProtocolError
 from peers.identity import PeerID
 from peers.wire import WireError, from_wire, to_wire
 
-ALLREDUCE_PROTOCOL = "/swarmtrain/averaging/allreduce/3.0.0"
+ALLREDUCE_PROTOCOL = "/swarmtrain/averaging/allreduce/4.0.0"
 
 #: Members one message may name: a group is at most this large (matchmaking's bound).
 MAX_NAMED_MEMBERS = 1024
@@ -64,8 +69,24 @@ class AveragedMessage:
 
 
 @dataclass(frozen=True)
+class AccusationWire:
+    accused: bytes
+    accuser: bytes
+    seq: int
+    signature: bytes
+
+
+@dataclass(frozen=True)
 class NoticeMessage:
-    excluded: list[bytes]
+    accusations: list[AccusationWire]
+
+
+@dataclass(frozen=True)
+class EchoMessage:
+    accuser: bytes
+    accused: bytes
+    echoer: bytes
+    signature: bytes
 
 
 @dataclass(frozen=True)
@@ -109,6 +130,7 @@ Message = (
     | CopyMessage
     | HaveMessage
     | SuspectMessage
+    | EchoMessage
 )
 
 _TAGS: dict[type[Any], int] = {
@@ -120,6 +142,7 @@ _TAGS: dict[type[Any], int] = {
     CopyMessage: 7,
     HaveMessage: 8,
     SuspectMessage: 9,
+    EchoMessage: 10,
 }
 _TYPES: dict[int, type[Any]] = {tag: cls for cls, tag in _TAGS.items()}
 
@@ -159,6 +182,48 @@ def peer_ids(raw: list[bytes]) -> frozenset[PeerID]:
         return frozenset(PeerID(b) for b in raw)
     except IdentityError as e:
         raise RemoteProtocolError(f"malformed member id: {e}") from e
+
+
+def accusations_of(message: NoticeMessage) -> list[Accusation]:
+    """A notice's accusations; raises :class:`RemoteProtocolError` for too many or
+    malformed ones (signatures are checked by the caller)."""
+    if len(message.accusations) > MAX_NAMED_MEMBERS:
+        raise RemoteProtocolError(f"a notice holds more than {MAX_NAMED_MEMBERS} accusations")
+    try:
+        return [
+            Accusation(PeerID(a.accused), PeerID(a.accuser), a.seq, a.signature)
+            for a in message.accusations
+        ]
+    except IdentityError as e:
+        raise RemoteProtocolError(f"malformed member id: {e}") from e
+
+
+def echo_from_wire(message: EchoMessage) -> Echo:
+    """An echo's fields as member ids; :class:`RemoteProtocolError` if malformed."""
+    try:
+        return Echo(
+            PeerID(message.accuser),
+            PeerID(message.accused),
+            PeerID(message.echoer),
+            message.signature,
+        )
+    except IdentityError as e:
+        raise RemoteProtocolError(f"malformed member id: {e}") from e
+
+
+def echo_to_wire(echo: Echo) -> EchoMessage:
+    return EchoMessage(
+        echo.accuser.to_bytes(), echo.accused.to_bytes(), echo.echoer.to_bytes(), echo.signature
+    )
+
+
+def notice_of(accusations: list[Accusation]) -> NoticeMessage:
+    return NoticeMessage(
+        [
+            AccusationWire(a.accused.to_bytes(), a.accuser.to_bytes(), a.seq, a.signature)
+            for a in accusations
+        ]
+    )
 
 
 def link_opener(a: PeerID, a_reachable: bool, b: PeerID, b_reachable: bool) -> PeerID | None:

@@ -341,6 +341,19 @@ class ButterflyRound:
                 events += self._exclude(member, f"reported by {reporter}")
         return events
 
+    def on_accusation(self, accused: PeerID, accuser: PeerID) -> list[RoundEvent]:
+        """An accusation that counts (:mod:`averaging.accusations`: signed by
+        ``accuser``, and its first or a corroborated one): exclude ``accused`` (rule 4),
+        or withdraw if it names me (rule 5). Raises :class:`RoundError` for a
+        non-member."""
+        if accused not in self._members or accuser not in self._members:
+            raise RoundError(f"{accused} or {accuser} is not a member of this round")
+        if self._excluded_by or accused in self._failed:
+            return []
+        if accused == self._me:
+            return self._withdraw(accuser)
+        return self._exclude(accused, f"accused by {accuser}")
+
     def reducer_of(self, part_index: int) -> PeerID:
         """Who reduces part ``part_index`` now, in my view (its heir once reassigned)."""
         return self._assignee[part_index]

@@ -11,7 +11,10 @@ promises (docs/design/agreement.md):
 - P3: in a schedule with one fault, a dead or paused peer costs only itself and a cut
   link at most one of its ends (a peer is *lost* when it is alive at the end and does
   not report agreement);
-- P4: every round returns, within ``AllReduceConfig.return_bound``, without raising.
+- P4: every round returns, within ``AllReduceConfig.return_bound``, without raising;
+- P5 (exclusions): in a schedule whose one fault is a Byzantine member that accuses
+  the others falsely or equivocates (``random_schedule(seed, byzantine=True)``), it
+  costs at most one other member.
 
 ``python -m averaging.fault_checker --schedules 1000`` runs seeds 0..999 and prints a
 line per violation with its seed; ``--seed S`` runs one and, if it fails, shrinks it to
@@ -32,8 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
+from averaging.accusations import sign_accusation
 from averaging.allreduce_config import AllReduceConfig, AllReduceResult
 from averaging.allreduce_service import AllReduceService
+from averaging.allreduce_wire import notice_of
 from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO, RoundSpec
 from averaging.reduction import capped_sample_weights
 from peers.identity import PeerID
@@ -46,6 +51,13 @@ CONFIG = AllReduceConfig(
 )
 #: Kinds of fault a schedule may hold.
 KINDS = ("kill", "cut", "cut_one_way", "pause", "partition", "slow", "reset")
+#: Byzantine members, in the schedules of ``random_schedule(seed, byzantine=True)``:
+#: ``accuse``: member ``a`` accuses every other member, in its own name (signed, as a
+#: false observation), and goes on with the round; ``equivocate``: on each of its links
+#: it sends a different "first" accusation, of the member at the other end.
+BYZANTINE_KINDS = ("accuse", "equivocate")
+#: The round id every checked round runs under.
+ROUND_ID = b"checked round"
 
 
 @dataclass(frozen=True)
@@ -90,8 +102,22 @@ class Violation:
     detail: str
 
 
-def random_schedule(seed: int) -> Schedule:
-    """The schedule of ``seed``: 3-6 members (some client-mode), 0-3 faults."""
+def random_schedule(seed: int, *, byzantine: bool = False) -> Schedule:
+    """The schedule of ``seed``: 3-6 members (some client-mode), 0-3 faults. With
+    ``byzantine``: the same members, and one Byzantine member (:data:`BYZANTINE_KINDS`)
+    acting at a random moment, alone or (3 times in 10) with one of the seed's faults."""
+    schedule = _random_schedule(seed)
+    if not byzantine:
+        return schedule
+    rng = random.Random(f"{seed}/byzantine")
+    n = schedule.num_members
+    # At a frame of the round's first half: while the round runs and its links are up.
+    fault = Fault(rng.choice(BYZANTINE_KINDS), rng.randrange(n), -1, at_frame=rng.randint(1, n * n))
+    others = schedule.faults[:1] if rng.random() < 0.3 else ()
+    return dataclasses.replace(schedule, faults=(fault, *others))
+
+
+def _random_schedule(seed: int) -> Schedule:
     rng = random.Random(seed)
     n = rng.randint(3, 6)
     clients = tuple(sorted(rng.sample(range(n), rng.choice([0, 0, 0, 1]))))
@@ -143,12 +169,12 @@ async def _run(schedule: Schedule) -> list[MemberOutcome]:
         await service.__aenter__()
     start = loop.time()
     killed: set[int] = set()
-    _arm(schedule, network, peers, killed, start)
+    _arm(schedule, network, peers, services, killed, start)
     returned: dict[int, float] = {}
 
     async def member(i: int) -> AllReduceResult:
         spec = RoundSpec(
-            round_id=b"checked round",
+            round_id=ROUND_ID,
             members=members,
             weights=bandwidth,
             total_elements=schedule.total_elements,
@@ -191,6 +217,7 @@ def _arm(
     schedule: Schedule,
     network: MemoryNetwork,
     peers: Sequence[MemoryPeer],
+    services: Sequence[AllReduceService],
     killed: set[int],
     start: float,
 ) -> None:
@@ -201,7 +228,7 @@ def _arm(
         if fault.at_frame:
             by_frame.setdefault(fault.at_frame, []).append(fault)
         else:
-            loop.call_at(start + fault.at, _fire, fault, network, peers, killed)
+            loop.call_at(start + fault.at, _fire, fault, network, peers, services, killed)
     if by_frame:
         count = 0
 
@@ -209,15 +236,22 @@ def _arm(
             nonlocal count
             count += 1
             for fault in by_frame.pop(count, []):
-                _fire(fault, network, peers, killed)
+                _fire(fault, network, peers, services, killed)
 
         network.on_frame = on_frame
 
 
 def _fire(
-    fault: Fault, network: MemoryNetwork, peers: Sequence[MemoryPeer], killed: set[int]
+    fault: Fault,
+    network: MemoryNetwork,
+    peers: Sequence[MemoryPeer],
+    services: Sequence[AllReduceService],
+    killed: set[int],
 ) -> None:
     loop = asyncio.get_running_loop()
+    if fault.kind in BYZANTINE_KINDS:
+        _byzantine(fault, peers, services)
+        return
     a, b = peers[fault.a], peers[fault.b]
     if fault.kind == "kill":
         if fault.a not in killed:
@@ -251,6 +285,21 @@ def _fire(
                 network.heal(x, y, one_way=one_way)
 
         loop.call_later(fault.seconds, heal)
+
+
+def _byzantine(
+    fault: Fault, peers: Sequence[MemoryPeer], services: Sequence[AllReduceService]
+) -> None:
+    runner = services[fault.a].running(ROUND_ID)
+    if runner is None:  # it returned already, or has not started
+        return
+    others = [p.peer_id for i, p in enumerate(peers) if i != fault.a]
+    if fault.kind == "accuse":
+        for member in others:
+            runner.accuse(member)
+        return
+    for member, link in runner.links.items():  # equivocate: a different first on each
+        link.send(notice_of([sign_accusation(peers[fault.a].identity, ROUND_ID, member, 0)]))
 
 
 def check(schedule: Schedule, outcomes: Sequence[MemberOutcome]) -> list[Violation]:
@@ -287,6 +336,14 @@ def check(schedule: Schedule, outcomes: Sequence[MemberOutcome]) -> list[Violati
     return violations
 
 
+def _check_byzantine(fault: Fault, outcomes: Sequence[MemberOutcome]) -> list[Violation]:
+    """P5, for forged exclusions: a Byzantine member alone costs at most one other."""
+    lost = {i for i, o in enumerate(outcomes) if o.alive and not o.agreed and i != fault.a}
+    if len(lost) > 1:
+        return [Violation("P5", f"member {fault.a} ({fault.kind}) lost members {sorted(lost)}")]
+    return []
+
+
 def _check_same_mean(
     schedule: Schedule, outcomes: Sequence[MemberOutcome], agreed: Sequence[int]
 ) -> list[Violation]:
@@ -320,6 +377,8 @@ def _check_same_mean(
 
 
 def _check_cost(fault: Fault, outcomes: Sequence[MemberOutcome]) -> list[Violation]:
+    if fault.kind in BYZANTINE_KINDS:
+        return _check_byzantine(fault, outcomes)
     lost = {i for i, o in enumerate(outcomes) if o.alive and not o.agreed}
     if fault.kind in ("kill", "pause"):
         allowed, most = {fault.a}, 1
@@ -334,8 +393,8 @@ def _check_cost(fault: Fault, outcomes: Sequence[MemberOutcome]) -> list[Violati
     return []
 
 
-def check_seed(seed: int) -> list[Violation]:
-    return _run_and_check(random_schedule(seed))[1]
+def check_seed(seed: int, *, byzantine: bool = False) -> list[Violation]:
+    return _run_and_check(random_schedule(seed, byzantine=byzantine))[1]
 
 
 def _run_and_check(schedule: Schedule) -> tuple[list[MemberOutcome], list[Violation]]:
@@ -421,11 +480,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--schedules", type=int, default=200, help="run seeds 0..N-1")
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--seed", type=int, help="run (and shrink) this seed only")
+    parser.add_argument(
+        "--byzantine", action="store_true", help="each schedule has one Byzantine member"
+    )
     args = parser.parse_args(argv)
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.schedules)
     summary = Summary()
     for seed in seeds:
-        schedule = random_schedule(seed)
+        schedule = random_schedule(seed, byzantine=args.byzantine)
         outcomes, violations = _run_and_check(schedule)
         summary.add(schedule, outcomes, bool(violations))
         for violation in violations:
