@@ -27,7 +27,7 @@ def _start_swarm(swarm: LocalSwarm, num_peers: int) -> tuple[list[PeerProcess], 
     return [first, second], peers
 
 
-@pytest.mark.parametrize("run", range(10))
+@pytest.mark.parametrize("run", range(4))  # repeated: 32 joins at once race differently each time
 def test_cold_start_forms_one_dht(run: int) -> None:
     """32 processes started at once from the same initial peers: every one of them can
     find every other's record (no split into separate DHTs)."""
