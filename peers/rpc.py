@@ -44,7 +44,13 @@ from peers.errors import (
     raisable_copy,
 )
 from peers.identity import PeerID
-from peers.serialization import MAX_FRAME_BYTES, FrameDecoder, frame_buffers, unpack
+from peers.serialization import (
+    MAX_FRAME_BYTES,
+    MAX_VALUE_ITEMS,
+    FrameDecoder,
+    frame_buffers,
+    unpack,
+)
 from peers.stream_api import StreamLike
 from peers.wire import from_wire, to_wire
 
@@ -103,9 +109,15 @@ class FramedStream(Generic[S]):
     of :mod:`peers.memory_network`); ``stream`` keeps the type it was given.
     """
 
-    def __init__(self, stream: S, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self,
+        stream: S,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_value_items: int = MAX_VALUE_ITEMS,
+    ) -> None:
         self.stream = stream
         self._decoder = FrameDecoder(max_frame_bytes)
+        self._max_items = max_value_items
         self._frames: list[bytearray | memoryview] = []
         self._eof = False
         self.bytes_read = 0
@@ -129,7 +141,7 @@ class FramedStream(Generic[S]):
             for data in pieces:
                 self.bytes_read += len(data)
                 self._frames.extend(self._decoder.feed(data))
-        frame = unpack(self._frames.pop(0))
+        frame = unpack(self._frames.pop(0), max_items=self._max_items)
         if not isinstance(frame, list) or not frame or not isinstance(frame[0], int):
             raise RemoteProtocolError("an RPC frame must be an array starting with its kind")
         return frame
@@ -269,6 +281,7 @@ def add_unary_handler(
     request_type: type[Req],
     *,
     max_frame_bytes: int = MAX_FRAME_BYTES,
+    max_value_items: int = MAX_VALUE_ITEMS,
     first_frame_timeout: float = FIRST_FRAME_SECONDS,
     max_handler_seconds: float = MAX_HANDLER_SECONDS,
 ) -> None:
@@ -281,7 +294,7 @@ def add_unary_handler(
     """
 
     async def serve(stream: Stream) -> None:
-        framed = FramedStream(stream, max_frame_bytes)
+        framed = FramedStream(stream, max_frame_bytes, max_value_items)
 
         async def work() -> None:
             try:
@@ -378,8 +391,10 @@ async def call_unary(
     *,
     timeout: float | None = None,
     max_frame_bytes: int = MAX_FRAME_BYTES,
+    max_value_items: int = MAX_VALUE_ITEMS,
 ) -> Resp:
-    """Call a unary RPC and return the decoded response.
+    """Call a unary RPC and return the decoded response (a frame of at most
+    ``max_frame_bytes`` holding at most ``max_value_items`` msgpack items).
 
     Raises :class:`RemoteError` if the handler raised, :class:`TimeoutError` when
     ``timeout`` seconds pass (the remote handler is then cancelled), and the dial and
@@ -389,7 +404,7 @@ async def call_unary(
         stream = await peer.new_stream(remote, protocol)
         answered = False
         try:
-            framed = FramedStream(stream, max_frame_bytes)
+            framed = FramedStream(stream, max_frame_bytes, max_value_items)
             try:
                 await framed.write_frame([_KIND_MESSAGE, to_wire(request), timeout])
                 await stream.close()

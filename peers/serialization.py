@@ -146,15 +146,16 @@ def _decode_descriptor(data: bytes) -> tuple[str, tuple[int, ...]]:
 class _Unpacker:
     """Hands out views of the raw section, in order, as descriptors are decoded."""
 
-    def __init__(self, raw: memoryview) -> None:
+    def __init__(self, raw: memoryview, max_items: int) -> None:
         self.raw = raw
         self.offset = 0
         self.items = 0
+        self.max_items = max_items
 
     def _count(self, size: int) -> None:
         self.items += size + 1
-        if self.items > MAX_VALUE_ITEMS:
-            raise SerializationError(f"value holds more than {MAX_VALUE_ITEMS} items")
+        if self.items > self.max_items:
+            raise SerializationError(f"value holds more than {self.max_items} items")
 
     def list_hook(self, value: list[object]) -> list[object]:
         self._count(len(value))
@@ -199,9 +200,11 @@ class _Unpacker:
         return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
-def unpack(data: bytes | bytearray | memoryview) -> Any:
+def unpack(data: bytes | bytearray | memoryview, *, max_items: int = MAX_VALUE_ITEMS) -> Any:
     """Deserialize a value from a remote; raises :class:`SerializationError` on garbage,
-    and on a torch tensor in a process without torch.
+    on more than ``max_items`` containers and container elements (a protocol whose
+    messages are small passes a smaller bound), and on a torch tensor in a process
+    without torch.
 
     Arrays in the result are views of ``data`` (no copy): read-only if ``data`` is, else
     writable, sharing its memory, and so are torch tensors (copied only from read-only
@@ -215,15 +218,15 @@ def unpack(data: bytes | bytearray | memoryview) -> Any:
     if decoded is None or decoded[0] > len(view) - decoded[1]:
         raise SerializationError("value is truncated")
     head_len, start = decoded
-    unpacker = _Unpacker(view[start + head_len :])
+    unpacker = _Unpacker(view[start + head_len :], max_items)
     try:
         value = msgpack.unpackb(
             view[start : start + head_len],
             ext_hook=unpacker.ext_hook,
             list_hook=unpacker.list_hook,
             object_hook=unpacker.object_hook,
-            max_array_len=MAX_VALUE_ITEMS,
-            max_map_len=MAX_VALUE_ITEMS,
+            max_array_len=max_items,
+            max_map_len=max_items,
             raw=False,
             use_list=True,
             strict_map_key=False,

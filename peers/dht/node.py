@@ -30,9 +30,12 @@ from peers.dht.lookup import Lookup
 from peers.dht.protocol import (
     FIND_NODE_PROTOCOL,
     FIND_VALUE_PROTOCOL,
+    MAX_DHT_FRAME_BYTES,
+    MAX_DHT_VALUE_ITEMS,
     MAX_FIND_VALUE_PAGES,
     MAX_RECORDS_PER_MESSAGE,
     MAX_REPLY_RECORD_BYTES,
+    MAX_STORE_REQUEST_BYTES,
     PING_PROTOCOL,
     STORE_PROTOCOL,
     FindNodeRequest,
@@ -53,7 +56,7 @@ from peers.dht.protocol import (
 )
 from peers.dht.records import Record, RecordError, owner_of, validate
 from peers.dht.routing import RoutingTable
-from peers.dht.storage import OWN_SOURCE, RecordStore, StoreResult
+from peers.dht.storage import OWN_SOURCE, RecordStore, StoreResult, record_cost
 from peers.errors import PeersError, StreamReset
 from peers.host import Peer
 from peers.identity import PeerID
@@ -73,6 +76,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Every DHT protocol's frame bounds, both ways (``peers.dht.protocol``).
+_DHT_FRAMES: dict[str, Any] = {
+    "max_frame_bytes": MAX_DHT_FRAME_BYTES,
+    "max_value_items": MAX_DHT_VALUE_ITEMS,
+}
 
 #: Contacts whose addresses we remember having handed to the address book; past this
 #: the memory is dropped (it only saves repeated parsing).
@@ -145,10 +154,20 @@ class DHT:
 
     async def __aenter__(self) -> DHT:
         if not self.client_mode:
-            self.peer.add_unary_handler(PING_PROTOCOL, self.rpc_ping, PingRequest)
-            self.peer.add_unary_handler(FIND_NODE_PROTOCOL, self.rpc_find_node, FindNodeRequest)
-            self.peer.add_unary_handler(FIND_VALUE_PROTOCOL, self.rpc_find_value, FindValueRequest)
-            self.peer.add_unary_handler(STORE_PROTOCOL, self.rpc_store, StoreRequest)
+            self.peer.add_unary_handler(PING_PROTOCOL, self.rpc_ping, PingRequest, **_DHT_FRAMES)
+            self.peer.add_unary_handler(
+                FIND_NODE_PROTOCOL,
+                self.rpc_find_node,
+                FindNodeRequest,
+                **_DHT_FRAMES,
+            )
+            self.peer.add_unary_handler(
+                FIND_VALUE_PROTOCOL,
+                self.rpc_find_value,
+                FindValueRequest,
+                **_DHT_FRAMES,
+            )
+            self.peer.add_unary_handler(STORE_PROTOCOL, self.rpc_store, StoreRequest, **_DHT_FRAMES)
         self._group = asyncio.TaskGroup()
         await self._group.__aenter__()
         started = False
@@ -376,7 +395,12 @@ class DHT:
         self._remember_addrs(contact)
         try:
             response = await self.peer.call_unary(
-                contact.peer_id, protocol, request, response_type, timeout=self.config.rpc_timeout
+                contact.peer_id,
+                protocol,
+                request,
+                response_type,
+                timeout=self.config.rpc_timeout,
+                **_DHT_FRAMES,
             )
         except (PeersError, TimeoutError):
             self._counters.failed[name] += 1
@@ -421,13 +445,21 @@ class DHT:
         return records, contacts
 
     async def call_store(self, contact: Contact, records: list[Record]) -> list[bool]:
-        response = await self._call(
-            contact,
-            STORE_PROTOCOL,
-            StoreRequest(self._sender(), [record_to_wire(r) for r in records]),
-            StoreResponse,
-        )
-        return response.accepted
+        """Store ``records`` at ``contact``, in requests of at most
+        ``MAX_STORE_REQUEST_BYTES`` and ``MAX_RECORDS_PER_MESSAGE`` records each; one
+        accepted flag per record."""
+        accepted: list[bool] = []
+        for batch in _store_batches(records):
+            response = await self._call(
+                contact,
+                STORE_PROTOCOL,
+                StoreRequest(self._sender(), [record_to_wire(r) for r in batch]),
+                StoreResponse,
+            )
+            if len(response.accepted) != len(batch):
+                raise WireError("a store response must answer every record")
+            accepted += response.accepted
+        return accepted
 
     # --- lookups -----------------------------------------------------------------
 
@@ -621,6 +653,23 @@ class DHT:
             num_stores_refused_far=self._counters.stores_refused_far,
             num_contacts_refused_by_source=self.routing.num_refused_by_source,
         )
+
+
+def _store_batches(records: list[Record]) -> list[list[Record]]:
+    """``records`` in order, cut into store requests of bounded size."""
+    batches: list[list[Record]] = []
+    size = 0
+    for record in records:
+        cost = record_cost(record)
+        if not batches or size + cost > MAX_STORE_REQUEST_BYTES:
+            batches.append([])
+            size = 0
+        if len(batches[-1]) >= MAX_RECORDS_PER_MESSAGE:
+            batches.append([])
+            size = 0
+        batches[-1].append(record)
+        size += cost
+    return batches
 
 
 def _page(records: list[Record], after: bytes | None) -> tuple[list[Record], bool]:

@@ -37,6 +37,20 @@ MAX_RECORDS_PER_MESSAGE = 1024
 MAX_REPLY_RECORD_BYTES = 256 * 1024
 #: Pages one read of a key may take from one peer: 8 MiB of records at the page size.
 MAX_FIND_VALUE_PAGES = 32
+#: Largest frame of any DHT message, either way. Every DHT message is small by design:
+#: a find-value reply holds at most MAX_REPLY_RECORD_BYTES of records plus one (8.5 KiB)
+#: and 32 contacts (64 KiB at most), a store request at most MAX_STORE_REQUEST_BYTES of
+#: records. The RPC layer's 16 MiB frame is for tensors; here it would let any peer make
+#: us buffer and decode 16 MiB (of empty containers, if it likes) per DHT stream.
+MAX_DHT_FRAME_BYTES = 1 << 20
+#: msgpack items (containers and their elements) one DHT frame may hold. A store of
+#: 1024 records is about 6,200 (a record is a 5-field array), a reply of 32 contacts with
+#: 8 addresses each about 350: 16,384 leaves room. The RPC layer's 262,144 would let one
+#: 1 MiB frame of empty lists become some 17 MB of Python objects; this bound, 1 MB.
+MAX_DHT_VALUE_ITEMS = 1 << 14
+#: Bytes of records (as storage counts them) one store request carries; a larger batch
+#: goes in several requests, so a request stays well inside MAX_DHT_FRAME_BYTES.
+MAX_STORE_REQUEST_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)

@@ -212,3 +212,12 @@ def test_a_value_of_too_many_items_is_refused_and_a_large_real_one_is_not() -> N
         unpack(bomb)
     many_records = [{"key": i, "value": b"x"} for i in range(50_000)]  # 150k items
     assert unpack(pack(many_records)) == many_records
+
+
+def test_a_protocol_with_small_messages_passes_a_smaller_item_bound() -> None:
+    value = [[], [1, 2], {"a": []}]  # 3 + 0 + 2 + 1 + 0 containers and elements, and more
+    assert unpack(pack(value), max_items=16) == value
+    with pytest.raises(SerializationError):
+        unpack(pack([[]] * 20), max_items=16)
+    with pytest.raises(SerializationError):
+        unpack(pack({"k": list(range(20))}), max_items=16)

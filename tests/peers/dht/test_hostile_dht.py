@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from peers import KeyPair, Peer, PeerConfig, RemoteError
+from peers import KeyPair, Peer, PeerConfig, PeersError, RemoteError
 from peers.dht.ids import Contact, distance, key_id, node_id_of
 from peers.dht.node import DHT, DHTConfig, ValueWithExpiration, dht_time
 from peers.dht.protocol import (
@@ -26,6 +26,7 @@ from peers.dht.protocol import (
     StoreRequest,
     StoreResponse,
     WireRecord,
+    record_from_wire,
     record_to_wire,
 )
 from peers.dht.records import MAX_TTL_SECONDS, MAX_VALUE_BYTES, Record, owner_marker
@@ -311,5 +312,38 @@ def test_a_store_far_from_its_key_is_refused(arun: Run) -> None:
             assert result == [False, True]
             assert victim.statistics().num_stores_refused_far == 1
             assert held(victim, far) is None and held(victim, near) is not None
+
+    arun(main())
+
+
+def test_a_dht_frame_is_small_and_our_own_big_stores_go_in_batches(arun: Run) -> None:
+    """Issue 21, item 5: DHT messages are small by design, so a DHT stream reads frames
+    of at most MAX_DHT_FRAME_BYTES holding at most MAX_DHT_VALUE_ITEMS items (it read
+    the RPC layer's 16 MiB and 262,144 before: any peer could make a node buffer and
+    decode that much per stream). A bigger request costs its caller an error and the
+    node nothing; our own big stores are split."""
+
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            expiration = dht_time() + 300
+            big = [wire(os.urandom(8), "x" * 8000, expiration) for _ in range(200)]  # 1.6 MB
+            with pytest.raises(PeersError):
+                await raw_store(attacker, victim, big)
+            # 100 kB of one-byte items: within the frame, past MAX_DHT_VALUE_ITEMS.
+            with pytest.raises(RemoteError, match="max_array_len|items"):
+                await attacker.call_unary(
+                    victim.peer.peer_id,
+                    STORE_PROTOCOL,
+                    StoreRequest(SenderInfo([""] * 100_000), []),
+                    StoreResponse,
+                    timeout=10,
+                )
+            assert await raw_store(attacker, victim, big[:50]) == [True] * 50  # still serving
+            async with Peer() as peer, DHT(peer, DHTConfig(**FAST)) as storer:
+                await peer.connect(victim.peer.listen_addrs[0])
+                records = [record_from_wire(r) for r in big[50:]]
+                contact = Contact(victim.peer.peer_id, (str(victim.peer.listen_addrs[0]),))
+                assert await storer.call_store(contact, records) == [True] * 150
+                assert storer.statistics().rpcs_sent["store"] >= 3
 
     arun(main())
