@@ -330,7 +330,7 @@ def test_a_dht_frame_is_small_and_our_own_big_stores_go_in_batches(arun: Run) ->
             with pytest.raises(PeersError):
                 await raw_store(attacker, victim, big)
             # 100 kB of one-byte items: within the frame, past MAX_DHT_VALUE_ITEMS.
-            with pytest.raises(RemoteError, match="max_array_len|items"):
+            with pytest.raises(RemoteError, match=r"max_array_len|items"):
                 await attacker.call_unary(
                     victim.peer.peer_id,
                     STORE_PROTOCOL,
