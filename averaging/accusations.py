@@ -136,10 +136,6 @@ class AccusationBook:
     def counted(self) -> frozenset[PeerID]:
         return frozenset(self._counted)
 
-    @property
-    def equivocators(self) -> frozenset[PeerID]:
-        return frozenset(self._equivocators)
-
     def next_seq(self, accuser: PeerID) -> int:
         """The ``seq`` of ``accuser``'s next accusation."""
         return len(self._by_accuser.get(accuser, {}))
@@ -199,7 +195,3 @@ class AccusationBook:
             self._counted.add(accused)
             return Added(new=True, counted=accused)
         return Added(new=True)
-
-    def echoes_of(self, accuser: PeerID) -> list[Echo]:
-        """Every echo seen of ``accuser``'s first accusation (to relay)."""
-        return [e for (a, _), e in self._echoed.items() if a == accuser]
