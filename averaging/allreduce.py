@@ -663,7 +663,7 @@ class RoundRunner:
                 if event.peer not in self._accusations.counted:
                     # My own observation: I accuse it, in my name (counted accusations
                     # of others were relayed when they came).
-                    self._accuse_in_my_name(event.peer)
+                    self.accuse(event.peer)
             elif isinstance(event, PartReassigned):
                 now = self._loop.time()
                 if event.new_reducer == self._me:
@@ -794,9 +794,13 @@ class RoundRunner:
             raise RemoteProtocolError("an echo of a member accusing itself")
         if not echo_signed(echo, self.spec.round_id):
             raise RemoteProtocolError("an echo whose signature is not its echoer's")
+        self._record_echo(echo, skip=sender)
+
+    def _record_echo(self, echo: Echo, skip: PeerID | None) -> None:
+        """Record a checked echo (a received one or my own); relay it if new."""
         added = self._accusations.add_echo(echo)
         if added.new:
-            self._send(echo_to_wire(echo), skip=sender, accused=echo.accused)
+            self._send(echo_to_wire(echo), skip=skip, accused=echo.accused)
             if added.counted is not None:
                 self._handle(self.round.on_accusation(added.counted, echo.accuser))
 
@@ -807,21 +811,12 @@ class RoundRunner:
             echo = sign_echo(
                 self.peer.identity, self.spec.round_id, accusation.accuser, accusation.accused
             )
-            self._take_own_echo(echo)
-
-    def _take_own_echo(self, echo: Echo) -> None:
-        added = self._accusations.add_echo(echo)
-        self._send(echo_to_wire(echo), skip=None, accused=echo.accused)
-        if added.counted is not None:
-            self._handle(self.round.on_accusation(added.counted, echo.accuser))
+            self._record_echo(echo, skip=None)
 
     def accuse(self, member: PeerID) -> None:
         """Accuse ``member`` in this peer's name, as on its own observation (the round's
         code does when it excludes a member; the fault checker plays a member that
         accuses falsely with it)."""
-        self._accuse_in_my_name(member)
-
-    def _accuse_in_my_name(self, member: PeerID) -> None:
         seq = self._accusations.next_seq(self._me)
         accusation = sign_accusation(self.peer.identity, self.spec.round_id, member, seq)
         added = self._accusations.add(accusation)
