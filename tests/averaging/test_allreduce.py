@@ -19,7 +19,9 @@ from averaging.allreduce import RoundRunner, _Link
 from averaging.allreduce_config import AllReduceError
 from averaging.allreduce_wire import (
     ALLREDUCE_PROTOCOL,
+    AccusationWire,
     ChunkMessage,
+    EchoMessage,
     NoticeMessage,
     SuspectMessage,
     VoteMessage,
@@ -311,30 +313,54 @@ def test_a_member_sending_garbage_on_its_link_is_excluded_and_the_rest_agree(aru
     _liar_excluded(arun(_liar_round(garbage)))
 
 
-@pytest.mark.parametrize("bad", ["stranger_vote", "malformed_voter", "short_vote", "suspicion"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "stranger_vote",
+        "malformed_voter",
+        "short_vote",
+        "suspicion",
+        "stranger_echo",
+        "forged_echo",
+        "malformed_accusation",
+    ],
+)
 def test_a_member_sending_a_bad_agreement_message_is_excluded_and_the_rest_agree(
     arun: Run, bad: str
 ) -> None:
-    """Well-formed votes and suspicions that name what they must not: a voter outside
-    the round, a voter id that is no PeerID, a vote without one digest per part, a
-    suspicion of a non-member. Each is the sender's fault (it is excluded), costs the
-    others nothing, and is refused before it reaches the ballot."""
+    """Well-formed votes, suspicions, echoes and accusations that name what they must
+    not: a voter outside the round, a voter id that is no PeerID, a vote without one
+    digest per part, a suspicion of a non-member, an echo naming strangers or signed
+    by someone else than its echoer, an accusation naming no PeerID. Each is the
+    sender's fault (it is excluded), costs the others nothing, and is refused before it
+    reaches the ballot or the accusation book."""
     stranger = KeyPair.generate().peer_id.to_bytes()
     message = {
         "stranger_vote": VoteMessage(stranger, bytes(32), [], b""),
         "malformed_voter": VoteMessage(b"\x00\x01", bytes(32), [], b""),
         "short_vote": None,  # filled in below: it needs the liar's own id
         "suspicion": SuspectMessage([stranger]),
+        "stranger_echo": EchoMessage(stranger, stranger, stranger, b""),
+        "forged_echo": None,  # below: an echo in the liar's name, signed by nobody
+        "malformed_accusation": NoticeMessage([AccusationWire(b"\x00\x01", stranger, 0, b"")]),
     }[bad]
     expected = {
         "stranger_vote": "a vote from a non-member",
         "malformed_voter": "a vote names a malformed voter",
         "short_vote": "one digest per part",
         "suspicion": "a suspicion names a non-member",
+        "stranger_echo": "an echo names a non-member",
+        "forged_echo": "an echo whose signature is not its echoer's",
+        "malformed_accusation": "malformed member id",
     }[bad]
 
     def frames(liar: bytes, spec: RoundSpec) -> list[list[Any]]:
-        frame = message if message is not None else VoteMessage(liar, bytes(32), [], b"")
+        frame: Any = message
+        if bad == "short_vote":
+            frame = VoteMessage(liar, bytes(32), [], b"")
+        elif bad == "forged_echo":
+            honest = spec.members[0].to_bytes()
+            frame = EchoMessage(liar, honest, liar, bytes(64))
         return [encode_message(frame)] * 2
 
     reasons = _liar_excluded(arun(_liar_round(frames)))
