@@ -129,6 +129,12 @@ def _bulk_array(num_bytes: int) -> Any:
     return _ARRAYS[num_bytes]
 
 
+def _swarm_key(options: dict[str, Any]) -> bytes | None:
+    """The private network's key (``ours_pnet``), or None."""
+    key = options.get("swarm_key")
+    return bytes.fromhex(key) if key else None
+
+
 def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
     from collections.abc import AsyncIterator
 
@@ -145,7 +151,8 @@ def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
         yield total
 
     async def main() -> None:
-        async with Peer(PeerConfig(listen_addrs=(LOOPBACK_LISTEN,))) as peer:
+        config = PeerConfig(listen_addrs=(LOOPBACK_LISTEN,), swarm_key=_swarm_key(options))
+        async with Peer(config) as peer:
             install_echo(peer)
             peer.add_stream_handler(SINK_PROTOCOL, sink, np.ndarray)
             conn.send(("ready", {"addrs": [str(a) for a in peer.listen_addrs]}))
@@ -159,7 +166,7 @@ def _ours_client(conn: Connection, options: dict[str, Any]) -> None:
     from peers.echo import ECHO_PROTOCOL_ID
 
     async def main() -> None:
-        async with Peer(PeerConfig(listen_addrs=())) as peer:
+        async with Peer(PeerConfig(listen_addrs=(), swarm_key=_swarm_key(options))) as peer:
             async with asyncio.timeout(CALL_TIMEOUT):
                 remote = await peer.connect(options["server_addr"])
 

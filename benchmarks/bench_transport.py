@@ -11,7 +11,9 @@ server and a client, started with multiprocessing's ``spawn`` context):
    ``Peer.call_stream`` with numpy chunks; hivemind: ``serialize_torch_tensor`` +
    ``split_for_streaming`` into a ``stream_input`` protobuf handler, the way its
    averager and MoE client move tensors. Serialization is inside the timed span for
-   both: it is part of moving a tensor.
+   both: it is part of moving a tensor. Ours is also measured in a private network
+   (``ours_pnet``: both peers with one swarm key, every byte XSalsa20-encrypted under
+   Noise as well, :mod:`peers.pnet`); p2pd has no private networks to compare with.
 3. the physical limit: the same bytes over a plain TCP socket pair (``sendall`` /
    ``recv_into``) between two processes.
 4. start-up: from just before ``Popen`` to the line printing a dialable multiaddr. Ours:
@@ -183,10 +185,19 @@ class TransferResults:
 
 
 def _start_server(fleet: Fleet, system: str) -> dict[str, Any]:
-    """Start ``system``'s server; return the options its clients need to reach it."""
-    server = fleet.start(f"{system}_server")
+    """Start ``system``'s server; return the options its clients need to reach it.
+    ``ours_pnet`` is ours in a private network (every byte also XSalsa20-encrypted
+    under a swarm key, :mod:`peers.pnet`)."""
+    key = {"swarm_key": os.urandom(32).hex()} if system == "ours_pnet" else {}
+    server = fleet.start(f"{_role(system)}_server", key)
     ready = fleet.receive(server, CHILD_STARTUP_TIMEOUT)
-    return {"port": ready["port"]} if system == "raw" else {"server_addr": ready["addrs"][0]}
+    if system == "raw":
+        return {"port": ready["port"]}
+    return {"server_addr": ready["addrs"][0], **key}
+
+
+def _role(system: str) -> str:
+    return "ours" if system == "ours_pnet" else system
 
 
 def _measure_client(
@@ -198,7 +209,7 @@ def _measure_client(
     (ours varies ~3x between processes with glibc's heap trimming): one long-lived
     client would sample that only once.
     """
-    client = fleet.start(f"{system}_client", server)
+    client = fleet.start(f"{_role(system)}_client", server)
     try:
         fleet.receive(client, CHILD_STARTUP_TIMEOUT)
         bulk = {"bytes": plan.bulk_bytes, "chunk_bytes": plan.chunk_bytes}
@@ -413,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs; hivemind {version or 'absent'}"
     )
     began = time.monotonic()
-    systems = ["ours", "hivemind", "raw"] if version else ["ours", "raw"]
+    systems = ["ours", "ours_pnet", "hivemind", "raw"] if version else ["ours", "ours_pnet", "raw"]
     transfers = measure_transfers(plan, systems, notes)
     startups = measure_startups(plan, "hivemind" in transfers.bulk_s, notes)
     total_s = time.monotonic() - began
@@ -426,12 +437,18 @@ def main(argv: list[str] | None = None) -> int:
         return median(table[system]) if table.get(system) else None
 
     figures: dict[str, Any] = {}
-    for system in ("ours", "hivemind"):
+    for system in ("ours", "ours_pnet", "hivemind"):
         for name, table in (("p50", transfers.unary_p50_s), ("p95", transfers.unary_p95_s)):
             value = med(table, system)
             figures[f"unary_{name}_ms_{system}"] = round(value * 1e3, 4) if value else None
     spreads: dict[str, str] = {}
-    for system, label in (("ours", "ours"), ("hivemind", "hivemind"), ("raw", "raw_tcp")):
+    labels = (
+        ("ours", "ours"),
+        ("ours_pnet", "ours_pnet"),
+        ("hivemind", "hivemind"),
+        ("raw", "raw_tcp"),
+    )
+    for system, label in labels:
         value = mbps(system)
         figures[f"bulk_MBps_{label}"] = round(value, 1) if value else None
         if transfers.bulk_s.get(system):
@@ -455,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "bulk_throughput": _ratio(mbps("ours"), mbps("hivemind")),
         "bulk_ours_fraction_of_raw_tcp": _ratio(mbps("ours"), mbps("raw")),
+        "bulk_private_network_throughput": _ratio(mbps("ours_pnet"), mbps("hivemind")),
+        "bulk_private_network_fraction_of_open": _ratio(mbps("ours_pnet"), mbps("ours")),
         "bootstrap_startup": _ratio(med(startups, "hivemind_p2p"), med(startups, "ours")),
         "bootstrap_startup_vs_hivemind_dht": _ratio(
             med(startups, "hivemind_dht"), med(startups, "ours")
@@ -493,6 +512,13 @@ def main(argv: list[str] | None = None) -> int:
                 fig("bulk_MBps_hivemind"),
                 fig("bulk_MBps_raw_tcp"),
                 rat("bulk_throughput"),
+            ],
+            [
+                "bulk, ours in a private network (swarm key)",
+                fig("bulk_MBps_ours_pnet"),
+                fig("bulk_MBps_hivemind"),
+                "",
+                rat("bulk_private_network_throughput"),
             ],
             [
                 "  range over reps (MB/s)",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from peers import limits
 from peers.addresses import parse_multiaddr, tcp_target
@@ -72,6 +72,11 @@ class PeerConfig:
     (relays included). Checked once Noise has proved the remote's identity, on every
     connection, direct, relayed or hole punched; a stranger's connection is closed
     right after its handshake. ``None``: anyone."""
+    swarm_key: bytes | None = field(default=None, repr=False)
+    """A private network (libp2p pnet, :mod:`peers.pnet`): a 32-byte key shared by the
+    swarm's peers (:func:`peers.pnet.load_swarm_key`). Every connection, direct or
+    relayed, is encrypted with it from its first byte, so a peer without it cannot
+    complete a handshake with us, nor we with it. ``None``: an open swarm."""
     agent_version: str = "swarmtrain/0.1.0"
     """What identify reports as our agent."""
     noise_ciphers: tuple[str, ...] = tuple(NOISE_CIPHERS)
@@ -111,6 +116,9 @@ class PeerConfig:
             not isinstance(allowed, frozenset) or not all(isinstance(p, PeerID) for p in allowed)
         ):
             raise ValueError("allowed_peers must be None or a frozenset of PeerIDs")
+        key: object = self.swarm_key
+        if key is not None and (not isinstance(key, bytes) or len(key) != 32):
+            raise ValueError("swarm_key must be None or 32 bytes (peers.pnet.load_swarm_key)")
         ciphers: object = self.noise_ciphers
         if (
             not isinstance(ciphers, tuple)

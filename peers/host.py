@@ -197,6 +197,7 @@ class Peer:
                 target.port,
                 limit=STREAM_LIMIT_BYTES,
                 reuse_port=self._reuse_port,
+                swarm_key=self.config.swarm_key,
             )
         except OSError as e:
             raise AddressError(f"cannot listen on {addr}: {e.strerror or e}") from e
@@ -379,15 +380,23 @@ class Peer:
     ) -> UpgradedConnection:
         """The whole connection upgrade with our identity and ciphers (the caller bounds
         it); :class:`PeerNotAllowed` for a remote outside the allow-list."""
-        upgraded = await upgrade(
-            reader,
-            writer,
-            identity=self.identity,
-            outbound=outbound,
-            expected_peer_id=expected,
-            ciphers=self._noise_ciphers,
-            static=self._noise_static,
-        )
+        try:
+            upgraded = await upgrade(
+                reader,
+                writer,
+                identity=self.identity,
+                outbound=outbound,
+                expected_peer_id=expected,
+                ciphers=self._noise_ciphers,
+                static=self._noise_static,
+            )
+        except HandshakeError as e:
+            if self.config.swarm_key is None or isinstance(e, PeerIDMismatch):
+                raise
+            raise HandshakeError(
+                f"{e} (we use a swarm key: a remote without the same key cannot complete"
+                " a handshake with us)"
+            ) from e
         self._check_allowed(upgraded.remote_peer_id)
         return upgraded
 
@@ -649,6 +658,7 @@ class Peer:
                         target.port,
                         limit=STREAM_LIMIT_BYTES,
                         local_addr=self._local_addr_for(target.host),
+                        swarm_key=self.config.swarm_key,
                     )
             except TimeoutError as e:
                 raise DialError(f"timed out connecting to {addr}") from e
@@ -694,7 +704,10 @@ class Peer:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await open_connection(
-                    target.host, target.port, limit=STREAM_LIMIT_BYTES
+                    target.host,
+                    target.port,
+                    limit=STREAM_LIMIT_BYTES,
+                    swarm_key=self.config.swarm_key,
                 )
                 await self._upgrade(reader, writer, outbound=True, expected=peer_id)
             return True
@@ -768,7 +781,9 @@ class Peer:
             if ready is not None and not ready.done():
                 ready.set_exception(DialError("connection limit reached"))
             return
-        reader, writer, bridge = await stream_as_socket(stream, limit=STREAM_LIMIT_BYTES)
+        reader, writer, bridge = await stream_as_socket(
+            stream, limit=STREAM_LIMIT_BYTES, swarm_key=self.config.swarm_key
+        )
         self._num_connections += 1
         try:
             async with asyncio.TaskGroup() as group:

@@ -28,6 +28,8 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, SupportsIndex, cast
 
+from peers.pnet import protect, writing_transport
+
 Sink = Callable[[bytes | memoryview], None]
 End = Callable[[BaseException | None], None]
 
@@ -136,9 +138,15 @@ class _Diverted(asyncio.BufferedProtocol):
 
 
 async def open_connection(
-    host: str, port: int, *, limit: int, local_addr: tuple[str, int] | None = None
+    host: str,
+    port: int,
+    *,
+    limit: int,
+    local_addr: tuple[str, int] | None = None,
+    swarm_key: bytes | None = None,
 ) -> tuple[SocketReader, asyncio.StreamWriter]:
-    """``asyncio.open_connection`` with a :class:`SocketReader`.
+    """``asyncio.open_connection`` with a :class:`SocketReader`; with ``swarm_key``,
+    every byte encrypted with it (:mod:`peers.pnet`).
 
     With ``local_addr``, the connection leaves from that address and port, which a
     listener of ours also holds (both set ``SO_REUSEPORT``): a NAT then maps the
@@ -157,11 +165,12 @@ async def open_connection(
         except OSError as e:
             if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
                 raise
+    outer = protect(swarm_key, protocol)
     if sock is not None:
-        transport, _ = await loop.create_connection(lambda: protocol, sock=sock)
+        transport, _ = await loop.create_connection(lambda: outer, sock=sock)
     else:
-        transport, _ = await loop.create_connection(lambda: protocol, host, port)
-    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+        transport, _ = await loop.create_connection(lambda: outer, host, port)
+    return reader, asyncio.StreamWriter(writing_transport(transport), protocol, reader, loop)
 
 
 async def _connect_from(host: str, port: int, local_addr: tuple[str, int]) -> socket.socket:
@@ -195,8 +204,10 @@ async def start_server(
     *,
     limit: int,
     reuse_port: bool = False,
+    swarm_key: bytes | None = None,
 ) -> asyncio.Server:
-    """``asyncio.start_server`` with a :class:`SocketReader` per connection.
+    """``asyncio.start_server`` with a :class:`SocketReader` per connection; with
+    ``swarm_key``, every byte encrypted with it (:mod:`peers.pnet`).
 
     ``reuse_port`` sets ``SO_REUSEPORT`` so outbound connections can leave from the
     listen port (see :func:`open_connection`). A fixed port that another socket
@@ -205,10 +216,10 @@ async def start_server(
     """
     loop = asyncio.get_running_loop()
 
-    def factory() -> asyncio.StreamReaderProtocol:
+    def factory() -> asyncio.BaseProtocol:
         reader = SocketReader(limit)
         callback: Any = on_connection  # StreamReaderProtocol's callback type is loose
-        return asyncio.StreamReaderProtocol(reader, callback)
+        return protect(swarm_key, asyncio.StreamReaderProtocol(reader, callback))
 
     if reuse_port and port:
         family = socket.AF_INET6 if host and ":" in host else socket.AF_INET

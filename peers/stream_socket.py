@@ -23,6 +23,7 @@ from typing import Any
 
 from peers.connection import Stream
 from peers.errors import ConnectionClosed
+from peers.pnet import protect, writing_transport
 from peers.socket_reader import SocketReader
 
 #: Bytes the bridge moves per read from the socket side: a few of the connection's
@@ -37,7 +38,7 @@ CLOSE_GRACE_SECONDS = 5.0
 
 
 async def stream_as_socket(
-    stream: Stream, *, limit: int
+    stream: Stream, *, limit: int, swarm_key: bytes | None = None
 ) -> tuple[SocketReader, asyncio.StreamWriter, Coroutine[Any, Any, None]]:
     """A socket-backed reader and writer carrying ``stream``'s bytes, and the coroutine
     that moves them (the caller runs it in a task it owns, for the connection's life).
@@ -45,7 +46,8 @@ async def stream_as_socket(
     The coroutine returns when both directions have ended; if the stream breaks, the
     socket is closed (the connection on it sees the end), and if the socket side ends
     first the stream is half-closed, then reset after :data:`CLOSE_GRACE_SECONDS`.
-    Cancelling it resets the stream and closes the sockets.
+    Cancelling it resets the stream and closes the sockets. With ``swarm_key``, the
+    connection on the socket is encrypted with it (:mod:`peers.pnet`), as on TCP.
     """
     ours, bridge = socket.socketpair()
     ours.setblocking(False)
@@ -54,8 +56,9 @@ async def stream_as_socket(
     try:
         reader = SocketReader(limit)
         protocol = asyncio.StreamReaderProtocol(reader)
-        transport, _ = await loop.create_unix_connection(lambda: protocol, sock=ours)
-        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        outer = protect(swarm_key, protocol)
+        transport, _ = await loop.create_unix_connection(lambda: outer, sock=ours)
+        writer = asyncio.StreamWriter(writing_transport(transport), protocol, reader, loop)
         bridge_reader, bridge_writer = await asyncio.open_unix_connection(
             sock=bridge, limit=BRIDGE_BUFFER_BYTES
         )

@@ -37,6 +37,7 @@ from peers import (
 from peers.dht import DHT, DHTConfig, dht_time
 from peers.dht.presence import announce_forever, list_peers
 from peers.echo import install_echo
+from peers.pnet import SwarmKeyError, missing_key_hint, new_swarm_key, write_swarm_key
 from peers.printable import printable
 from peers.runtime import keep_freed_memory
 from swarm.cli_usage import (
@@ -51,6 +52,7 @@ from swarm.cli_usage import (
     package_version,
     peer_id_arg,
     require_torch,
+    swarm_key_arg,
 )
 
 if TYPE_CHECKING:
@@ -147,7 +149,17 @@ def _add_reachability_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_swarm_key_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--swarm-key",
+        metavar="PATH",
+        help="a private network: encrypt every connection with this shared key (libp2p "
+        "pnet); peers without it cannot connect (`swarm swarm-key PATH` makes one)",
+    )
+
+
 def _add_private_swarm_options(parser: argparse.ArgumentParser) -> None:
+    _add_swarm_key_option(parser)
     parser.add_argument(
         "--allow",
         action="append",
@@ -167,6 +179,7 @@ def _server_peer_config(args: argparse.Namespace) -> tuple[PeerConfig, DHTConfig
     peer_config = PeerConfig(
         identity=identity,
         allowed_peers=allowed_peers(args.allow, args.allow_file),
+        swarm_key=swarm_key_arg(args.swarm_key),
         listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
         announce_addrs=tuple(args.announce or []),
         reachability=args.reachability,
@@ -234,7 +247,8 @@ async def _status(args: argparse.Namespace) -> int:
     dht_config = DHTConfig(
         initial_peers=tuple(args.initial_peers), client_mode=True, bootstrap_timeout=args.timeout
     )
-    async with Peer(PeerConfig(listen_addrs=())) as peer, DHT(peer, dht_config) as dht:
+    config = PeerConfig(listen_addrs=(), swarm_key=swarm_key_arg(args.swarm_key))
+    async with Peer(config) as peer, DHT(peer, dht_config) as dht:
         announced = {p.peer_id: p for p in await list_peers(dht)}
         now_wall, now_mono = dht_time(), time.monotonic()
         rows: list[tuple[str, str, str]] = []
@@ -255,10 +269,27 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _swarm_key(args: argparse.Namespace) -> int:
+    """Write a new swarm key to a new file (mode 0600)."""
+    try:
+        write_swarm_key(args.path, new_swarm_key())
+    except SwarmKeyError as e:
+        raise UsageError(f"{e}; give a path where no file exists") from e
+    print(f"wrote a new swarm key to {args.path}")
+    print("give it to every peer of the swarm, and to nobody else; each then runs with")
+    print(f"  --swarm-key {args.path}")
+    return 0
+
+
 async def _ping(args: argparse.Namespace) -> int:
     target = parse_multiaddr(args.maddr)  # checked by multiaddr_arg
     identity = load_identity(args.identity) if args.identity else None
-    config = PeerConfig(identity=identity, listen_addrs=(), dial_timeout=args.timeout)
+    config = PeerConfig(
+        identity=identity,
+        listen_addrs=(),
+        dial_timeout=args.timeout,
+        swarm_key=swarm_key_arg(args.swarm_key),
+    )
     async with Peer(config) as peer:
         try:
             remote = await peer.connect(target)
@@ -281,7 +312,8 @@ async def _ping(args: argparse.Namespace) -> int:
                 rtt = await asyncio.wait_for(peer.ping(remote), args.timeout)
                 print(f"ping {i + 1}: {rtt * 1000:.3f} ms", flush=True)
         except (PeersError, TimeoutError, OSError) as e:
-            print(f"error: cannot ping {args.maddr}: {e}", file=sys.stderr)
+            hint = missing_key_hint(e, args.swarm_key is not None)
+            print(f"error: cannot ping {args.maddr}: {e}{hint}", file=sys.stderr)
             return 1
     return 0
 
@@ -297,6 +329,7 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
 
     if args.identity:
         load_identity(args.identity)  # a bad path is a usage error now, not mid-start
+    swarm_key_arg(args.swarm_key)  # so is a bad key file
     diloco = None
     if args.diloco:
         diloco = DiLoCoConfig(
@@ -312,6 +345,7 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
         relay=not args.no_relay,
         identity=Path(args.identity) if args.identity else None,
         allowed_peers=allowed_peers(args.allow, args.allow_file),
+        swarm_key=Path(args.swarm_key) if args.swarm_key else None,
         num_peers=args.num_peers,
         local_batch_size=args.local_batch_size,
         target_batch_size=args.target_batch_size,
@@ -737,6 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument(
         "--timeout", type=_positive_float, default=10.0, help="seconds per step (default 10)"
     )
+    _add_swarm_key_option(ping)
 
     status = sub.add_parser("status", help="join as a client and list the peers of a swarm")
     status.add_argument(
@@ -745,6 +780,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--timeout", type=_positive_float, default=10.0, help="seconds to reach them (default 10)"
     )
+    _add_swarm_key_option(status)
+
+    key = sub.add_parser(
+        "swarm-key", help="make a new key for a private network (give it to every peer)"
+    )
+    key.add_argument("path", metavar="PATH", help="file to create (never overwritten)")
 
     _add_serve_parser(sub)
     _add_serve_stage_parser(sub)
@@ -764,6 +805,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "bootstrap": ("swarm bootstrap --listen /ip4/0.0.0.0/tcp/31337 --identity boot.key",),
     "ping": (f"swarm ping {_PEER}",),
     "status": (f"swarm status --initial-peers {_PEER}",),
+    "swarm-key": ("swarm swarm-key team.key   # then every peer runs with --swarm-key team.key",),
     "serve": (
         "swarm serve --expert-pattern 'ffn.[0:4].[0:4]' --hidden-dim 1024 --optimizer adam \\",
         f"    --lr 1e-3 --listen /ip4/0.0.0.0/tcp/31338 --initial-peers {_PEER}",
@@ -817,6 +859,8 @@ def _run_command(args: argparse.Namespace) -> int:
             return run(_ping(args))
         if command == "status":
             return run(_status(args))
+        if command == "swarm-key":
+            return _swarm_key(args)
         if command == "serve":
             return run(_serve(args))
         if command == "serve-stage":

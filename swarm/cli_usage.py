@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from peers import IdentityError, KeyPair, PeerID, PeersError, parse_multiaddr, split_peer_id
 from peers.addresses import tcp_target
+from peers.pnet import SwarmKeyError, load_swarm_key
 from swarm.errors import SwarmError
 
 USAGE_EXIT_CODE = 2
@@ -155,6 +156,20 @@ def load_identity(path: str) -> KeyPair:
         raise UsageError(
             f"--identity: {detail}; give a valid key file this user can read, or a path "
             "where none exists to create one"
+        ) from e
+
+
+def swarm_key_arg(path: str | None) -> bytes | None:
+    """The key in ``--swarm-key``'s file (None without one); :class:`UsageError` for a
+    file that cannot be read or is not a swarm key."""
+    if path is None:
+        return None
+    try:
+        return load_swarm_key(path)
+    except SwarmKeyError as e:
+        raise UsageError(
+            f"--swarm-key: {e}; `swarm swarm-key PATH` makes a new key, to share with every "
+            "peer of the swarm"
         ) from e
 
 

@@ -23,6 +23,7 @@ import torch
 from peers.addresses import parse_multiaddr, tcp_target
 from peers.config import PeerConfig
 from peers.dht import BlockingDHT
+from peers.pnet import load_swarm_key
 from swarm.errors import TaskError
 from swarm.tasks import get_task
 from swarm.train_display import ProgressMode, TrainDisplay
@@ -58,20 +59,27 @@ def join_command(config: TrainerConfig, initial_peers: Sequence[str]) -> str:
         parts += ["--diloco", str(config.diloco.inner_steps)]
     if config.centered_clip:
         parts.append("--centered-clip")
+    if config.swarm_key is not None:
+        parts += ["--swarm-key", str(config.swarm_key)]
     return " ".join(parts)
 
 
 @contextlib.contextmanager
-def hosted_bootstrap(listen: Sequence[str], announce: Sequence[str] = ()) -> Iterator[list[str]]:
+def hosted_bootstrap(
+    listen: Sequence[str], announce: Sequence[str] = (), swarm_key: bytes | None = None
+) -> Iterator[list[str]]:
     """A bootstrap DHT node in this process for the duration; yields its multiaddrs
-    (``announce`` instead of the bound ones, if given).
+    (``announce`` instead of the bound ones, if given); in ``swarm_key``'s private
+    network if given.
 
     Raises :class:`TaskError` if ``listen`` is empty (a peer nobody can dial cannot
     start a swarm) and the ``peers`` errors of a bad or busy address.
     """
     if not listen:
         raise TaskError("a swarm's first peer must listen: give --listen, or --initial-peers")
-    config = PeerConfig(listen_addrs=tuple(listen), announce_addrs=tuple(announce))
+    config = PeerConfig(
+        listen_addrs=tuple(listen), announce_addrs=tuple(announce), swarm_key=swarm_key
+    )
     boot = BlockingDHT(peer_config=config)
     try:
         yield [str(a) for a in boot.peer.listen_addrs]
@@ -106,7 +114,8 @@ def run_train(
     display = TrainDisplay(plan_run(config, get_task(config.task).recipe), progress, stream)
     with contextlib.ExitStack() as stack:
         if not config.initial_peers:
-            addrs = stack.enter_context(hosted_bootstrap(config.listen, config.announce))
+            key = load_swarm_key(config.swarm_key) if config.swarm_key else None
+            addrs = stack.enter_context(hosted_bootstrap(config.listen, config.announce, key))
             # The bootstrap peer keeps the ports given; this trainer takes the next ones.
             config = dataclasses.replace(
                 config,

@@ -25,6 +25,7 @@ from averaging import CenteredClipConfig
 from peers.config import PeerConfig
 from peers.dht import BlockingDHT, DHTConfig
 from peers.identity import KeyPair, PeerID
+from peers.pnet import SwarmKeyError, load_swarm_key
 from swarm.checkpoint import read_state, write_state
 from swarm.errors import CheckpointError, TaskError
 from swarm.optim_spec import OptimizerSpec
@@ -69,6 +70,10 @@ class TrainerConfig:
     """A private swarm: talk only to these peers (``PeerConfig.allowed_peers``); it needs
     ``initial_peers`` (a peer the list names) and, for others to list this peer, an
     ``identity``. None: anyone."""
+    swarm_key: Path | None = None
+    """Key file of a private network (``PeerConfig.swarm_key``, :mod:`peers.pnet`): every
+    connection encrypted with it, so peers without it cannot connect. Read when the
+    config is made. None: an open swarm."""
     num_peers: int = 1
     """Peers to wait for (at most :data:`STARTUP_WAIT_SECONDS`) before the run's first
     step, for peers started together; 1: start at once. Peers joining before the first
@@ -121,6 +126,11 @@ class TrainerConfig:
             raise TaskError("checkpoint_every needs a checkpoint path")
         if self.checkpoint is not None:
             _check_checkpoint_path(self.checkpoint)
+        if self.swarm_key is not None:
+            try:
+                load_swarm_key(self.swarm_key)
+            except SwarmKeyError as e:
+                raise TaskError(str(e)) from e
         if self.allowed_peers is not None and not self.initial_peers:
             raise TaskError(
                 "a private swarm cannot start from a bootstrap peer hosted here (its PeerID "
@@ -221,6 +231,7 @@ def train(
         peer_config=PeerConfig(
             identity=KeyPair.load_or_create(config.identity) if config.identity else None,
             allowed_peers=config.allowed_peers,
+            swarm_key=load_swarm_key(config.swarm_key) if config.swarm_key else None,
             listen_addrs=config.listen,
             announce_addrs=config.announce,
             reachability=config.reachability,

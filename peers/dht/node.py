@@ -59,6 +59,7 @@ from peers.dht.routing import RoutingTable
 from peers.dht.storage import OWN_SOURCE, RecordStore, StoreResult, record_cost
 from peers.errors import PeersError, StreamReset
 from peers.host import Peer
+from peers.pnet import missing_key_hint
 from peers.identity import PeerID
 from peers.rpc import CallContext
 from peers.serialization import SerializationError, pack, unpack
@@ -219,7 +220,8 @@ class DHT:
                     self.peer.peer_id,
                 )
             elif isinstance(result, BaseException):
-                logger.warning("initial peer %s did not answer: %s", addr, result)
+                hint = missing_key_hint(result, self.peer.config.swarm_key is not None)
+                logger.warning("initial peer %s did not answer: %s%s", addr, result, hint)
             else:
                 reached += 1
         if addrs and not reached:

@@ -100,19 +100,50 @@ def test_a_private_bootstrap_answers_its_members_only(tmp_path: Path) -> None:
     allow_file = tmp_path / "team.txt"
     allow_file.write_text(f"# the team\n{member.peer_id}  # alice\n\n")
     proc, addrs = _start_bootstrap("--allow-file", str(allow_file), "--allow", str(other.peer_id))
+    _member_stranger_member(
+        proc,
+        [*SWARM, "ping", addrs[0], "--count", "1"],
+        ["--identity", str(tmp_path / "member.key")],
+        "a private swarm that does not allow our peer ID",
+    )
+
+
+def _member_stranger_member(
+    bootstrap: subprocess.Popen[str], ping: list[str], member: list[str], refusal: str
+) -> None:
+    """Ping ``bootstrap`` as a member (``ping`` + ``member``), as a stranger (told
+    ``refusal``), and as a member again: it keeps serving. Stops it."""
     try:
-        ping = [*SWARM, "ping", addrs[0], "--count", "1"]
-        as_member = [*ping, "--identity", str(tmp_path / "member.key")]
-        for args, code in ((as_member, 0), (ping, 1), (as_member, 0)):  # it keeps serving
+        for args, code in (([*ping, *member], 0), (ping, 1), ([*ping, *member], 0)):
             out = subprocess.run(args, capture_output=True, text=True, timeout=60)
             assert out.returncode == code, out.stderr
             if code == 0:
                 assert "ping 1:" in out.stdout
             else:
-                assert "a private swarm that does not allow our peer ID" in out.stderr
+                assert refusal in out.stderr
     finally:
-        proc.kill()
-        proc.communicate(timeout=10)
+        bootstrap.kill()
+        bootstrap.communicate(timeout=10)
+
+
+def test_a_private_network_bootstrap_answers_key_holders_only(tmp_path: Path) -> None:
+    """``swarm swarm-key`` makes a key (never over an existing file); a bootstrap with
+    ``--swarm-key`` answers a ping that has the key, not one without (told why), and
+    keeps serving."""
+    key = tmp_path / "team.key"
+    made = subprocess.run([*SWARM, "swarm-key", str(key)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    assert f"--swarm-key {key}" in made.stdout
+    assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    again = subprocess.run([*SWARM, "swarm-key", str(key)], capture_output=True, text=True)
+    assert again.returncode == 2 and "give a path where no file exists" in again.stderr
+    proc, addrs = _start_bootstrap("--swarm-key", str(key))
+    _member_stranger_member(
+        proc,
+        [*SWARM, "ping", addrs[0], "--count", "1", "--timeout", "5"],
+        ["--swarm-key", str(key)],
+        "--swarm-key PATH",
+    )
 
 
 def _free_port() -> int:

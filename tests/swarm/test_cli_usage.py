@@ -97,6 +97,23 @@ def test_private_swarm_mistakes_exit_2_before_anything_starts(tmp_path: Path) ->
         _assert_usage_error(_swarm(*args), message)
 
 
+def test_a_bad_swarm_key_exits_2_before_anything_starts(tmp_path: Path) -> None:
+    """A missing or malformed --swarm-key file, for a server, a trainer and a client."""
+    bad = tmp_path / "bad.key"
+    bad.write_text("/key/swarm/psk/1.0.0/\n/base16/\nabcd\n")
+    missing = tmp_path / "missing.key"
+    join = ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]
+    cases = [
+        (["bootstrap", *LOCAL, "--swarm-key", str(bad)], "a swarm key is 32 bytes, not 2"),
+        ([*join, "--swarm-key", str(missing)], "cannot read swarm key"),
+        (["ping", "/ip4/127.0.0.1/tcp/1", "--swarm-key", str(bad)], "32 bytes"),
+    ]
+    for args, message in cases:
+        out = _swarm(*args)
+        _assert_usage_error(out, message)
+        assert "swarm swarm-key PATH" in out.stderr
+
+
 def test_a_bad_peer_id_in_a_multiaddr_is_called_a_peer_id_not_a_cid() -> None:
     out = _swarm("join", "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/nonsense")
     _assert_usage_error(out, "ends in /p2p/nonsense, which is not a peer ID")

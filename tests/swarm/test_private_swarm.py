@@ -1,6 +1,7 @@
 """A private swarm from the command line, as a team runs one: a bootstrap peer and two
-trainers that list each other (``--identity``, ``--allow-file``) train one model, and a
-stranger that knows the bootstrap's address is refused and told why it may be."""
+trainers that list each other (``--identity``, ``--allow-file``) or share a swarm key
+(``--swarm-key``) train one model, and a stranger that knows the bootstrap's address is
+refused and told why it may be."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from peers import KeyPair
+from peers.pnet import new_swarm_key, write_swarm_key
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -18,13 +20,19 @@ SWARM = [sys.executable, "-m", "swarm.cli"]
 SAMPLES = ["--num-samples", "1280", "--listen", "/ip4/127.0.0.1/tcp/0", "--progress", "lines"]
 
 
-def test_members_train_together_and_a_stranger_cannot_join(tmp_path: Path) -> None:
+@pytest.mark.parametrize("closed_by", ["allow-list", "swarm key"])
+def test_members_train_together_and_a_stranger_cannot_join(tmp_path: Path, closed_by: str) -> None:
     keys = {name: tmp_path / f"{name}.key" for name in ("boot", "alice", "bob")}
     team = tmp_path / "team.txt"
     team.write_text(
         "".join(f"{KeyPair.load_or_create(k).peer_id}  # {n}\n" for n, k in keys.items())
     )
     private = ["--allow-file", str(team)]
+    refusal = "a private swarm that does not allow our peer ID"
+    if closed_by == "swarm key":
+        write_swarm_key(tmp_path / "team.psk", new_swarm_key())
+        private = ["--swarm-key", str(tmp_path / "team.psk")]
+        refusal = "talks only to peers with its swarm key: --swarm-key PATH"
     identity = ["--identity", str(keys["boot"])]
     boot = subprocess.Popen(
         [*SWARM, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", *identity, *private],
@@ -52,7 +60,7 @@ def test_members_train_together_and_a_stranger_cannot_join(tmp_path: Path) -> No
         boot.kill()
         boot.communicate(timeout=10)
     assert stranger.returncode == 1
-    assert "a private swarm that does not allow our peer ID" in stranger.stderr, stranger.stderr
+    assert refusal in stranger.stderr, stranger.stderr
     assert "none of the 1 initial peers answered" in stranger.stderr
     for member, (out, err) in zip(members, results, strict=True):
         assert member.returncode == 0, out + err
