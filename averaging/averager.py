@@ -38,7 +38,7 @@ from averaging.state_records import LoadedState, StateSyncConfig
 from averaging.state_sync import StateCheck, load_state_from_peers
 from peers.dht.node import DHT
 from peers.errors import LocalProtocolError
-from peers.identity import PeerID
+from peers.identity import KeyPair, PeerID
 
 #: Bandwidth (bytes/s) a peer announces before it has measured its own: a common
 #: broadband figure, so a newcomer takes an ordinary share of the first round.
@@ -68,7 +68,12 @@ class AveragerConfig:
     """A sample weight counts at most this many times the median weight of a part's
     senders (``RoundSpec.max_weight_ratio``; part of the schema); None: no cap."""
     state_sync: StateSyncConfig = field(default_factory=StateSyncConfig)
-    """How :meth:`Averager.load_state_from_peers` downloads."""
+    """How :meth:`Averager.load_state_from_peers` downloads (and which run keys' signed
+    states it trusts: ``trusted_signers``)."""
+    state_signer: KeyPair | None = field(default=None, repr=False)
+    """A run key (:mod:`averaging.state_signing`): sign every state this peer serves
+    with it. Peers whose ``state_sync.trusted_signers`` name it then load its states
+    from it alone."""
     error_feedback: bool = False
     """Carry what the lossy codec (``allreduce.codec``) leaves out of each round into
     the next (:mod:`averaging.round_feedback`), so rounding errors cancel over rounds
@@ -136,7 +141,12 @@ class Averager:
                 AllReduceService(self.peer, self.config.allreduce)
             )
             self._state = await stack.enter_async_context(
-                StateServer(self.peer, dht=self.dht, prefix=self._state_prefix)
+                StateServer(
+                    self.peer,
+                    dht=self.dht,
+                    prefix=self._state_prefix,
+                    signer=self.config.state_signer,
+                )
             )
             self._stack = stack.pop_all()
         return self

@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -35,10 +35,11 @@ from averaging.state_manifest import (
     StateRequestError,
     build_snapshot,
 )
+from averaging.state_signing import sign_manifest
 from peers.dht import DHT, dht_time, owner_marker
 from peers.errors import PeersError
 from peers.host import Peer
-from peers.identity import PeerID
+from peers.identity import KeyPair, PeerID
 from peers.rpc import CallContext
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class StateServer:
     """Serve a state to newcomers. Use ``async with StateServer(peer, ...) as server``.
 
     ``dht`` and ``prefix`` (together) make it announce itself so newcomers can find it.
+    With ``signer`` (a run key, :mod:`averaging.state_signing`), every manifest served
+    is signed with it for ``prefix``.
     """
 
     def __init__(
@@ -105,9 +108,13 @@ class StateServer:
         dht: DHT | None = None,
         prefix: str | None = None,
         config: StateServerConfig | None = None,
+        signer: KeyPair | None = None,
     ) -> None:
         if (dht is None) != (prefix is None):
             raise ValueError("give both dht and prefix to announce, or neither")
+        if signer is not None and prefix is None:
+            raise ValueError("a run key signs states for a prefix: give one")
+        self.signer = signer
         self.peer = peer
         self.dht = dht
         self.prefix = prefix
@@ -173,6 +180,10 @@ class StateServer:
             copy=copy,
         )
         self._check_newer(version)  # another set_state may have finished meanwhile
+        if self.signer is not None:
+            assert self.prefix is not None
+            signed = sign_manifest(self.signer, self.prefix, snapshot.manifest)
+            snapshot = replace(snapshot, manifest=signed)
         self._snapshots[version] = snapshot
         while len(self._snapshots) > self.config.num_versions_kept:
             del self._snapshots[next(iter(self._snapshots))]

@@ -27,6 +27,10 @@ class StateSyncConfig:
     """Donors downloaded from at once (the rest wait in reserve for a new round)."""
     max_state_bytes: int = 1 << 36
     """Largest state we agree to allocate (64 GiB): a manifest over it is refused."""
+    trusted_signers: frozenset[PeerID] = frozenset()
+    """Run keys (:mod:`averaging.state_signing`): when any are given, a state is loaded
+    only if one of them signed its manifest, and then one donor suffices (no quorum of
+    networks is asked for). Empty: any state offered by a quorum of networks."""
 
     def __post_init__(self) -> None:
         if self.num_parallel_requests < 2:
@@ -35,6 +39,9 @@ class StateSyncConfig:
             raise ValueError("timeouts must be positive")
         if self.max_donors < 1 or self.max_state_bytes < 0:
             raise ValueError("max_donors must be at least 1 and max_state_bytes non-negative")
+        signers: object = self.trusted_signers
+        if not isinstance(signers, frozenset) or not all(isinstance(p, PeerID) for p in signers):
+            raise ValueError("trusted_signers must be a frozenset of PeerIDs")
 
 
 @dataclass(frozen=True, slots=True)

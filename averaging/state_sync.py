@@ -53,6 +53,7 @@ from averaging.state_manifest import (
 )
 from averaging.state_records import DonorReport, LoadedState, StateSyncConfig, SyncReport
 from averaging.state_schedule import ChunkSchedule
+from averaging.state_signing import check_signed
 from peers.dht import DHT, owner_of
 from peers.errors import PeersError
 from peers.host import Peer
@@ -111,7 +112,8 @@ async def load_state_from_peers(
     newest offered by at least ``quorum`` distinct sources (identical manifests; by all
     that answered if fewer did), none newer than ``max_version``. A donor whose manifest
     ``check`` rejects, or that offers a version above ``max_version``, is dropped before
-    anything is downloaded.
+    anything is downloaded. With ``config.trusted_signers`` (run keys), only manifests
+    one of them signed for ``prefix`` count, and one donor suffices.
     ``on_progress(bytes_verified, bytes_total)`` runs after each chunk.
 
     Raises :class:`StateSyncError` if no group of donors can provide a verified state
@@ -125,9 +127,10 @@ async def load_state_from_peers(
         raise ValueError("give donors, or a dht and a prefix to find them")
     if quorum < 1:
         raise ValueError("quorum must be at least 1")
-    sync = _Sync(
-        peer, config or StateSyncConfig(), _Wanted(version, max_version, quorum, check), on_progress
-    )
+    config = config or StateSyncConfig()
+    if config.trusted_signers and prefix is None:
+        raise ValueError("a run key signs a run's states under its prefix: give the prefix")
+    sync = _Sync(peer, config, _Wanted(version, max_version, quorum, check, prefix), on_progress)
     deadline = asyncio.timeout(timeout)
     try:
         async with deadline:
@@ -148,6 +151,7 @@ class _Wanted:
     max_version: int | None
     quorum: int
     check: StateCheck | None
+    prefix: str | None  # the run's; with trusted signers, what their signatures name
 
 
 class _Sync:
@@ -180,7 +184,9 @@ class _Sync:
                 assert dht is not None and prefix is not None
                 targets = list(await _discover(self.peer, dht, prefix))
             offers = await self._offers(targets)
-            group = _choose_group(offers, self.wanted.quorum)
+            # A run key's signature is the operator's word: one donor suffices.
+            quorum = 1 if self.config.trusted_signers else self.wanted.quorum
+            group = _choose_group(offers, quorum)
             if not group:
                 raise StateSyncError(
                     f"no donor can provide the state ({_describe_support(offers, self.wanted)}"
@@ -247,6 +253,9 @@ class _Sync:
                 f"offers version {manifest.version}, ahead of the {wanted.max_version} "
                 "the swarm's progress supports"
             )
+        if self.config.trusted_signers:
+            assert wanted.prefix is not None  # load_state_from_peers checks it
+            check_signed(wanted.prefix, manifest, self.config.trusted_signers)
         if wanted.check is not None:
             reason = wanted.check(
                 manifest.version, layout.specs, decode_metadata(manifest.metadata)

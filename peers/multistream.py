@@ -25,6 +25,10 @@ MAX_MESSAGE_BYTES = 1024
 #: remote can make us do on one stream.
 MAX_PROPOSALS = 32
 _NA = "na"
+#: The header's length prefix: anything else where the header belongs is refused at
+#: once, rather than waited for (a peer of a private network, or another protocol,
+#: sends noise that may announce a long message that never comes).
+_HEADER_BYTES = len(MULTISTREAM_PROTOCOL_ID) + 1
 
 
 def encode_message(text: str) -> bytes:
@@ -41,7 +45,9 @@ class _MessageReader:
     def feed(self, data: bytes) -> None:
         self._buffer += data
 
-    def next_message(self) -> str | None:
+    def next_message(self, *, header: bool = False) -> str | None:
+        """The next whole message, or None until it has arrived; with ``header``, the
+        message must be the header's length."""
         try:
             decoded = decode_uvarint(self._buffer)
         except VarintError as e:
@@ -49,6 +55,11 @@ class _MessageReader:
         if decoded is None:
             return None
         length, start = decoded
+        if header and length != _HEADER_BYTES:
+            raise HandshakeError(
+                f"multistream: expected the {MULTISTREAM_PROTOCOL_ID} header, got a "
+                f"{length}-byte message"
+            )
         if length > MAX_MESSAGE_BYTES:
             raise HandshakeError(
                 f"multistream: message of {length} bytes exceeds {MAX_MESSAGE_BYTES}"
@@ -100,7 +111,7 @@ class MultistreamDialer:
         self._reader.feed(data)
         out = b""
         while self.selected is None:
-            message = self._reader.next_message()
+            message = self._reader.next_message(header=not self._header_seen)
             if message is None:
                 break
             if not self._header_seen:
@@ -141,7 +152,7 @@ class MultistreamListener:
         self._reader.feed(data)
         out = b""
         while self.selected is None:
-            message = self._reader.next_message()
+            message = self._reader.next_message(header=not self._header_seen)
             if message is None:
                 break
             if not self._header_seen:

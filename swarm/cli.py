@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from peers import (
     Peer,
     PeerConfig,
+    PeerID,
     PeersError,
     StreamReset,
     parse_multiaddr,
@@ -330,6 +331,8 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
     if args.identity:
         load_identity(args.identity)  # a bad path is a usage error now, not mid-start
     swarm_key_arg(args.swarm_key)  # so is a bad key file
+    if args.run_key:
+        load_identity(args.run_key, option="--run-key")
     diloco = None
     if args.diloco:
         diloco = DiLoCoConfig(
@@ -346,6 +349,8 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
         identity=Path(args.identity) if args.identity else None,
         allowed_peers=allowed_peers(args.allow, args.allow_file),
         swarm_key=Path(args.swarm_key) if args.swarm_key else None,
+        run_key=Path(args.run_key) if args.run_key else None,
+        trusted_run_keys=frozenset(map(PeerID.from_base58, args.trust_run_key or ())),
         num_peers=args.num_peers,
         local_batch_size=args.local_batch_size,
         target_batch_size=args.target_batch_size,
@@ -524,6 +529,20 @@ def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         _add_reachability_options(p)
         p.add_argument("--identity", metavar="PATH", help="key file; created if missing")
         _add_private_swarm_options(p)
+        p.add_argument(
+            "--run-key",
+            metavar="PATH",
+            help="the run operator's key (created if missing): sign the states this peer "
+            "serves, and load only states it signed; for the operator's peers",
+        )
+        p.add_argument(
+            "--trust-run-key",
+            action="append",
+            type=peer_id_arg,
+            metavar="PEERID",
+            help="load only states signed by this run key (the operator's --run-key, by "
+            "its peer ID), from any one peer; repeatable",
+        )
         p.add_argument(
             "--progress",
             choices=["auto", "bar", "lines", "json", "none"],

@@ -139,22 +139,21 @@ def allowed_peers(
     return frozenset(PeerID.from_base58(t) for t in texts)
 
 
-def load_identity(path: str) -> KeyPair:
+def load_identity(path: str, *, option: str = "--identity") -> KeyPair:
     """The key pair in ``path``, created there (mode 0600) if there is none. Raises
-    :class:`UsageError` when the directory is missing or the file cannot be read,
-    written or parsed."""
+    :class:`UsageError`, naming ``option``, when the directory is missing or the file
+    cannot be read, written or parsed."""
     directory = Path(path).absolute().parent
     if not directory.is_dir():
         raise UsageError(
-            f"--identity {path}: directory {directory} does not exist; create it or give "
-            "another path"
+            f"{option} {path}: directory {directory} does not exist; create it or give another path"
         )
     try:
         return KeyPair.load_or_create(path)
     except (PeersError, OSError) as e:
         detail = str(e) if isinstance(e, PeersError) else f"{path}: {e.strerror or e}"
         raise UsageError(
-            f"--identity: {detail}; give a valid key file this user can read, or a path "
+            f"{option}: {detail}; give a valid key file this user can read, or a path "
             "where none exists to create one"
         ) from e
 

@@ -39,6 +39,7 @@ from averaging import (
     Float16Codec,
     MatchmakingError,
     NoneCodec,
+    StateSyncConfig,
     StateSyncError,
     Uniform8BitCodec,
 )
@@ -137,6 +138,8 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             allreduce=replace(config.allreduce, codec=codec),
             aggregation=config.aggregation,
             error_feedback=config.error_feedback,
+            state_sync=StateSyncConfig(trusted_signers=config.run_keys()),
+            state_signer=config.run_key,
         )
         named = {str(i): b for i, b in enumerate(self.buffers)}
         self._averager = Averager(dht.node, named, averager_config)
@@ -564,9 +567,11 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         continue from there; False (and nothing changed) if no state could be had.
 
         A state is a stranger's claim: it is taken only when :data:`STATE_QUORUM`
-        distinct networks offer it (all that answered, if fewer did), when it is no
-        more than one epoch ahead of the epoch half the live peers reached, and when it
-        fits our parameters and optimizers; our hyperparameters stay ours."""
+        distinct networks offer it (all that answered, if fewer did), or, with run keys
+        (``CollaborativeConfig.run_keys``), only when one of them signed it; without run
+        keys, when it is no more than one epoch ahead of the epoch half the live peers
+        reached; and when it fits our parameters and optimizers; our hyperparameters
+        stay ours."""
         ahead = max(self._summary().epoch, self.epoch) + 1
         try:
             loaded = self.dht.peer.run(
@@ -574,7 +579,8 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                     timeout=self.config.state_timeout,
                     apply=False,
                     donors=donors,
-                    max_version=ahead,
+                    # A run key's signature vouches for the epoch as well.
+                    max_version=None if self.config.run_keys() else ahead,
                     quorum=STATE_QUORUM,
                     check=self._state_problem,
                 ),
@@ -650,8 +656,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         state was loaded."""
         if not self._behind():
             return False
-        self._load_state()
-        return True
+        return self._load_state()
 
     # --- state_dict (swarm.optimizer_face) ----------------------------------------------
 

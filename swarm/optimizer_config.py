@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from averaging import AllReduceConfig, CenteredClipConfig, MatchmakingConfig, NoneCodec
+from peers.identity import KeyPair, PeerID
 from swarm.errors import SwarmError
 
 
@@ -103,6 +104,20 @@ class CollaborativeConfig:
     rounding errors cancel over steps instead of adding up (``AveragerConfig``'s). Local
     to this peer; needs a lossy codec."""
 
+    run_key: KeyPair | None = field(default=None, repr=False)
+    """The run's operator key (:mod:`averaging.state_signing`): this peer signs every
+    state it serves with it, and trusts states signed with it. Give it to the
+    operator's own peers only."""
+    trusted_run_keys: frozenset[PeerID] = frozenset()
+    """Run keys by PeerID: when any are given (or ``run_key``), this peer loads only
+    states one of them signed, from any single donor; a quorum of strangers' networks
+    no longer suffices. Empty: states offered by a quorum of networks."""
+
+    def run_keys(self) -> frozenset[PeerID]:
+        """Every run key whose signed states this peer loads."""
+        own = {self.run_key.peer_id} if self.run_key is not None else set()
+        return self.trusted_run_keys | own
+
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
             raise OptimizerError("run_id must be a non-empty string without '/'")
@@ -131,6 +146,11 @@ class CollaborativeConfig:
         lossy = self.diloco.codec != "none" if self.diloco else self.allreduce.codec.name != "none"
         if self.error_feedback and not lossy:
             raise OptimizerError("error_feedback needs a lossy codec (float16 or 8-bit)")
+        if self.run_key is not None and not isinstance(self.run_key, KeyPair):
+            raise OptimizerError("run_key must be None or a peers.KeyPair")
+        keys: object = self.trusted_run_keys
+        if not isinstance(keys, frozenset) or not all(isinstance(k, PeerID) for k in keys):
+            raise OptimizerError("trusted_run_keys must be a frozenset of PeerIDs")
         if self.refresh_interval < self.progress_interval:
             raise OptimizerError("refresh_interval must be at least progress_interval")
         if self.progress_expiration <= 2 * self.refresh_interval:

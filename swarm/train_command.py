@@ -23,6 +23,7 @@ import torch
 from peers.addresses import parse_multiaddr, tcp_target
 from peers.config import PeerConfig
 from peers.dht import BlockingDHT
+from peers.identity import KeyPair
 from peers.pnet import load_swarm_key
 from swarm.errors import TaskError
 from swarm.tasks import get_task
@@ -61,6 +62,11 @@ def join_command(config: TrainerConfig, initial_peers: Sequence[str]) -> str:
         parts.append("--centered-clip")
     if config.swarm_key is not None:
         parts += ["--swarm-key", str(config.swarm_key)]
+    run_keys = set(config.trusted_run_keys)
+    if config.run_key is not None:  # joiners trust the operator's key, not hold it
+        run_keys.add(KeyPair.load_or_create(config.run_key).peer_id)
+    for key in sorted(str(k) for k in run_keys):
+        parts += ["--trust-run-key", key]
     return " ".join(parts)
 
 

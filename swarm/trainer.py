@@ -74,6 +74,14 @@ class TrainerConfig:
     """Key file of a private network (``PeerConfig.swarm_key``, :mod:`peers.pnet`): every
     connection encrypted with it, so peers without it cannot connect. Read when the
     config is made. None: an open swarm."""
+    run_key: Path | None = None
+    """The run operator's key file (a libp2p key, created if missing): this peer signs
+    the states it serves with it and trusts states signed with it
+    (``CollaborativeConfig.run_key``). For the operator's own peers."""
+    trusted_run_keys: frozenset[PeerID] = frozenset()
+    """Run keys by PeerID whose signed states this peer loads, and no others
+    (``CollaborativeConfig.trusted_run_keys``). Empty: states a quorum of networks
+    offers."""
     num_peers: int = 1
     """Peers to wait for (at most :data:`STARTUP_WAIT_SECONDS`) before the run's first
     step, for peers started together; 1: start at once. Peers joining before the first
@@ -243,6 +251,8 @@ def train(
         run_id=config.run_id,
         target_batch_size=target,
         diloco=config.diloco,
+        run_key=KeyPair.load_or_create(config.run_key) if config.run_key else None,
+        trusted_run_keys=config.trusted_run_keys,
         **_aggregation(config),
         **config.collaborative,
     )
@@ -251,9 +261,13 @@ def train(
         _wait_for_reachability(dht)
         with CollaborativeOptimizer(inner, dht, collaborative) as opt:
             opt.epoch = start_epoch
-            if not opt.load_state_from_peers() and opt.epoch == 0:
+            loaded = opt.load_state_from_peers()
+            if not loaded and opt.epoch == 0:
                 opt.wait_for_peers(config.num_peers, timeout=STARTUP_WAIT_SECONDS)
-                opt.load_state_from_peers()  # one may have stepped meanwhile
+                loaded = opt.load_state_from_peers()  # one may have stepped meanwhile
+            if loaded and on_network is not None:
+                signed = " (signed by the run key)" if collaborative.run_keys() else ""
+                on_network(f"loaded the swarm's state{signed} at epoch {opt.epoch}")
             stream = SampleStream(task.num_train, config.seed)
             dealer = _Dealer(opt, config.run_id, plan, config.slow_peer_seconds)
             loss_value = math.nan

@@ -59,8 +59,8 @@ from peers.dht.routing import RoutingTable
 from peers.dht.storage import OWN_SOURCE, RecordStore, StoreResult, record_cost
 from peers.errors import PeersError, StreamReset
 from peers.host import Peer
-from peers.pnet import missing_key_hint
 from peers.identity import PeerID
+from peers.pnet import missing_key_hint
 from peers.rpc import CallContext
 from peers.serialization import SerializationError, pack, unpack
 from peers.subnets import source_group
@@ -221,7 +221,8 @@ class DHT:
                 )
             elif isinstance(result, BaseException):
                 hint = missing_key_hint(result, self.peer.config.swarm_key is not None)
-                logger.warning("initial peer %s did not answer: %s%s", addr, result, hint)
+                why = str(result) or type(result).__name__  # a timeout has no message
+                logger.warning("initial peer %s did not answer: %s%s", addr, why, hint)
             else:
                 reached += 1
         if addrs and not reached:

@@ -91,6 +91,11 @@ def test_multistream_refusal_and_garbage() -> None:
         MultistreamListener({"/b"}).receive_data(b"\x05hello")
     with pytest.raises(HandshakeError):
         MultistreamListener({"/b"}).receive_data(b"\xff\xff\x03")  # 1024+ byte message
+    # Where the header belongs, a length other than the header's is refused at once,
+    # before the message arrives: noise (a private network's peer) never hangs us.
+    for machine in (MultistreamListener({"/b"}), MultistreamDialer(["/b"])):
+        with pytest.raises(HandshakeError, match=r"expected the /multistream/1\.0\.0 header"):
+            machine.receive_data(b"\x40")
 
 
 def test_multistream_leftover_is_kept() -> None:

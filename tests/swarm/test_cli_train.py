@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from peers.identity import KeyPair
+from peers.pnet import new_swarm_key, write_swarm_key
 from swarm.checkpoint import read_state
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
@@ -42,14 +44,25 @@ def _summary(stdout: str, epochs: int) -> None:
     assert re.search(r"test metrics: loss \d\.\d+, accuracy \d+\.\d%", stdout), stdout
 
 
-def test_train_starts_a_swarm_and_join_trains_with_it() -> None:
-    sizes = ["--num-peers", "2", "--num-samples", str(64 * 20), "--num-threads", "1"]
-    first = subprocess.Popen(
-        [*SWARM, "train", *LOCAL, *sizes],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+def _start(*args: str) -> subprocess.Popen[str]:
+    """``swarm ARGS`` with its output piped, as text."""
+    return subprocess.Popen(
+        [*SWARM, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["open", "swarm-key-and-run-key"])
+def test_train_starts_a_swarm_and_join_trains_with_it(tmp_path: Path, private: bool) -> None:
+    """The printed join command, pasted, trains with the first peer. Private: the first
+    peer holds a swarm key and the run key; the command it prints carries
+    ``--swarm-key`` and ``--trust-run-key`` (the key's peer ID, never the key), and
+    works as printed."""
+    sizes = ["--num-peers", "2", "--num-samples", str(64 * 20), "--num-threads", "1"]
+    keys: list[str] = []
+    if private:
+        write_swarm_key(tmp_path / "team.psk", new_swarm_key())
+        keys = ["--swarm-key", str(tmp_path / "team.psk"), "--run-key", str(tmp_path / "op.key")]
+    first = _start("train", *LOCAL, *sizes, *keys)
     second: subprocess.Popen[str] | None = None
     try:
         assert first.stdout is not None
@@ -61,13 +74,13 @@ def test_train_starts_a_swarm_and_join_trains_with_it() -> None:
                 break
         else:
             raise AssertionError(f"no join command printed: {''.join(head)}")
+        if private:
+            run_key = KeyPair.load(tmp_path / "op.key").peer_id
+            assert f"--trust-run-key {run_key}" in found.group(1), found.group(1)
+            assert "--run-key" not in found.group(1).replace("--trust-run-key", "")
+            assert f"--swarm-key {tmp_path / 'team.psk'}" in found.group(1)
         # the printed command as a volunteer pastes it: no rank, no swarm size
-        second = subprocess.Popen(
-            [*SWARM, *found.group(1).split(), *LOCAL, "--num-threads", "1"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        second = _start(*found.group(1).split(), *LOCAL, "--num-threads", "1")
         out_first, err_first = first.communicate(timeout=150)
         out_second, err_second = second.communicate(timeout=60)
     finally:
@@ -82,6 +95,47 @@ def test_train_starts_a_swarm_and_join_trains_with_it() -> None:
     peers = re.findall(r"peers (\d)", out_first + out_second)
     assert "2" in peers  # they saw each other
     assert "state loads" in out_second and "Traceback" not in err_first + err_second
+
+
+def test_a_late_joiner_loads_the_state_the_run_key_signed(tmp_path: Path) -> None:
+    """The operator's peer (``--run-key``) trains alone; a volunteer that pastes the
+    printed join command (``--trust-run-key``, the key's peer ID) after epoch 10 loads
+    the state the operator's peer signed, from it alone, and says so. Both are stopped
+    then: the run is long, so that the operator's peer is still there to serve."""
+    train = ["train", *LOCAL, "--num-samples", str(64 * 5000), "--num-threads", "1"]
+    first = _start(*train, "--run-key", str(tmp_path / "op.key"), "--progress", "lines")
+    second: subprocess.Popen[str] | None = None
+    try:
+        assert first.stdout is not None
+        command = None
+        for line in first.stdout:  # bounded by the pytest timeout
+            found = re.search(r" (join --initial-peers \S+ .*)", line)
+            command = found.group(1) if found else command
+            samples = re.search(r"samples ([\d,]+)/", line)
+            if command and samples and int(samples.group(1).replace(",", "")) >= 64 * 10:
+                break
+        assert command is not None, "no join command printed"
+        run_key = KeyPair.load(tmp_path / "op.key").peer_id
+        assert f"--trust-run-key {run_key}" in command, command
+        second = _start(*command.split(), *LOCAL, "--num-threads", "1", "--progress", "lines")
+        assert second.stdout is not None
+        joined = ""
+        for line in second.stdout:  # bounded by the pytest timeout
+            joined += line
+            if "loaded the swarm's state" in line or "samples" in line:
+                break
+        second.kill()  # it has shown what it loaded; the rest is ordinary training
+        out_second, err_second = second.communicate(timeout=10)
+        first.kill()
+        _, err_first = first.communicate(timeout=10)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    loaded = re.search(r"loaded the swarm's state \(signed by the run key\) at epoch (\d+)", joined)
+    assert loaded is not None and int(loaded.group(1)) >= 10, joined + out_second + err_second
+    assert "Traceback" not in err_first + err_second
 
 
 @pytest.mark.parametrize(
