@@ -8,6 +8,15 @@ RPCs, enforces their deadlines and decides when a found value ends the lookup ea
 As in §2.3, at most alpha queries are in flight, each going to the closest candidate
 not yet asked among the k closest known; the lookup ends when the k closest candidates
 that have not failed have all answered and nothing is in flight.
+
+One change for a swarm of strangers: a lookup's result holds at most
+``max_per_source`` nodes of one network (the caller names each answer's source,
+:func:`peers.subnets.source_group` of the connection it came over). Node ids cost ~43 us
+to grind, networks do not: without the limit, one machine with a few dozen ids ground
+near a key becomes all the key's closest nodes, where its records are stored and
+looked up (an eclipse of that key). With it, a network's ids past the closest
+``max_per_source`` are crowded out of the ranking as they answer, and the next
+closest, other networks' nodes, take their places.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ ALPHA = 3
 #: the memory a hostile responder can make us spend (an answer adds at most k more
 #: before the excess is dropped).
 CANDIDATE_FACTOR = 3
+#: Nodes of one network (``peers.subnets`` source) a lookup's result may hold, as a
+#: routing table's bucket may (``routing.MAX_PER_SOURCE_PER_BUCKET``).
+MAX_RESULTS_PER_SOURCE = 2
 
 
 class _State(enum.Enum):
@@ -52,6 +64,9 @@ class LookupStatistics:
     num_failed: int
     num_in_flight: int
     num_candidates: int
+    num_crowded_out: int
+    """Nodes that answered but were dropped from the result: their network already had
+    ``max_per_source`` closer ones in it."""
 
 
 class Lookup:
@@ -65,12 +80,17 @@ class Lookup:
         local_peer_id: PeerID | None = None,
         k: int = K,
         alpha: int = ALPHA,
+        max_per_source: int | None = None,
     ) -> None:
         """Start from ``initial`` (usually the routing table's k nearest to ``target``).
         ``k`` and ``alpha`` are the paper's k (result size) and alpha (parallelism).
-        ``local_peer_id`` is never queried, wherever it shows up."""
+        ``local_peer_id`` is never queried, wherever it shows up. ``max_per_source``:
+        answers of one source kept at most (None: no limit; see the module docstring)."""
         if k < 1 or alpha < 1:
             raise ValueError("k and alpha must be positive")
+        if max_per_source is not None and max_per_source < 1:
+            raise ValueError("max_per_source must be None or positive")
+        self.max_per_source = max_per_source
         self.target = target
         self.k = k
         self.alpha = alpha
@@ -81,6 +101,8 @@ class Lookup:
         self._by_distance: dict[int, _Candidate] = {}
         self._order: list[int] = []  # the keys of _by_distance, ascending
         self._failed: set[PeerID] = set()
+        self._crowded: set[PeerID] = set()  # answered, but their network had enough
+        self._responded_by_source: dict[str, list[int]] = {}  # distances, ascending
         self._num_in_flight = 0
         self._num_queried = 0
         self._num_responded = 0
@@ -102,15 +124,22 @@ class Lookup:
                 chosen.append(candidate.contact)
         return chosen
 
-    def on_response(self, contact: Contact, closer: Iterable[Contact]) -> None:
-        """``contact`` answered with ``closer``, the contacts it knows nearest the target.
+    def on_response(
+        self, contact: Contact, closer: Iterable[Contact], *, source: str | None = None
+    ) -> None:
+        """``contact`` answered with ``closer``, the contacts it knows nearest the target;
+        ``source`` is the network its answer came from (None: unknown, not limited).
 
         Only the first k of ``closer`` are read (more is the remote's fault); the local
         peer, known and failed contacts among them are skipped. An answer that arrives
         after :meth:`on_failure` for the same contact, and a second answer, are ignored.
-        Raises ValueError for a contact this lookup never asked."""
+        Past ``max_per_source`` answers of one source, its farthest answered node is
+        crowded out of the ranking. Raises ValueError for a contact this lookup never
+        asked."""
         candidate = self._find(contact)
-        if candidate is None and contact.peer_id in self._failed:
+        if candidate is None and (
+            contact.peer_id in self._failed or contact.peer_id in self._crowded
+        ):
             return
         if candidate is None or candidate.state is _State.CANDIDATE:
             raise ValueError(f"{contact.peer_id} answered a lookup that never asked it")
@@ -125,6 +154,17 @@ class Lookup:
                 break
             limited.append(item)
         self._add(limited)
+        if source is not None and self.max_per_source is not None:
+            self._limit_source(source, distance(contact.node_id, self.target))
+
+    def _limit_source(self, source: str, d: int) -> None:
+        mine = self._responded_by_source.setdefault(source, [])
+        insort(mine, d)
+        while len(mine) > (self.max_per_source or len(mine)):
+            farthest = mine.pop()
+            crowded = self._by_distance.pop(farthest)
+            self._order.remove(farthest)
+            self._crowded.add(crowded.contact.peer_id)
 
     def on_failure(self, contact: Contact) -> None:
         """The query to ``contact`` timed out or failed: it is never among the answered,
@@ -174,6 +214,7 @@ class Lookup:
             num_failed=len(self._failed),
             num_in_flight=self._num_in_flight,
             num_candidates=len(self._order),
+            num_crowded_out=len(self._crowded),
         )
 
     def _find(self, contact: Contact) -> _Candidate | None:
@@ -183,6 +224,8 @@ class Lookup:
     def _add(self, contacts: Iterable[Contact]) -> None:
         for contact in contacts:
             if contact.peer_id == self._local_peer_id or contact.peer_id in self._failed:
+                continue
+            if contact.peer_id in self._crowded:
                 continue
             d = distance(contact.node_id, self.target)
             if d not in self._by_distance:

@@ -26,7 +26,7 @@ from peers.dht.config import (
     dht_time,
 )
 from peers.dht.ids import Contact, NodeID, distance, key_id, node_id_of
-from peers.dht.lookup import Lookup
+from peers.dht.lookup import MAX_RESULTS_PER_SOURCE, Lookup
 from peers.dht.protocol import (
     FIND_NODE_PROTOCOL,
     FIND_VALUE_PROTOCOL,
@@ -485,6 +485,7 @@ class DHT:
             local_peer_id=self.peer.peer_id,
             k=k,
             alpha=self.config.alpha,
+            max_per_source=MAX_RESULTS_PER_SOURCE,
         )
         running: dict[asyncio.Task[list[Contact]], Contact] = {}
         try:
@@ -497,7 +498,8 @@ class DHT:
                 for task in finished:
                     contact = running.pop(task)
                     if task.exception() is None:
-                        lookup.on_response(contact, task.result())
+                        source = self._source_of(contact)  # the network it answered from
+                        lookup.on_response(contact, task.result(), source=source)
                     else:
                         lookup.on_failure(contact)
         finally:

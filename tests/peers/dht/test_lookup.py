@@ -248,3 +248,55 @@ def test_a_closer_candidate_survives_many_farther_answers() -> None:
         assert asked == chain[step]
         lookup.on_response(asked, chain[step + 1 : step + 2])
     assert lookup.done and lookup.closest_responded() == [chain[-1], chain[-2]]
+
+
+def _ground_near(rng: random.Random, target: int, closer_than: int, count: int) -> list[Contact]:
+    """``count`` ids closer to ``target`` than ``closer_than``: an attacker's ground ids."""
+    found: list[Contact] = []
+    while len(found) < count:
+        contact = Contact(random_peer(rng), ("/ip4/203.0.113.9/tcp/1",))
+        if distance(contact.node_id, target) < closer_than:
+            found.append(contact)
+    return found
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["unlimited", "two_per_source"])
+def test_ids_ground_near_a_key_from_one_network_hold_two_places_in_the_result(
+    limited: bool,
+) -> None:
+    """Twelve ids of one network ground nearer the target than every honest node, each
+    answering with the others: without a limit they are the whole result (an eclipse of
+    the key); with two per source, two stay and the honest nodes nearest the target
+    fill the other places."""
+    rng = seeded()
+    honest = [Contact(random_peer(rng), (f"/ip4/10.0.{i}.1/tcp/1",)) for i in range(40)]
+    target = rng.getrandbits(ID_BITS)
+    nearest_honest = sorted(honest, key=lambda c: distance(c.node_id, target))
+    sybils = _ground_near(rng, target, distance(nearest_honest[0].node_id, target), 12)
+    source = {c.peer_id: f"net{i}" for i, c in enumerate(honest)}
+    source.update({c.peer_id: "attacker" for c in sybils})
+    k = 8
+    lookup = Lookup(target, [*honest[:5], *sybils[:2]], k=k, max_per_source=2 if limited else None)
+    for _ in range(MAX_STEPS):
+        if lookup.done:
+            break
+        for contact in lookup.next_queries():
+            if source[contact.peer_id] == "attacker":
+                answer = sorted(sybils, key=lambda c: distance(c.node_id, target))[:k]
+            else:  # an honest node knows the nearest honest nodes and a few of them
+                answer = [*nearest_honest[:k], *sybils[:3]]
+            lookup.on_response(contact, answer, source=source[contact.peer_id])
+    assert lookup.done
+    result = {c.peer_id for c in lookup.closest_responded()}
+    held = result & {c.peer_id for c in sybils}
+    if not limited:
+        assert len(held) == k  # the eclipse the limit prevents
+        return
+    assert len(held) == 2
+    assert result - held == {c.peer_id for c in nearest_honest[: k - 2]}
+    assert lookup.statistics().num_crowded_out >= 1
+
+
+def test_a_bad_source_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_per_source"):
+        Lookup(0, [], max_per_source=0)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from peers.dht.lookup import MAX_RESULTS_PER_SOURCE
 from peers.dht.routing import MAX_PER_SOURCE
 from peers.dht.storage import MAX_RECORDS_PER_SOURCE
 from peers.netlab import Lab, lab_available
-from peers.testing import LocalSwarm
+from peers.netlab.hosts import PublicHost
+from peers.testing import LocalSwarm, PeerProcess
 
 AVAILABLE, REASON = lab_available()
 pytestmark = [pytest.mark.skipif(not AVAILABLE, reason=REASON), pytest.mark.timeout(180)]
@@ -22,23 +24,34 @@ SYBILS = 16
 RECORDS_EACH = 200  # 16 x 200 = 3,200: past one source's 2,048, far below 16 quotas
 
 
+def _first_node(swarm: LocalSwarm, host: PublicHost) -> tuple[PeerProcess, str]:
+    """The DHT's first node, on ``host`` at a fixed port; it and its full address."""
+    (first,) = swarm.start(
+        1,
+        target=TARGET,
+        options={"listen": [f"/ip4/0.0.0.0/tcp/{PORT}"]},
+        namespaces=[host.namespace],
+    )
+    first.wait_report("dht_ready", REPLY_SECONDS)
+    return first, f"/ip4/{host.address}/tcp/{PORT}/p2p/{first.peer_id}"
+
+
+def _joined(swarm: LocalSwarm, via: str, hosts: list[PublicHost]) -> list[PeerProcess]:
+    """A DHT node on each of ``hosts``, joined through ``via`` and ready."""
+    joined = {"listen": ["/ip4/0.0.0.0/tcp/0"], "initial_peers": [via]}
+    nodes = swarm.start(
+        len(hosts), target=TARGET, options=joined, namespaces=[h.namespace for h in hosts]
+    )
+    for node in nodes:
+        node.wait_report("dht_ready", REPLY_SECONDS)
+    return nodes
+
+
 def test_sybils_on_one_host_get_one_networks_share_of_a_dht_node() -> None:
     with Lab() as lab, LocalSwarm() as swarm:
         hosts = [lab.add_public_host(name) for name in ("victim", "sybil", "honest")]
-        (victim,) = swarm.start(
-            1,
-            target=TARGET,
-            options={"listen": [f"/ip4/0.0.0.0/tcp/{PORT}"]},
-            namespaces=[hosts[0].namespace],
-        )
-        victim.wait_report("dht_ready", REPLY_SECONDS)
-        victim_addr = f"/ip4/{hosts[0].address}/tcp/{PORT}/p2p/{victim.peer_id}"
-        joined = {"listen": ["/ip4/0.0.0.0/tcp/0"], "initial_peers": [victim_addr]}
-        sybil, honest = swarm.start(
-            2, target=TARGET, options=joined, namespaces=[hosts[1].namespace, hosts[2].namespace]
-        )
-        for proc in (sybil, honest):
-            proc.wait_report("dht_ready", REPLY_SECONDS)
+        victim, victim_addr = _first_node(swarm, hosts[0])
+        sybil, honest = _joined(swarm, victim_addr, hosts[1:])
 
         sybil.send(
             {"cmd": "sybils", "count": SYBILS, "victim": victim_addr, "records": RECORDS_EACH}
@@ -58,3 +71,33 @@ def test_sybils_on_one_host_get_one_networks_share_of_a_dht_node() -> None:
         # The honest host's records are its own network's share: all accepted.
         honest.send({"cmd": "sybils", "count": 1, "victim": victim_addr, "records": 100})
         assert honest.wait_report("sybils", REPLY_SECONDS)["accepted"] == 100
+
+
+ECLIPSERS = 12  # more than a key's 8 replicas: without a limit they would be all of them
+KEY = "run/progress"
+
+
+def test_ids_ground_near_a_key_from_one_host_cannot_eclipse_it() -> None:
+    """Twelve identities on one host, their ids ground near a key's, swallow every
+    store and answer every lookup with each other (an eclipse of the key). Five honest
+    hosts: one stores under the key, another gets it. A lookup's result holds at most
+    two nodes of one network, so the store reaches honest replicas and the get finds
+    the value (before: the key's nearest nodes were all eclipsers; the store vanished
+    and the get found nothing)."""
+    with Lab() as lab, LocalSwarm() as swarm:
+        hosts = [lab.add_public_host(f"honest{i}") for i in range(5)]
+        attacker_host = lab.add_public_host("eclipser")
+        _, first_addr = _first_node(swarm, hosts[0])
+        (attacker,) = _joined(swarm, first_addr, [attacker_host])
+        attacker.send({"cmd": "eclipse", "count": ECLIPSERS, "key": KEY, "via": first_addr})
+        eclipsers = set(attacker.wait_report("eclipse", REPLY_SECONDS)["peer_ids"])
+        honest = _joined(swarm, first_addr, hosts[1:])
+
+        honest[0].send({"cmd": "store", "key": KEY, "value": "epoch 7"})
+        stored = honest[0].wait_report("store", REPLY_SECONDS)
+        assert stored["accepted"], stored
+        held = eclipsers & set(stored["nearest"])
+        assert 1 <= len(held) <= MAX_RESULTS_PER_SOURCE, stored  # they were found, and held to two
+        for proc in honest[1:]:
+            proc.send({"cmd": "get", "key": KEY})
+            assert proc.wait_report("get", REPLY_SECONDS)["value"] == "epoch 7"
