@@ -215,6 +215,7 @@ async def _serve_stage(args: argparse.Namespace) -> int:
             stage=args.stage,
             uid_prefix=args.uid_prefix,
             optimizer=optimizer,
+            clip_grad_norm=args.clip_grad_norm,
             max_batch_size=args.max_batch_size,
             server=ServerConfig(
                 announce_interval=args.announce_interval,
@@ -629,6 +630,14 @@ def _positive_float(text: str) -> float:
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
     """What every hosting command takes: batching, training, announcing, addresses."""
     parser.add_argument(
+        "--clip-grad-norm",
+        type=_clip_grad_norm,
+        default=DEFAULT_CLIP_GRAD_NORM,
+        metavar="NORM",
+        help="bound each caller's gradient norm, and each step's, to NORM; none: do not clip "
+        f"(only for callers you trust) ({DEFAULT_CLIP_GRAD_NORM})",
+    )
+    parser.add_argument(
         "--max-batch-size", type=_positive_int, default=1024, help="samples per request (1024)"
     )
     parser.add_argument(
@@ -683,14 +692,6 @@ def _add_serve_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     serve.add_argument("--hidden-dim", type=_positive_int, default=1024, help="(default 1024)")
     serve.add_argument("--seed", type=int, help="seed module initialisation")
-    serve.add_argument(
-        "--clip-grad-norm",
-        type=_clip_grad_norm,
-        default=DEFAULT_CLIP_GRAD_NORM,
-        metavar="NORM",
-        help="bound each caller's gradient norm, and each step's, to NORM; none: do not clip "
-        f"(only for callers you trust) ({DEFAULT_CLIP_GRAD_NORM})",
-    )
     serve.add_argument(
         "--allow-trainer",
         action="append",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from peers.dht import DHT
 from swarm.experts.announce import Announcement, find_experts
-from swarm.experts.backend import ModuleBackend
+from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM, ModuleBackend, check_clip_grad_norm
 from swarm.experts.calls import call_info
 from swarm.experts.schema import MAX_BATCH_SIZE
 from swarm.experts.server import ExpertServer, ServerStatistics
@@ -60,8 +60,10 @@ class StageServerConfig:
     """Name part of the stages' uids (``stage.0``, ``stage.1``, ...)."""
     optimizer: OptimizerSpec | None = field(default_factory=_default_optimizer)
     """How the stage trains on every backward it serves; ``None``: not trained."""
-    clip_grad_norm: float | None = None
-    """Clip the stage's gradient norm to this before each optimizer step."""
+    clip_grad_norm: float | None = DEFAULT_CLIP_GRAD_NORM
+    """Bound each caller's gradient contribution, and each optimizer step's gradient,
+    to this norm (as an expert server does: docs/experts-trust.md); ``None``: do not
+    clip, for callers you trust."""
     max_batch_size: int = 1024
     """Most samples one request (one micro-batch) may hold."""
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -77,6 +79,7 @@ class StageServerConfig:
 
     def __post_init__(self) -> None:
         check_name(self.uid_prefix)
+        check_clip_grad_norm(self.clip_grad_norm)
         if self.stage is not None and not 0 <= self.stage < self.model.num_stages:
             raise ValueError(f"stage {self.stage} is outside [0, {self.model.num_stages})")
         if not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:

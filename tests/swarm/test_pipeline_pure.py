@@ -4,16 +4,20 @@ configs, and the checks on downloaded optimizer state (no network, no loop)."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
 
 from peers.identity import KeyPair
 from swarm.experts import Announcement, ExpertLocation
+from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM
 from swarm.pipeline import (
     MLPStages,
     PipelineConfig,
     StageLoad,
+    StageServer,
     StageServerConfig,
     StageStateError,
     Wiring,
@@ -213,6 +217,22 @@ def test_configs_are_validated_on_construction() -> None:
         StageServerConfig(model=model, rebalance_interval_seconds=0)
     with pytest.raises(ValueError, match="run_id"):
         ReplicaConfig(run_id="a/b")
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        StageServerConfig(model=model, clip_grad_norm=0.0)
+
+
+def test_a_stage_clips_each_callers_gradient_by_default() -> None:
+    """A stage server trains on strangers' backward calls, as an expert server does, so
+    it clips each caller's contribution and each step by default (docs/experts-trust.md);
+    ``None`` turns clipping off for callers one trusts."""
+    model = MLPStages(widths=((2, 2), (2, 2)))
+    config = StageServerConfig(model=model)
+    assert config.clip_grad_norm == DEFAULT_CLIP_GRAD_NORM == 1.0
+    backend = StageServer._build(cast(StageServer, SimpleNamespace(config=config)), 0)
+    assert backend.clip_grad_norm == DEFAULT_CLIP_GRAD_NORM
+    unclipped = StageServerConfig(model=model, clip_grad_norm=None)
+    server = cast(StageServer, SimpleNamespace(config=unclipped))
+    assert StageServer._build(server, 0).clip_grad_norm is None
 
 
 def test_downloaded_optimizer_state_must_fit_our_parameters() -> None:
