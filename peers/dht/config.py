@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peers.addresses import parse_multiaddr, split_peer_id
-from peers.dht.lookup import ALPHA
+from peers.dht.lookup import ALPHA, DISJOINT_PATHS
 from peers.dht.routing import K
 
 #: Replicas a value is stored at (the paper stores at k; a handful survive churn: with
@@ -33,7 +33,13 @@ class DHTConfig:
     k: int = K
     """Kademlia's k: bucket size and how many closest nodes a lookup converges on."""
     alpha: int = ALPHA
-    """Kademlia's alpha: queries in flight during a lookup."""
+    """Kademlia's alpha: queries in flight during a lookup (on each of its paths)."""
+    disjoint_paths: int = DISJOINT_PATHS
+    """Lookups follow this many paths that share no node (S/Kademlia), and a store goes
+    to each path's own nearest nodes: a hostile node met on one path misleads that path
+    only, and ids ground near a key on many networks no longer take all its replicas.
+    Costs about a lookup and ``num_replicas`` stores per path. 1 (the default):
+    Kademlia's single lookup; 3 for a swarm that expects attackers on many networks."""
     num_replicas: int = NUM_REPLICAS
     """Closest nodes a record is stored at."""
     rpc_timeout: float = 3.0
@@ -48,8 +54,8 @@ class DHTConfig:
     """Seconds between maintenance passes (refresh, republish, re-bootstrap, purge)."""
 
     def __post_init__(self) -> None:
-        if self.k < 1 or self.alpha < 1 or self.num_replicas < 1:
-            raise ValueError("k, alpha and num_replicas must be at least 1")
+        if self.k < 1 or self.alpha < 1 or self.num_replicas < 1 or self.disjoint_paths < 1:
+            raise ValueError("k, alpha, num_replicas and disjoint_paths must be at least 1")
         for name in (
             "rpc_timeout",
             "bootstrap_timeout",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from bisect import insort
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from peers.dht.ids import Contact, NodeID, distance
 from peers.dht.routing import K
@@ -38,6 +38,11 @@ ALPHA = 3
 #: the memory a hostile responder can make us spend (an answer adds at most k more
 #: before the excess is dropped).
 CANDIDATE_FACTOR = 3
+#: Disjoint paths a lookup follows by default (:class:`DisjointLookup`). One: each path
+#: costs about its own lookup and its own stores, which a swarm of strangers on many
+#: networks may want to pay (``DHTConfig.disjoint_paths``; docs/design/dht.md has the
+#: figures both ways), and the per-network limits already stop one machine's ids.
+DISJOINT_PATHS = 1
 #: Nodes of one network (``peers.subnets`` source) a lookup's result may hold, as a
 #: routing table's bucket may (``routing.MAX_PER_SOURCE_PER_BUCKET``).
 MAX_RESULTS_PER_SOURCE = 2
@@ -81,16 +86,23 @@ class Lookup:
         k: int = K,
         alpha: int = ALPHA,
         max_per_source: int | None = None,
+        claims: dict[PeerID, int] | None = None,
+        path: int = 0,
     ) -> None:
         """Start from ``initial`` (usually the routing table's k nearest to ``target``).
         ``k`` and ``alpha`` are the paper's k (result size) and alpha (parallelism).
         ``local_peer_id`` is never queried, wherever it shows up. ``max_per_source``:
-        answers of one source kept at most (None: no limit; see the module docstring)."""
+        answers of one source kept at most (None: no limit; see the module docstring).
+        ``claims`` (shared by the paths of a :class:`DisjointLookup`, this one being
+        ``path``): who queried each node; a node another path queried is never queried
+        here."""
         if k < 1 or alpha < 1:
             raise ValueError("k and alpha must be positive")
         if max_per_source is not None and max_per_source < 1:
             raise ValueError("max_per_source must be None or positive")
         self.max_per_source = max_per_source
+        self._claims = claims
+        self._path = path
         self.target = target
         self.k = k
         self.alpha = alpha
@@ -102,6 +114,7 @@ class Lookup:
         self._order: list[int] = []  # the keys of _by_distance, ascending
         self._failed: set[PeerID] = set()
         self._crowded: set[PeerID] = set()  # answered, but their network had enough
+        self._taken: set[PeerID] = set()  # queried by another path
         self._responded_by_source: dict[str, list[int]] = {}  # distances, ascending
         self._num_in_flight = 0
         self._num_queried = 0
@@ -113,15 +126,25 @@ class Lookup:
         the k closest non-failed candidates, as many as keep at most alpha in flight.
         Empty when nothing more should be sent until an answer or failure arrives."""
         chosen: list[Contact] = []
-        for d in self._order[: self.k]:
-            if self._num_in_flight >= self.alpha:
-                break
+        index = 0
+        while index < min(self.k, len(self._order)) and self._num_in_flight < self.alpha:
+            d = self._order[index]
             candidate = self._by_distance[d]
-            if candidate.state is _State.CANDIDATE:
-                candidate.state = _State.IN_FLIGHT
-                self._num_in_flight += 1
-                self._num_queried += 1
-                chosen.append(candidate.contact)
+            index += 1
+            if candidate.state is not _State.CANDIDATE:
+                continue
+            if self._claims is not None:
+                owner = self._claims.setdefault(candidate.contact.peer_id, self._path)
+                if owner != self._path:  # another path's: gone from this one
+                    del self._by_distance[d]
+                    self._order.remove(d)
+                    self._taken.add(candidate.contact.peer_id)
+                    index -= 1
+                    continue
+            candidate.state = _State.IN_FLIGHT
+            self._num_in_flight += 1
+            self._num_queried += 1
+            chosen.append(candidate.contact)
         return chosen
 
     def on_response(
@@ -184,7 +207,20 @@ class Lookup:
         answered (so also when every candidate has been asked, or none was known)."""
         if self._num_in_flight:
             return False
-        return all(self._by_distance[d].state is _State.RESPONDED for d in self._order[: self.k])
+        counted = 0
+        for d in self._order:
+            if counted == self.k:
+                break
+            candidate = self._by_distance[d]
+            if self._claimed_elsewhere(candidate.contact.peer_id):
+                continue  # not this path's to ask (next_queries drops it)
+            if candidate.state is not _State.RESPONDED:
+                return False
+            counted += 1
+        return True
+
+    def _claimed_elsewhere(self, peer_id: PeerID) -> bool:
+        return self._claims is not None and self._claims.get(peer_id, self._path) != self._path
 
     def closest_responded(self) -> list[Contact]:
         """Up to k contacts that answered, closest to the target first."""
@@ -225,7 +261,7 @@ class Lookup:
         for contact in contacts:
             if contact.peer_id == self._local_peer_id or contact.peer_id in self._failed:
                 continue
-            if contact.peer_id in self._crowded:
+            if contact.peer_id in self._crowded or contact.peer_id in self._taken:
                 continue
             d = distance(contact.node_id, self.target)
             if d not in self._by_distance:
@@ -238,3 +274,96 @@ class Lookup:
             if self._by_distance[d].state is _State.CANDIDATE:
                 del self._by_distance[d]
                 del self._order[index]
+
+
+class DisjointLookup:
+    """``paths`` lookups of one target over disjoint sets of nodes (Baumgart and Mies,
+    "S/Kademlia", 2007, §4.4): the initial contacts are dealt among the paths, each
+    path runs as a :class:`Lookup`, and no node is queried by two paths (the first to
+    query it owns it). A hostile node on a path can steer that path only: its answers
+    reach no other. The result merges the paths' answered nodes, nearest first, at most
+    ``max_per_source`` of one source and ``k`` in all. One path is a plain lookup."""
+
+    def __init__(
+        self,
+        target: NodeID,
+        initial: Iterable[Contact],
+        *,
+        paths: int,
+        local_peer_id: PeerID | None = None,
+        k: int = K,
+        alpha: int = ALPHA,
+        max_per_source: int | None = None,
+    ) -> None:
+        if paths < 1:
+            raise ValueError("paths must be at least 1")
+        self.target = target
+        self.k = k
+        self.max_per_source = max_per_source
+        unique = {c.peer_id: c for c in initial}.values()
+        ordered = sorted(unique, key=lambda c: distance(c.node_id, target))
+        claims: dict[PeerID, int] = {}
+        self.paths = [
+            Lookup(
+                target,
+                ordered[i::paths],
+                local_peer_id=local_peer_id,
+                k=k,
+                alpha=alpha,
+                max_per_source=max_per_source,
+                claims=claims if paths > 1 else None,
+                path=i,
+            )
+            for i in range(paths)
+        ]
+        self._sources: dict[PeerID, str] = {}
+
+    def next_queries(self) -> list[tuple[int, Contact]]:
+        """Each path's next queries, with the path's index."""
+        return [(i, c) for i, path in enumerate(self.paths) for c in path.next_queries()]
+
+    def on_response(
+        self, path: int, contact: Contact, closer: Iterable[Contact], *, source: str | None = None
+    ) -> None:
+        """As :meth:`Lookup.on_response`, for the path that asked."""
+        if source is not None:
+            self._sources[contact.peer_id] = source
+        self.paths[path].on_response(contact, closer, source=source)
+
+    def on_failure(self, path: int, contact: Contact) -> None:
+        """As :meth:`Lookup.on_failure`, for the path that asked."""
+        self.paths[path].on_failure(contact)
+
+    @property
+    def done(self) -> bool:
+        return all(path.done for path in self.paths)
+
+    def closest_responded(self) -> list[Contact]:
+        """Up to k contacts that answered on any path, closest first, at most
+        ``max_per_source`` of one source."""
+        answered = {c.peer_id: c for p in self.paths for c in p.closest_responded()}
+        ordered = sorted(answered.values(), key=lambda c: distance(c.node_id, self.target))
+        kept: list[Contact] = []
+        per_source: dict[str, int] = {}
+        for contact in ordered:
+            source = self._sources.get(contact.peer_id)
+            if source is not None and self.max_per_source is not None:
+                if per_source.get(source, 0) >= self.max_per_source:
+                    continue
+                per_source[source] = per_source.get(source, 0) + 1
+            kept.append(contact)
+        return kept[: self.k]
+
+    def closest_on_each_path(self) -> list[Contact]:
+        """Every path's own closest answered nodes (up to k each, its per-source limit
+        applied), without repeats, closest first: where a store goes. Nodes ground near
+        a key rank first in any merged list; apart, each path also names the nearest
+        nodes it reached without them."""
+        found = {c.peer_id: c for p in self.paths for c in p.closest_responded()}
+        return sorted(found.values(), key=lambda c: distance(c.node_id, self.target))
+
+    def statistics(self) -> LookupStatistics:
+        parts = [p.statistics() for p in self.paths]
+        return LookupStatistics(
+            *(sum(getattr(s, f.name) for s in parts) for f in fields(LookupStatistics))
+        )

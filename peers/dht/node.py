@@ -26,7 +26,7 @@ from peers.dht.config import (
     dht_time,
 )
 from peers.dht.ids import Contact, NodeID, distance, key_id, node_id_of
-from peers.dht.lookup import MAX_RESULTS_PER_SOURCE, Lookup
+from peers.dht.lookup import MAX_RESULTS_PER_SOURCE, DisjointLookup
 from peers.dht.protocol import (
     FIND_NODE_PROTOCOL,
     FIND_VALUE_PROTOCOL,
@@ -472,36 +472,40 @@ class DHT:
         query: Callable[[Contact], Awaitable[list[Contact]]],
         num_closest: int | None = None,
         enough: Callable[[], bool] | None = None,
-    ) -> Lookup:
-        """Drive a :class:`Lookup`: at most alpha queries in flight, each bounded by
+    ) -> DisjointLookup:
+        """Drive a :class:`DisjointLookup` (``disjoint_paths`` paths): at most alpha
+        queries in flight on each path, each bounded by
         ``rpc_timeout``, until the ``num_closest`` (default k) closest have answered
         (§2.3), or until ``enough()`` says so. Stores and gets converge on the
         ``num_replicas`` closest only: that is where records live, and it halves the
         requests of a lookup."""
         k = num_closest or self.config.k
-        lookup = Lookup(
+        paths = self.config.disjoint_paths
+        lookup = DisjointLookup(
             target,
-            self.routing.nearest(target, max(k, self.config.alpha)),
+            # Each path starts from its share of our nearest (S/Kademlia: k each).
+            self.routing.nearest(target, paths * max(k, self.config.alpha)),
+            paths=paths,
             local_peer_id=self.peer.peer_id,
             k=k,
             alpha=self.config.alpha,
             max_per_source=MAX_RESULTS_PER_SOURCE,
         )
-        running: dict[asyncio.Task[list[Contact]], Contact] = {}
+        running: dict[asyncio.Task[list[Contact]], tuple[int, Contact]] = {}
         try:
             while not lookup.done and not (enough is not None and enough()):
-                for contact in lookup.next_queries():
-                    running[asyncio.ensure_future(query(contact))] = contact
+                for path, contact in lookup.next_queries():
+                    running[asyncio.ensure_future(query(contact))] = (path, contact)
                 if not running:
                     break
                 finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
-                    contact = running.pop(task)
+                    path, contact = running.pop(task)
                     if task.exception() is None:
                         source = self._source_of(contact)  # the network it answered from
-                        lookup.on_response(contact, task.result(), source=source)
+                        lookup.on_response(path, contact, task.result(), source=source)
                     else:
-                        lookup.on_failure(contact)
+                        lookup.on_failure(path, contact)
         finally:
             for task in running:
                 task.cancel()
@@ -546,11 +550,16 @@ class DHT:
 
     async def _store_record(self, record: Record) -> bool:
         target = key_id(record.key)
-        nearest = await self.find_nearest(target, self.config.num_replicas)
+        replicas = self.config.num_replicas
+        lookup = await self._run_lookup(target, lambda c: self.call_find_node(c, target), replicas)
+        # Each path's nearest (one path: Kademlia's replicas); the merged list would be
+        # all ids ground near the key if an attacker had enough of them.
+        nearest = lookup.closest_on_each_path()
+        merged = lookup.closest_responded()
         accepted = 0
         if not self.client_mode and (
-            len(nearest) < self.config.num_replicas
-            or distance(self.node_id, target) < distance(nearest[-1].node_id, target)
+            len(merged) < replicas
+            or distance(self.node_id, target) < distance(merged[-1].node_id, target)
         ):
             if self.store_.store(record, source=OWN_SOURCE, now=dht_time()) is StoreResult.ACCEPTED:
                 accepted += 1
@@ -631,7 +640,7 @@ class DHT:
 
     async def _cache_along_path(
         self,
-        lookup: Lookup,
+        lookup: DisjointLookup,
         best: dict[bytes | None, Record],
         holders: dict[PeerID, set[bytes | None]],
     ) -> None:

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from peers.dht.ids import ID_BITS, Contact, distance, node_id_of
-from peers.dht.lookup import ALPHA, CANDIDATE_FACTOR, Lookup
+from peers.dht.lookup import (
+    ALPHA,
+    CANDIDATE_FACTOR,
+    MAX_RESULTS_PER_SOURCE,
+    DisjointLookup,
+    Lookup,
+)
 from peers.dht.routing import K, RoutingTable
 from peers.identity import PeerID
 
@@ -300,3 +306,90 @@ def test_ids_ground_near_a_key_from_one_network_hold_two_places_in_the_result(
 def test_a_bad_source_limit_is_refused() -> None:
     with pytest.raises(ValueError, match="max_per_source"):
         Lookup(0, [], max_per_source=0)
+
+
+@pytest.mark.parametrize("paths", [1, 3])
+def test_disjoint_paths_reach_honest_replicas_past_ids_ground_on_many_networks(
+    paths: int,
+) -> None:
+    """Sixteen ids ground nearer each key than every honest node, each on its own
+    network (so no per-network limit applies), answering with each other, as do a tenth
+    of the honest-looking nodes (misrouters); honest nodes near the key know four of
+    them. One path's replicas (where a store goes) are all ground ids: the key is
+    eclipsed. Three disjoint paths share no node, so the ground ids are split among
+    them, and each path's own nearest include honest nodes near the key."""
+    rng = seeded()
+    net = build_network(rng)
+    replicas, num_keys = 8, 30
+    reached = []
+    for _ in range(num_keys):
+        target = rng.getrandbits(ID_BITS)
+        honest_near = sorted(net.contacts, key=lambda c: distance(c.node_id, target))
+        ground = _ground_near(rng, target, distance(honest_near[0].node_id, target), 16)
+        grounded = {c.peer_id for c in ground}
+        misrouters = {c.peer_id for c in rng.sample(net.contacts, NUM_NODES // 10)}
+        start = rng.choice([c for c in net.contacts if c.peer_id not in misrouters])
+        lookup = DisjointLookup(
+            target,
+            net.tables[start.peer_id].nearest(target, paths * K),
+            paths=paths,
+            local_peer_id=start.peer_id,
+            k=replicas,
+            max_per_source=MAX_RESULTS_PER_SOURCE,
+        )
+        in_flight: list[tuple[int, Contact]] = []
+        for _ in range(MAX_STEPS * paths):
+            in_flight += lookup.next_queries()
+            if not in_flight:
+                break
+            path, contact = in_flight.pop(rng.randrange(len(in_flight)))
+            if contact.peer_id in grounded or contact.peer_id in misrouters:
+                answer = ground[:K]
+            else:
+                known = net.tables[contact.peer_id].nearest(target, K, exclude=[start.peer_id])
+                answer = sorted([*known, *ground[:4]], key=lambda c: distance(c.node_id, target))
+            source = str(contact.peer_id)  # every node on a network of its own
+            lookup.on_response(path, contact, answer, source=source)
+        assert lookup.done
+        stores = {c.peer_id for c in lookup.closest_on_each_path()}
+        reached.append(len(stores & {c.peer_id for c in honest_near[:replicas]}))
+    print(f"{paths} paths: honest nearest reached per key {reached}")
+    if paths == 1:
+        assert max(reached) == 0  # the eclipse
+    else:
+        assert min(reached) >= 1 and sum(reached) / num_keys >= replicas / 2
+
+
+def test_paths_never_query_the_same_node() -> None:
+    rng = seeded()
+    net = build_network(rng)
+    start, target = rng.choice(net.contacts), rng.getrandbits(ID_BITS)
+    lookup = DisjointLookup(
+        target,
+        net.tables[start.peer_id].nearest(target, 3 * K),
+        paths=3,
+        local_peer_id=start.peer_id,
+    )
+    asked: dict[PeerID, int] = {}
+    while not lookup.done:
+        queries = lookup.next_queries()
+        assert queries
+        for path, contact in queries:
+            assert contact.peer_id not in asked
+            asked[contact.peer_id] = path
+            answer = net.tables[contact.peer_id].nearest(target, K, exclude=[start.peer_id])
+            lookup.on_response(path, contact, answer)
+    assert set(asked.values()) == {0, 1, 2}
+    found = lookup.closest_responded()
+    expected = true_nearest(net, target, start, K)
+    assert [c.peer_id for c in found][:5] == expected[:5]
+    with pytest.raises(ValueError, match="paths"):
+        DisjointLookup(target, [], paths=0)
+
+
+def test_dht_config_refuses_no_paths() -> None:
+    from peers.dht import DHTConfig
+
+    with pytest.raises(ValueError, match="disjoint_paths"):
+        DHTConfig(disjoint_paths=0)
+    assert DHTConfig().disjoint_paths == 1

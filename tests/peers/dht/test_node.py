@@ -37,9 +37,10 @@ async def swarm(num_nodes: int, **config: Any) -> AsyncIterator[list[DHT]]:
         yield nodes
 
 
-def test_store_and_get_from_every_node(arun: Run) -> None:
+@pytest.mark.parametrize("paths", [1, 3], ids=["one_path", "three_disjoint_paths"])
+def test_store_and_get_from_every_node(arun: Run, paths: int) -> None:
     async def main() -> None:
-        async with swarm(8) as nodes:
+        async with swarm(8, disjoint_paths=paths) as nodes:
             assert await nodes[3].store("greeting", {"hello": [1, 2, 3]}, dht_time() + 60)
             for node in nodes:
                 found = await node.get("greeting")
