@@ -125,7 +125,10 @@ async def ours_node(node: Any) -> None:
     from peers.dht.node import DHT, DHTConfig, ValueWithExpiration, dht_time
 
     began = time.monotonic()
-    config = DHTConfig(initial_peers=tuple(node.options.get("initial_peers", ())))
+    config = DHTConfig(
+        initial_peers=tuple(node.options.get("initial_peers", ())),
+        disjoint_paths=int(node.options.get("disjoint_paths", 1)),
+    )
     async with DHT(node.peer, config) as dht:
         addrs = [str(a) for a in node.peer.listen_addrs]
         node.report({"event": "joined", "join_s": time.monotonic() - began, "addrs": addrs})

@@ -100,6 +100,8 @@ class Plan:
     """Ops in flight per peer in the throughput phase."""
     num_load_ops: int
     """Ops per peer per kind in the throughput phase."""
+    disjoint_paths: int = 1
+    """Our lookups' disjoint paths (``DHTConfig.disjoint_paths``; the default is 1)."""
 
     def __post_init__(self) -> None:
         if self.num_peers < 1 + max(2 * self.num_latency_peers, self.num_load_peers):
@@ -160,16 +162,19 @@ class Swarm(Protocol):
 
 
 class OursSwarm:
-    def __init__(self) -> None:
+    def __init__(self, disjoint_paths: int = 1) -> None:
         from peers.testing import LocalSwarm
 
         self.local = LocalSwarm(startup_timeout=BRING_UP_TIMEOUT)
         self.members: list[Any] = []
+        self.disjoint_paths = disjoint_paths
 
     def start(self, num: int, initial_peers: list[str]) -> list[Any]:
         from peers.testing import SwarmError
 
-        options = {"initial_peers": initial_peers} if initial_peers else {}
+        options: dict[str, Any] = {"disjoint_paths": self.disjoint_paths}
+        if initial_peers:
+            options["initial_peers"] = initial_peers
         try:
             started = self.local.start(num, target=OURS_TARGET, options=options)
         except SwarmError as e:
@@ -339,7 +344,7 @@ def measure_memory(members: list[Member], result: RepResult) -> None:
 
 def run_rep(system: str, plan: Plan, rep: int) -> RepResult:
     """One fresh swarm of ``system``: bring-up, ops, memory; always torn down."""
-    swarm: Swarm = OursSwarm() if system == "ours" else HivemindSwarm()
+    swarm: Swarm = OursSwarm(plan.disjoint_paths) if system == "ours" else HivemindSwarm()
     result: RepResult | None = None
     try:
         seconds, join_s = bring_up(swarm, plan.num_peers)
@@ -427,12 +432,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hivemind", action="store_true", help="measure ours only")
     parser.add_argument("--peers", type=int, help="peers per swarm")
     parser.add_argument("--reps", type=int, help="repetitions (fresh swarms) per system")
+    parser.add_argument(
+        "--disjoint-paths", type=int, default=1, help="our lookups' disjoint paths (1)"
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.peers:
         plan = replace(plan, num_peers=args.peers)
     if args.reps:
         plan = replace(plan, num_reps=args.reps)
+    plan = replace(plan, disjoint_paths=args.disjoint_paths)
 
     notes: list[str] = []
     version, why = (
