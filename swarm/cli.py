@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from peers import (
     Peer,
@@ -57,6 +58,8 @@ from swarm.cli_usage import (
 )
 
 if TYPE_CHECKING:
+    from swarm.experts.server import ExpertServer
+    from swarm.metrics import MetricsServer
     from swarm.trainer import TrainerConfig
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
@@ -65,13 +68,54 @@ DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 async def _bootstrap(args: argparse.Namespace) -> int:
     config, dht_config = _server_peer_config(args)
     stop = _stop_on_signals()
+    metrics = _start_metrics(args.metrics)
     async with Peer(config) as peer, DHT(peer, dht_config) as dht, asyncio.TaskGroup() as group:
         install_echo(peer)
         _print_addrs(peer)
-        announcer = group.create_task(announce_forever(dht, peer.config.agent_version))
-        await stop.wait()
-        announcer.cancel()
+        with _metrics_for(metrics, peer, dht):
+            announcer = group.create_task(announce_forever(dht, peer.config.agent_version))
+            await stop.wait()
+            announcer.cancel()
     return 0
+
+
+@contextlib.contextmanager
+def _metrics_for(
+    server: MetricsServer | None, peer: Peer, dht: DHT
+) -> Iterator[MetricsServer | None]:
+    """``--metrics``: this peer's host and DHT on ``server`` while the block runs (the
+    caller's event loop is where their statistics are read); closes it after."""
+    if server is None:
+        yield None
+        return
+    from swarm.metrics import dht_families, loop_runner, peer_families
+
+    server.add_loop_source(
+        loop_runner(asyncio.get_running_loop()),
+        lambda: peer_families(peer.statistics()) + dht_families(dht.statistics()),
+    )
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _start_metrics(address: tuple[str, int] | None) -> MetricsServer | None:
+    """A metrics server listening on ``address`` (``--metrics``; None: none), started
+    before anything else so a port in use is a usage error; says where on stderr."""
+    if address is None:
+        return None
+    from swarm.metrics import MetricsServer
+
+    server = MetricsServer()
+    host, port = address
+    try:
+        bound = server.start(host, port)
+    except OSError as e:
+        raise UsageError(f"--metrics {host}:{port}: cannot listen: {e.strerror or e}") from e
+    shown = f"[{host}]" if ":" in host else host
+    print(f"metrics: http://{shown}:{bound}/metrics", file=sys.stderr, flush=True)
+    return server
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -110,14 +154,22 @@ async def _serve(args: argparse.Namespace) -> int:
     peer_config, dht_config = _server_peer_config(args)
     stop = _stop_on_signals()
 
-    def ready(server: object) -> None:
+    metrics = _start_metrics(args.metrics)
+
+    def ready(server: ExpertServer) -> None:
         for addr in peer.listen_addrs:
             print(addr, flush=True)
         print(f"serving {len(uids)} experts: {' '.join(uids[:8])}", flush=True)
+        if metrics is not None:
+            from swarm.metrics import loop_runner, server_families
+
+            runner = loop_runner(asyncio.get_running_loop())
+            metrics.add_loop_source(runner, lambda: server_families(server.statistics()))
 
     async with Peer(peer_config) as peer, DHT(peer, dht_config) as dht:
         try:
-            await serve(peer, dht, config, stop, ready)
+            with _metrics_for(metrics, peer, dht):
+                await serve(peer, dht, config, stop, ready)
         except ModuleFactoryError as e:  # the user's factory, called before `ready`
             raise UsageError(f"--module: {e}") from e
     return 0
@@ -147,6 +199,25 @@ def _add_reachability_options(parser: argparse.ArgumentParser) -> None:
         "--no-relay",
         action="store_true",
         help="neither serve as a circuit relay for peers behind NAT nor use relays",
+    )
+
+
+def _metrics_address(text: str) -> tuple[str, int]:
+    from swarm.metrics import parse_metrics_address
+
+    try:
+        return parse_metrics_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_metrics_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics",
+        type=_metrics_address,
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST: 127.0.0.1 unless "
+        "given; 0.0.0.0 for all interfaces); off by default",
     )
 
 
@@ -229,6 +300,7 @@ async def _serve_stage(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     peer_config, dht_config = _server_peer_config(args)
     stop = _stop_on_signals()
+    metrics = _start_metrics(args.metrics)
     announced = False
 
     def ready(server: StageServer) -> None:
@@ -236,11 +308,23 @@ async def _serve_stage(args: argparse.Namespace) -> int:
         if not announced:
             _print_addrs(peer)
             announced = True
+            if metrics is not None:
+                from swarm.metrics import loop_runner, server_families
+
+                def snapshot() -> list[Any]:
+                    stats = server.statistics()
+                    if stats.server is None:  # between stages
+                        return []
+                    stage = -1 if stats.stage is None else stats.stage
+                    return server_families(stats.server, stage)
+
+                metrics.add_loop_source(loop_runner(asyncio.get_running_loop()), snapshot)
         stage = server.statistics().stage
         print(f"serving {args.uid_prefix}.{stage} of {model.num_stages} stages", flush=True)
 
     async with Peer(peer_config) as peer, DHT(peer, dht_config) as dht:
-        await StageServer(dht, config).run(stop, ready)
+        with _metrics_for(metrics, peer, dht):
+            await StageServer(dht, config).run(stop, ready)
     return 0
 
 
@@ -381,14 +465,18 @@ def _train(args: argparse.Namespace) -> int:
     # This process averages: its rounds' chunks are freed and reused, as in the commands
     # that peers.run starts; before its peers' threads start, so they share the heap.
     keep_freed_memory()
+    metrics = _start_metrics(args.metrics)
     try:
-        run_train(config, progress=args.progress, num_threads=args.num_threads)
+        run_train(config, progress=args.progress, num_threads=args.num_threads, metrics=metrics)
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted: left the swarm", file=sys.stderr)
         return 130
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
 
 
@@ -530,6 +618,7 @@ def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
         _add_reachability_options(p)
         p.add_argument("--identity", metavar="PATH", help="key file; created if missing")
         _add_private_swarm_options(p)
+        _add_metrics_option(p)
         p.add_argument(
             "--run-key",
             metavar="PATH",
@@ -676,6 +765,7 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--identity", metavar="PATH", help="key file; created if missing")
     _add_reachability_options(parser)
     _add_private_swarm_options(parser)
+    _add_metrics_option(parser)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
@@ -776,6 +866,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_reachability_options(boot)
     _add_private_swarm_options(boot)
+    _add_metrics_option(boot)
 
     ping = sub.add_parser("ping", help="dial a peer, identify it and ping it")
     ping.add_argument(

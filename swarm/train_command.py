@@ -26,6 +26,7 @@ from peers.dht import BlockingDHT
 from peers.identity import KeyPair
 from peers.pnet import load_swarm_key
 from swarm.errors import TaskError
+from swarm.metrics import MetricsServer
 from swarm.tasks import get_task
 from swarm.train_display import ProgressMode, TrainDisplay
 from swarm.trainer import TrainerConfig, TrainResult, plan_run, train
@@ -112,9 +113,11 @@ def run_train(
     progress: ProgressMode = "auto",
     num_threads: int = 0,
     stream: TextIO | None = None,
+    metrics: MetricsServer | None = None,
 ) -> TrainResult:
     """Train one peer as ``swarm train`` does; returns its result (the summary is
-    printed). Raises what :func:`swarm.trainer.train` raises."""
+    printed). ``metrics``: where to export this peer's metrics. Raises what
+    :func:`swarm.trainer.train` raises."""
     if num_threads:
         torch.set_num_threads(num_threads)
     display = TrainDisplay(plan_run(config, get_task(config.task).recipe), progress, stream)
@@ -140,7 +143,7 @@ def run_train(
             display.message("others join it with")
             display.message(f"  {join_command(config, [_dialable(addrs)])}")
         display.message(f"training {config.task} (run {config.run_id!r}) ...")
-        result = train(config, display.on_step, display.message)
+        result = train(config, display.on_step, display.message, metrics)
     display.finish(result)
     return result
 

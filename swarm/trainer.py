@@ -28,6 +28,14 @@ from peers.identity import KeyPair, PeerID
 from peers.pnet import SwarmKeyError, load_swarm_key
 from swarm.checkpoint import read_state, write_state
 from swarm.errors import CheckpointError, TaskError
+from swarm.metrics import (
+    SCRAPE_TIMEOUT,
+    MetricsServer,
+    TrainingSnapshot,
+    as_coroutine,
+    dht_families,
+    peer_families,
+)
 from swarm.optim_spec import OptimizerSpec
 from swarm.optimizer import CollaborativeOptimizer
 from swarm.optimizer_config import CollaborativeConfig, DiLoCoConfig, OptimizerStatistics
@@ -160,6 +168,27 @@ class TrainerConfig:
         )
 
 
+def _export_metrics(
+    metrics: MetricsServer, dht: BlockingDHT, on_step: ProgressCallback | None
+) -> ProgressCallback:
+    """Give ``metrics`` this peer's host, DHT and training progress; the step callback
+    that also publishes each step to it."""
+    node = dht.node
+    metrics.add_loop_source(
+        lambda snapshot: dht.peer.run(as_coroutine(snapshot), timeout=SCRAPE_TIMEOUT),
+        lambda: peer_families(node.peer.statistics()) + dht_families(node.statistics()),
+    )
+    snapshot = TrainingSnapshot()
+    metrics.add_source(snapshot.families)
+
+    def step(stats: OptimizerStatistics, loss: float) -> None:
+        snapshot.publish(stats, loss)
+        if on_step is not None:
+            on_step(stats, loss)
+
+    return step
+
+
 def _aggregation(config: TrainerConfig) -> dict[str, Any]:
     """``centered_clip`` as the CollaborativeConfig field it stands for (unless the
     overrides set that field themselves)."""
@@ -218,10 +247,12 @@ def train(
     config: TrainerConfig,
     on_step: ProgressCallback | None = None,
     on_network: Callable[[str], None] | None = None,
+    metrics: MetricsServer | None = None,
 ) -> TrainResult:
     """Join (or start) the swarm and train; see the module docstring. ``on_network``
     hears a line about how this peer is connected (behind NAT, relays, hole punching)
-    whenever that changes, looked at most every :data:`NETWORK_REPORT_SECONDS`."""
+    whenever that changes, looked at most every :data:`NETWORK_REPORT_SECONDS`.
+    ``metrics`` gets this peer's connections, DHT and training progress as sources."""
     task = get_task(config.task)
     recipe = task.recipe
     plan = plan_run(config, recipe)
@@ -247,6 +278,8 @@ def train(
             use_relays=config.relay,
         ),
     )
+    if metrics is not None:
+        on_step = _export_metrics(metrics, dht, on_step)
     collaborative = CollaborativeConfig(
         run_id=config.run_id,
         target_batch_size=target,

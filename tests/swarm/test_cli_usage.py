@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +230,15 @@ def test_every_command_has_a_description_and_an_example_that_parses() -> None:
             )
             args = parser.parse_args(words)  # exits 2 (SystemExit) if an example is wrong
             assert args.command == name
+
+
+def test_a_bad_or_busy_metrics_address_exits_2_before_anything_starts() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for command in (["bootstrap", *LOCAL], ["serve-stage", *LOCAL]):
+            out = _swarm(*command, "--metrics", str(port))
+            _assert_usage_error(out, f"--metrics 127.0.0.1:{port}: cannot listen")
+    out = _swarm("join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--metrics", "nope")
+    _assert_usage_error(out, "'nope' is not PORT or HOST:PORT")

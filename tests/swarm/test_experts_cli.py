@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -11,25 +12,30 @@ import torch
 
 from peers import BlockingPeer, PeerConfig, PeerID
 from swarm.experts import ExpertCallConfig, ExpertLocation, RemoteExpert
+from tests.swarm.test_metrics import _scrape
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 
 
 def test_serve_hosts_experts_until_sigterm() -> None:
+    """Three experts served; one called forward and backward; ``--metrics`` shows the
+    call's samples for that module (and none for the others)."""
     proc = subprocess.Popen(
         [
             *SWARM,
             "serve",
             *("--module", "linear", "--hidden-dim", "8", "--uids", "lin.0"),
             *("--expert-pattern", "lin.[1:3]", "--listen", "/ip4/127.0.0.1/tcp/0"),
-            *("--optimizer", "sgd", "--lr", "0.1", "--seed", "0"),
+            *("--optimizer", "sgd", "--lr", "0.1", "--seed", "0", "--metrics", "0"),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
+        metrics = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/", proc.stderr.readline())
+        assert metrics is not None
         maddr = proc.stdout.readline().strip()  # bounded by the pytest timeout
         assert maddr.startswith("/ip4/127.0.0.1/tcp/"), proc.stderr.read() if proc.stderr else ""
         assert proc.stdout.readline().strip() == "serving 3 experts: lin.0 lin.1 lin.2"
@@ -43,6 +49,11 @@ def test_serve_hosts_experts_until_sigterm() -> None:
             assert isinstance(out, torch.Tensor) and out.shape == (3, 8)
             out.sum().backward()
             assert x.grad is not None
+            scraped = _scrape(int(metrics.group(1)))  # while the client is connected
+        assert scraped["swarm_server_forward_samples_total{module=lin.2}"] == 3
+        assert scraped["swarm_server_backward_samples_total{module=lin.2}"] == 3
+        assert scraped["swarm_server_forward_samples_total{module=lin.0}"] == 0
+        assert scraped["swarm_peer_connections"] >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

@@ -1,0 +1,163 @@
+"""Metrics (``swarm.metrics``, ``--metrics``): the families a scrape builds, a peer and
+its DHT scraped over HTTP from another thread while the loop serves, and a training
+peer started from the command line whose samples and rounds rise between scrapes."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from peers import Peer
+from peers.dht import DHT, DHTConfig
+from swarm.metrics import (
+    MetricsServer,
+    TrainingSnapshot,
+    dht_families,
+    loop_runner,
+    parse_metrics_address,
+    peer_families,
+)
+from swarm.optimizer_config import OptimizerStatistics
+
+SWARM = [sys.executable, "-m", "swarm.cli"]
+LOCAL = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Every sample of ``/metrics`` on ``port``, by name (labels joined in)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("9100", ("127.0.0.1", 9100)), ("0.0.0.0:0", ("0.0.0.0", 0)), ("[::1]:9", ("::1", 9))],
+)
+def test_metrics_addresses(text: str, expected: tuple[str, int]) -> None:
+    assert parse_metrics_address(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "x", "host:", ":9100", "1:70000", "a:b"])
+def test_bad_metrics_addresses_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="is not PORT or HOST:PORT"):
+        parse_metrics_address(text)
+
+
+def test_a_peer_and_its_dht_are_scraped_from_another_thread_while_the_loop_serves() -> None:
+    """The scrape runs on the HTTP server's thread; the statistics are read on the loop,
+    which keeps serving: a second peer joins between two scrapes, and both show it."""
+
+    async def main() -> None:
+        async with Peer() as a, DHT(a, DHTConfig()) as dht_a:
+            server = MetricsServer()
+            server.add_loop_source(
+                loop_runner(asyncio.get_running_loop()),
+                lambda: peer_families(a.statistics()) + dht_families(dht_a.statistics()),
+            )
+            port = server.start("127.0.0.1", 0)
+            try:
+                before = await asyncio.to_thread(_scrape, port)
+                assert before["swarm_peer_connections"] == 0
+                assert before["swarm_dht_contacts"] == 0
+                config = DHTConfig(initial_peers=(str(a.listen_addrs[0]),))
+                async with Peer() as b, DHT(b, config):
+                    after = await asyncio.to_thread(_scrape, port)
+                assert after["swarm_peer_connections"] == 1
+                assert after["swarm_dht_contacts"] == 1
+                assert after["swarm_dht_rpcs_served_total{rpc=find_node}"] >= 1
+                assert server.sample("swarm_peer_connections") is not None  # from Python too
+            finally:
+                server.close()
+
+    asyncio.run(main())
+
+
+def test_training_metrics_appear_with_the_first_step() -> None:
+    snapshot = TrainingSnapshot()
+    assert snapshot.families() == []
+    stats: Any = OptimizerStatistics(
+        epoch=3,
+        local_steps=7,
+        local_samples=448,
+        num_rounds=2,
+        num_rounds_alone=1,
+        num_state_loads=0,
+        num_splits=0,
+        bytes_sent=1000,
+        num_peers=2,
+        samples_per_second=120.5,
+    )
+    snapshot.publish(stats, 0.75)
+    server = MetricsServer()
+    server.add_source(snapshot.families)
+    assert server.sample("swarm_train_epoch") == 3
+    assert server.sample("swarm_train_local_samples_total") == 448
+    assert server.sample("swarm_train_rounds_total") == 2
+    assert server.sample("swarm_train_loss") == 0.75
+
+
+def test_a_training_peer_started_with_metrics_shows_samples_and_rounds_rising() -> None:
+    """``swarm train --metrics 0`` and a joiner: scraped twice, a second apart, while
+    they train, the first peer's samples and averaging rounds rise; its connections
+    and DHT show the other peer."""
+    train = [*SWARM, "train", *LOCAL, "--num-samples", str(64 * 3000), "--num-threads", "1"]
+    first = subprocess.Popen(
+        [*train, "--num-peers", "2", "--metrics", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    second: subprocess.Popen[str] | None = None
+    try:
+        assert first.stdout is not None and first.stderr is not None
+        port = None
+        for line in first.stderr:  # bounded by the pytest timeout
+            found = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", line)
+            if found:
+                port = int(found.group(1))
+                break
+        assert port is not None
+        command = None
+        for line in first.stdout:
+            found = re.search(r" (join --initial-peers \S+ .*)", line)
+            if found:
+                command = found.group(1)
+                break
+        assert command is not None
+        second = subprocess.Popen(
+            [*SWARM, *command.split(), *LOCAL, "--num-threads", "1"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        early: dict[str, float] = {}
+        while time.monotonic() < deadline:  # until both train (rounds with a peer)
+            early = _scrape(port)
+            if early.get("swarm_train_rounds_total", 0) >= 1:
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)
+        late = _scrape(port)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    for name in ("swarm_train_local_samples_total", "swarm_train_rounds_total"):
+        assert late[name] > early[name] >= 1, (name, early, late)
+    assert late["swarm_train_peers"] == 2
+    assert late["swarm_peer_connections"] >= 1 and late["swarm_dht_contacts"] >= 1
