@@ -145,3 +145,5 @@ class PeerStatistics:
     num_streams_refused: int
     num_addresses_refused: int
     """Addresses learned from peers that we will not dial (``peers.dial_filter``)."""
+    num_relayed_connections: int = 0
+    """Open connections that run through a circuit relay (of ``num_connections``)."""

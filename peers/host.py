@@ -903,6 +903,7 @@ class Peer:
             num_idle_closed=self._counters.idle_closed,
             num_streams_refused=self._counters.streams_refused,
             num_addresses_refused=self._counters.addresses_refused,
+            num_relayed_connections=sum(1 for c in conns if c.relayed),
         )
 
     # --- conveniences ------------------------------------------------------------

@@ -87,6 +87,11 @@ def peer_families(stats: PeerStatistics) -> Families:
     """The host's connections, streams and refusals."""
     return [
         _gauge("swarm_peer_connections", "Open connections.", stats.num_connections),
+        _gauge(
+            "swarm_peer_relayed_connections",
+            "Open connections through a circuit relay.",
+            stats.num_relayed_connections,
+        ),
         _gauge("swarm_peer_streams", "Open streams, on all connections.", stats.num_streams),
         _counter(
             "swarm_peer_handshake_failures",
@@ -227,6 +232,21 @@ def training_families(stats: Any, loss: float) -> Families:
             "swarm_train_splits", "Times this peer followed the swarm's majority.", stats.num_splits
         ),
         _counter("swarm_train_bytes_sent", "Bytes sent in averaging rounds.", stats.bytes_sent),
+        _counter(
+            "swarm_train_rounds_not_agreed",
+            "Rounds that formed a group but ended without its agreed result.",
+            stats.num_rounds_not_agreed,
+        ),
+        _counter(
+            "swarm_train_rounds_without_group",
+            "Steps where peers were there but no group formed in time.",
+            stats.num_rounds_without_group,
+        ),
+        _counter(
+            "swarm_train_round_seconds",
+            "Seconds in rounds that formed a group (matchmaking and all-reduce).",
+            stats.round_seconds,
+        ),
         _gauge("swarm_train_peers", "Live peers of the run.", stats.num_peers),
         _gauge(
             "swarm_train_samples_per_second",

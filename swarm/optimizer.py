@@ -113,7 +113,16 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         self._rate = 0.0
         self._rate_since = time.monotonic()
         self._rate_samples = 0
-        self._counts = {"rounds": 0, "alone": 0, "loads": 0, "bytes": 0, "splits": 0}
+        self._counts = {
+            "rounds": 0,
+            "alone": 0,
+            "loads": 0,
+            "bytes": 0,
+            "splits": 0,
+            "not_agreed": 0,
+            "no_group": 0,
+        }
+        self._round_seconds = 0.0
         self._records: dict[PeerID, PeerProgress] = {}
         self._expect = 1
         self._first_read = threading.Event()
@@ -300,18 +309,21 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         except MatchmakingError as e:
             if self._summary().num_peers > 1:
                 logger.info("epoch %d: no group (%s); resyncing", self.epoch, e)
+                self._counts["no_group"] += 1
                 return False
             logger.info("epoch %d: no group (%s); stepping alone", self.epoch, e)
             self._stepped_alone()
             return True
         self._counts["rounds"] += 1
         self._counts["bytes"] += step.outcome.transfer.bytes_sent
+        self._round_seconds += step.matchmaking_seconds + step.allreduce_seconds
         self._fingerprint = step.outcome.result.fingerprint()[:16]
         report = step.outcome.result.report
         if not step.outcome.transfer.agreed or report.fraction_averaged < 1.0:
             # Withdrawn, or the round ended at its deadline: what we hold is not what
             # the others hold. Take their state rather than drift apart silently.
             logger.info("epoch %d: round not agreed (%s); resyncing", self.epoch, report)
+            self._counts["not_agreed"] += 1
             return False
         return True
 
@@ -712,6 +724,9 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             bytes_sent=self._counts["bytes"],
             num_peers=view.num_peers,
             samples_per_second=self._rate,
+            num_rounds_not_agreed=self._counts["not_agreed"],
+            num_rounds_without_group=self._counts["no_group"],
+            round_seconds=self._round_seconds,
         )
 
     def close(self) -> None:

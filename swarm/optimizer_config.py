@@ -183,3 +183,10 @@ class OptimizerStatistics:
     """Peers in the swarm's current epoch, as last seen."""
     samples_per_second: float
     """This peer's measured training throughput."""
+    num_rounds_not_agreed: int = 0
+    """Rounds that formed a group but did not end with the group's agreed result (this
+    peer then resynced from the swarm)."""
+    num_rounds_without_group: int = 0
+    """Steps where peers were there but no group formed in time (this peer resynced)."""
+    round_seconds: float = 0.0
+    """Seconds spent in rounds that formed a group, matchmaking and all-reduce."""

@@ -124,6 +124,8 @@ async def _test_dial_through_the_relay_carries_streams() -> None:
         assert await other.connect(addr) == private.peer_id
         conn = other.connection_to(private.peer_id)
         assert conn is not None and conn.relayed
+        assert other.statistics().num_relayed_connections == 1  # of its 2 (the relay's)
+        assert other.statistics().num_connections == 2
         payload = bytes(range(256)) * 4096  # 1 MiB: many frames through the bridge and splice
         stream = await other.new_stream(private.peer_id, "/test/echo")
         await stream.write(payload)

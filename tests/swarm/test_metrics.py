@@ -100,6 +100,9 @@ def test_training_metrics_appear_with_the_first_step() -> None:
         bytes_sent=1000,
         num_peers=2,
         samples_per_second=120.5,
+        num_rounds_not_agreed=1,
+        num_rounds_without_group=0,
+        round_seconds=0.25,
     )
     snapshot.publish(stats, 0.75)
     server = MetricsServer()
@@ -108,6 +111,8 @@ def test_training_metrics_appear_with_the_first_step() -> None:
     assert server.sample("swarm_train_local_samples_total") == 448
     assert server.sample("swarm_train_rounds_total") == 2
     assert server.sample("swarm_train_loss") == 0.75
+    assert server.sample("swarm_train_rounds_not_agreed_total") == 1
+    assert server.sample("swarm_train_round_seconds_total") == 0.25
 
 
 def test_a_training_peer_started_with_metrics_shows_samples_and_rounds_rising() -> None:
@@ -157,7 +162,12 @@ def test_a_training_peer_started_with_metrics_shows_samples_and_rounds_rising() 
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.communicate(timeout=10)
-    for name in ("swarm_train_local_samples_total", "swarm_train_rounds_total"):
-        assert late[name] > early[name] >= 1, (name, early, late)
+    for name in (
+        "swarm_train_local_samples_total",
+        "swarm_train_rounds_total",
+        "swarm_train_round_seconds_total",
+    ):
+        assert late[name] > early[name] > 0, (name, early, late)
     assert late["swarm_train_peers"] == 2
     assert late["swarm_peer_connections"] >= 1 and late["swarm_dht_contacts"] >= 1
+    assert late["swarm_peer_relayed_connections"] == 0  # loopback: all direct
