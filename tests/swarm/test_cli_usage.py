@@ -242,3 +242,14 @@ def test_a_bad_or_busy_metrics_address_exits_2_before_anything_starts() -> None:
             _assert_usage_error(out, f"--metrics 127.0.0.1:{port}: cannot listen")
     out = _swarm("join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--metrics", "nope")
     _assert_usage_error(out, "'nope' is not PORT or HOST:PORT")
+
+
+def test_a_bad_run_key_exits_2_before_anything_starts(tmp_path: Path) -> None:
+    """A run key file that is not a key, a trusted run key that is not a peer ID."""
+    garbage = tmp_path / "op.key"
+    garbage.write_bytes(b"not a key")
+    join = ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]
+    _assert_usage_error(_swarm("train", *LOCAL, "--run-key", str(garbage)), "--run-key: ")
+    _assert_usage_error(
+        _swarm(*join, "--trust-run-key", "nope"), "--trust-run-key: 'nope' is not a peer ID"
+    )
