@@ -27,6 +27,7 @@ from averaging.blocking import BlockingAverager
 from averaging.butterfly import DEFERRED_PARTS, MAX_SAMPLE_WEIGHT, ButterflyRound
 from averaging.butterfly_records import (
     MAX_ROUND_ID_BYTES,
+    REDUCERS_PER_PART,
     AveragedPart,
     ChunkDeferred,
     Outgoing,
@@ -93,6 +94,7 @@ from averaging.matchmaking_records import (
 )
 from averaging.partition import PartitionError, chunk_ranges, flatten, split_parts, unflatten
 from averaging.reduction import PartReceipt, PartReduction
+from averaging.replicated import Folded, fold, replicate
 from averaging.robust import (
     CenteredClipConfig,
     CenteredClipReduction,
@@ -121,6 +123,7 @@ __all__ = [
     "MAX_SAMPLE_WEIGHT",
     "MIN_COMPRESSED_ELEMENTS",
     "MIN_QUANTIZED_ELEMENTS",
+    "REDUCERS_PER_PART",
     "ROLES",
     "AllReduceConfig",
     "AllReduceError",
@@ -148,6 +151,7 @@ __all__ = [
     "ErrorFeedbackConfig",
     "ErrorFeedbackStatistics",
     "Float16Codec",
+    "Folded",
     "GossipRound",
     "GossipSchedule",
     "Group",
@@ -201,10 +205,12 @@ __all__ = [
     "chunk_ranges",
     "decode_tensor",
     "flatten",
+    "fold",
     "gossip",
     "gossip_round",
     "load_state_from_peers",
     "plan_reassignment",
+    "replicate",
     "split_parts",
     "spread_radius",
     "state_key",

@@ -247,7 +247,7 @@ def vote_signed_by(voter: PeerID, fingerprint: bytes, signature: bytes) -> bool:
 def check_vote(spec: RoundSpec, fingerprint: bytes, digests: Sequence[PartDigest]) -> str | None:
     """Why a vote is malformed, or None: one digest per part in order, members only,
     the fingerprint matching its digests."""
-    if len(digests) != len(spec.members):
+    if len(digests) != len(spec.parts()):
         return "a vote must hold one digest per part"
     members = {m.to_bytes() for m in spec.members}
     for i, digest in enumerate(digests):

@@ -516,6 +516,8 @@ class RoundRunner:
         if now >= self._adoption_started + self._patience:
             return False
         reducer = PeerID(adoption.digests[part].reducer)
+        if reducer == self._me:  # mine, and the majority holds another: nothing is coming
+            return False
         return reducer == self.round.reducer_of(part) and reducer not in self.round.failed
 
     def _request_missing(self, now: float) -> None:

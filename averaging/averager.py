@@ -14,6 +14,7 @@ it measured in its last rounds: bytes received per second, smoothed.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -26,10 +27,11 @@ import torch
 
 from averaging.allreduce_config import AllReduceConfig, AllReduceResult
 from averaging.allreduce_service import AllReduceService
-from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO, RoundSpec
+from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO, REDUCERS_PER_PART, RoundSpec
 from averaging.matchmaking import Matchmaker
 from averaging.matchmaking_records import Group, MatchmakingConfig
 from averaging.partition import flatten
+from averaging.replicated import fold, replicate
 from averaging.robust import CenteredClipConfig
 from averaging.round_feedback import RoundFeedback
 from averaging.state_donor import StateServer
@@ -39,6 +41,8 @@ from averaging.state_sync import StateCheck, load_state_from_peers
 from peers.dht.node import DHT
 from peers.errors import LocalProtocolError
 from peers.identity import KeyPair, PeerID
+
+logger = logging.getLogger(__name__)
 
 #: Bandwidth (bytes/s) a peer announces before it has measured its own: a common
 #: broadband figure, so a newcomer takes an ordinary share of the first round.
@@ -79,6 +83,12 @@ class AveragerConfig:
     the next (:mod:`averaging.round_feedback`), so rounding errors cancel over rounds
     instead of adding up. Local to this peer: members need not agree on it. Needs a
     lossy codec; costs two float32 vectors the size of the tensors."""
+    reducers_per_part: int = 1
+    """How many distinct members reduce each coordinate (1, 3 or 5; part of the schema).
+    3: one member that publishes a wrong average of its part moves nothing, at three
+    times the traffic of a round (:mod:`averaging.replicated`). A group with fewer
+    members able to reduce (not client-mode) averages with one reducer per part, and
+    says so (:attr:`AveragingStep.reducers_per_part`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix or "/" in self.prefix:
@@ -90,6 +100,8 @@ class AveragerConfig:
             raise AveragerError("max_weight_ratio must be None or a finite number >= 1")
         if self.error_feedback and self.allreduce.codec.name == "none":
             raise AveragerError("error_feedback needs a lossy codec (allreduce.codec)")
+        if self.reducers_per_part not in REDUCERS_PER_PART:
+            raise AveragerError(f"reducers_per_part must be one of {REDUCERS_PER_PART}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +112,12 @@ class AveragingStep:
     outcome: AllReduceResult
     matchmaking_seconds: float
     allreduce_seconds: float
+    reducers_per_part: int = 1
+    """Distinct reducers of each coordinate in this round: the config's, or 1 when the
+    group had fewer members able to reduce."""
+    spread: float = 0.0
+    """With several reducers per part, the largest difference between two reducers'
+    averages of one coordinate (:class:`~averaging.replicated.Folded`)."""
 
     @property
     def num_peers(self) -> int:
@@ -130,7 +148,7 @@ class Averager:
         self._matchmaker: Matchmaker | None = None
         self._service: AllReduceService | None = None
         self._state: StateServer | None = None
-        self._feedback: RoundFeedback | None = None
+        self._feedback: dict[int, RoundFeedback] = {}  # by reducers per part
 
     async def __aenter__(self) -> Averager:
         async with AsyncExitStack() as stack:
@@ -197,13 +215,21 @@ class Averager:
             target_group_size=target_group_size,
         )
         matched = time.monotonic()
+        copies = self.config.reducers_per_part
+        if sum(1 for w in group.weights if w > 0) < copies:
+            logger.warning(
+                "a group of %d with %d members able to reduce: one reducer per part this round",
+                len(group.members),
+                sum(1 for w in group.weights if w > 0),
+            )
+            copies = 1
         flat = flatten([t.detach() for t in self.tensors.values()]).to(torch.float32)
+        flat = replicate(flat, copies)
         errors = None
         if self.config.error_feedback:
-            if self._feedback is None:
-                self._feedback = RoundFeedback(flat.numel())
-            flat = self._feedback.compensate(flat)
-            errors = self._feedback.round()
+            feedback = self._feedback.setdefault(copies, RoundFeedback(flat.numel()))
+            flat = feedback.compensate(flat)
+            errors = feedback.round()
         spec = RoundSpec(
             round_id=group.round_id,
             members=group.members,
@@ -213,11 +239,20 @@ class Averager:
             me=self.peer.peer_id,
             aggregation=self.config.aggregation,
             max_weight_ratio=self.config.max_weight_ratio,
+            reducers_per_part=copies,
         )
         outcome = await self._service.run_round(spec, flat, weight, errors=errors)
-        self._write_back(outcome.result.averaged)
+        folded = fold(outcome.result.averaged, copies)
+        self._write_back(folded.values)
         self._measured(outcome)
-        return AveragingStep(group, outcome, matched - started, time.monotonic() - matched)
+        return AveragingStep(
+            group,
+            outcome,
+            matched - started,
+            time.monotonic() - matched,
+            reducers_per_part=copies,
+            spread=folded.spread,
+        )
 
     def _write_back(self, averaged: torch.Tensor) -> None:
         offset = 0
@@ -323,4 +358,6 @@ def _schema(tensors: Mapping[str, torch.Tensor], config: AveragerConfig) -> str:
     digest.update(repr(tuple(float(t) for t in timeouts)).encode())
     digest.update(repr(config.aggregation).encode())
     digest.update(repr(config.max_weight_ratio).encode())
+    if config.reducers_per_part != 1:  # (schemas of runs with one stay what they were)
+        digest.update(f"reducers per part {config.reducers_per_part}\0".encode())
     return digest.hexdigest()

@@ -114,7 +114,7 @@ class ButterflyRound:
         self._can_reduce = spec.weights[spec.members.index(spec.me)] > 0
         self._failed: dict[PeerID, str] = {}
         self._excluded_by: set[PeerID] = set()
-        self._assignee: list[PeerID] = list(spec.members)
+        self._assignee: list[PeerID] = [spec.members[o] for o in spec.owners]
         self._reductions: dict[int, PartReduction | CenteredClipReduction] = {}
         self._finals: dict[int, AveragedPart] = {}
         self._published: dict[int, torch.Tensor] = {}
@@ -123,8 +123,10 @@ class ButterflyRound:
         self._weights: dict[PeerID, float] = {spec.me: self._weight}
         self._deferred: dict[tuple[int, PeerID, int], torch.Tensor] = {}
         self._num_deferred_elements = 0
-        largest_part = max(end - start for start, end in self._parts)
-        self._deferred_limit = DEFERRED_PARTS * (len(spec.members) - 1) * largest_part
+        shares = [0] * len(spec.members)  # a member's parts together (several cells)
+        for owner, (start, end) in zip(spec.owners, self._parts, strict=True):
+            shares[owner] += end - start
+        self._deferred_limit = DEFERRED_PARTS * (len(spec.members) - 1) * max(shares)
         self._counts = {f.name: 0 for f in fields(RoundStatistics)}
         for i, reducer in enumerate(self._assignee):
             if self._chunks[i] and reducer == spec.me:
@@ -197,18 +199,27 @@ class ButterflyRound:
         return self._try_finalize(part_index)
 
     def my_part_ready(self) -> bool:
-        """True when my own part is final (or empty: a client-mode member reduces nothing)."""
-        mine = self._members.index(self._me)
-        return mine in self._finals or not self._chunks[mine]
+        """True when my own parts are final (or empty: a client-mode member reduces
+        nothing)."""
+        me = self._members.index(self._me)
+        return all(
+            i in self._finals or not self._chunks[i]
+            for i, owner in enumerate(self.spec.owners)
+            if owner == me
+        )
 
     def ready_parts(self) -> frozenset[int]:
         """Indices of the parts I reduce (mine and inherited ones) that are final."""
         return frozenset(self._finals)
 
     def reduced_part(self, part_index: int | None = None) -> AveragedPart:
-        """A final part I reduced (default: my own). Raises :class:`RoundError` if I do
-        not reduce it or it is not final yet."""
-        index = self._members.index(self._me) if part_index is None else part_index
+        """A final part I reduced (default: my own first). Raises :class:`RoundError`
+        if I do not reduce it or it is not final yet."""
+        index = (
+            self.spec.owners.index(self._members.index(self._me))
+            if part_index is None
+            else part_index
+        )
         if index not in self._finals:
             raise RoundError(f"part {index} is not a final part of mine")
         return self._finals[index]
@@ -364,7 +375,7 @@ class ButterflyRound:
         handlers call this with :func:`plan_reassignment`'s choice; call it directly only
         to apply that same plan. Raises :class:`RoundError` if the part is empty or its
         reducer alive, or ``new_reducer`` is failed, client-mode or not a member."""
-        if not 0 <= part_index < len(self._members) or not self._chunks[part_index]:
+        if not 0 <= part_index < len(self._parts) or not self._chunks[part_index]:
             raise RoundError(f"part {part_index} does not exist or is empty")
         old = self._assignee[part_index]
         if old not in self._failed or part_index in self._abandoned or self._excluded_by:

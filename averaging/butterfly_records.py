@@ -10,10 +10,12 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import itertools
 import math
 import struct
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -29,6 +31,10 @@ from peers.identity import PeerID
 #: Longest round id we accept. Round ids come from matchmaking (a hash or a random
 #: 16-32 byte token); 64 bytes leaves room while bounding what every chunk carries.
 MAX_ROUND_ID_BYTES = 64
+
+#: Values of ``RoundSpec.reducers_per_part``: 1, or an odd count whose median outvotes
+#: ``(count - 1) / 2`` lying reducers.
+REDUCERS_PER_PART = (1, 3, 5)
 
 
 class RoundError(LocalProtocolError):
@@ -68,6 +74,14 @@ class RoundSpec:
     the part's contributors: a weight is each sender's own claim, and one of 2**64
     would otherwise make one sender the whole mean. None: no cap (weights that are
     trusted and legitimately far apart)."""
+    reducers_per_part: int = 1
+    """How many distinct members reduce each coordinate (:data:`REDUCERS_PER_PART`).
+    Above 1, the vector is that many copies of the caller's (``total_elements`` is
+    their total length), no member's share exceeds one copy's length, so the copies of
+    each coordinate fall to distinct reducers; shares are cut into cells (:meth:`parts`)
+    and a dead reducer's cells go to members that reduce no other copy of them
+    (:mod:`averaging.replicated`). The caller takes the median of the copies: one lying
+    reducer cannot move it. Needs at least that many members with a positive weight."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.round_id, bytes) or not 0 < len(self.round_id):
@@ -84,6 +98,20 @@ class RoundSpec:
             raise RoundError("me must be one of the members")
         if not 0 < self.chunk_elements <= MAX_DECODED_ELEMENTS:
             raise RoundError(f"chunk_elements must be in [1, {MAX_DECODED_ELEMENTS}]")
+        if self.reducers_per_part not in REDUCERS_PER_PART:
+            raise RoundError(f"reducers_per_part must be one of {REDUCERS_PER_PART}")
+        if self.total_elements % self.reducers_per_part:
+            raise RoundError(
+                f"total_elements ({self.total_elements}) must be {self.reducers_per_part} "
+                "equal copies"
+            )
+        if self.reducers_per_part > 1 and sum(1 for w in self.weights if w > 0) < (
+            self.reducers_per_part
+        ):
+            raise RoundError(
+                f"{self.reducers_per_part} reducers per part need as many members with a "
+                "positive weight"
+            )
         split_parts(self.total_elements, self.weights)  # raises PartitionError if invalid
         if self.aggregation is not None and not isinstance(self.aggregation, CenteredClipConfig):
             raise RoundError("aggregation must be None or a CenteredClipConfig")
@@ -94,15 +122,46 @@ class RoundSpec:
             raise RoundError("max_weight_ratio must be None or a finite number >= 1")
 
     def parts(self) -> list[tuple[int, int]]:
-        """Part ``i``'s ``[start, end)``, as every member computes it: sized by the
-        bandwidth weights, each capped at :data:`MAX_SHARE_RATIO` times the median
-        positive weight (a claim nobody verifies cannot buy a member the vector)."""
-        return list(self._parts)
+        """Part ``i``'s ``[start, end)``, as every member computes it. With one reducer
+        per part, part ``i`` is member ``i``'s: sized by the bandwidth weights, each
+        capped at :data:`MAX_SHARE_RATIO` times the median positive weight (a claim
+        nobody verifies cannot buy a member the vector). With several, each member's
+        share (at most one copy long) is cut into *cells*, where another member's share
+        begins or ends in any copy, so that the copies of a cell's coordinates belong
+        to the same members throughout (:attr:`owners` says whose each part is)."""
+        return list(self._layout[0])
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """For each part, the index of the member it starts with (its reducer unless
+        it dies): ``range(len(members))`` with one reducer per part."""
+        return self._layout[1]
 
     @functools.cached_property
-    def _parts(self) -> tuple[tuple[int, int], ...]:
+    def _layout(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
         # Computed once: a round asks for its parts per chunk it copies or serves.
-        return tuple(split_parts(self.total_elements, capped_weights(self.weights)))
+        share = Fraction(1, self.reducers_per_part) if self.reducers_per_part > 1 else None
+        shares = split_parts(self.total_elements, capped_weights(self.weights), max_share=share)
+        if self.reducers_per_part == 1:
+            return tuple(shares), tuple(range(len(shares)))
+        copy = self.copy_elements
+        cuts = sorted({b % copy for s in shares for b in s} | {0})
+        breaks = [c * copy + k for c in range(self.reducers_per_part) for k in cuts]
+        parts: list[tuple[int, int]] = []
+        owners: list[int] = []
+        for member, (start, end) in enumerate(shares):
+            inside = [b for b in breaks if start < b < end]
+            edges = [start, *inside, end]
+            for left, right in itertools.pairwise(edges):
+                parts.append((left, right))  # (a client-mode member: one empty part)
+                owners.append(member)
+        return tuple(parts), tuple(owners)
+
+    @property
+    def copy_elements(self) -> int:
+        """Length of one copy of the caller's vector (``total_elements`` when
+        ``reducers_per_part`` is 1)."""
+        return self.total_elements // self.reducers_per_part
 
     def digest(self) -> bytes:
         """What every member's spec of this round shares (all but ``me``), hashed: the
@@ -116,6 +175,7 @@ class RoundSpec:
         digest.update(self.chunk_elements.to_bytes(8, "big"))
         digest.update(repr(self.aggregation).encode())
         digest.update(repr(self.max_weight_ratio).encode())
+        digest.update(self.reducers_per_part.to_bytes(1, "big"))
         return digest.digest()
 
 
@@ -148,17 +208,62 @@ def plan_reassignment(spec: RoundSpec, failed: Set[PeerID]) -> dict[int, PeerID]
     cannot accept the senders' connections) whose ``sha256(round_id, i, member)`` is
     smallest. A pure function of ``(spec, failed)``: survivors that know the same
     failures make the same plan, whatever order they learned them in; and a new reducer
-    that dies too is replaced by the next in the same order. A part with no candidate is
-    left out of the plan (it stays at each peer's own value).
+    that dies too is replaced by the next in the same order. With several reducers per
+    part, candidates that reduce no other copy of the part's coordinates (in their own
+    part or one inherited before, in part order) come first; if there is none, any
+    candidate. A part with no candidate is left out of the plan (it stays at each peer's
+    own value).
     """
     candidates = [
         m for m, w in zip(spec.members, spec.weights, strict=True) if w > 0 and m not in failed
     ]
+    parts = spec.parts()
+    owners = spec.owners
+    # With several reducers per part, each member's parts (its own, then what it
+    # inherits here) must cover distinct coordinates: two copies of one coordinate in
+    # one member's hands would give it two votes in their median.
+    held: dict[PeerID, list[tuple[int, int]]] = {m: [] for m in candidates}
+    for part, owner in zip(parts, owners, strict=True):
+        if spec.members[owner] in held:
+            held[spec.members[owner]].append(part)
     plan: dict[int, PeerID] = {}
-    for i, (start, end) in enumerate(spec.parts()):
-        if end > start and spec.members[i] in failed and candidates:
-            plan[i] = min(candidates, key=lambda m: _reassignment_rank(spec.round_id, i, m))
+    for i, (start, end) in enumerate(parts):
+        if end <= start or spec.members[owners[i]] not in failed:
+            continue
+        fit = [
+            m
+            for m in candidates
+            if spec.reducers_per_part == 1
+            or not any(copies_overlap((start, end), other, spec.copy_elements) for other in held[m])
+        ]
+        if candidates:
+            # Where no member is free of the part's coordinates, liveness comes first:
+            # the heir then holds two of their copies (docs/design/agreement.md, limits).
+            choice = fit or candidates
+            plan[i] = min(choice, key=lambda m: _reassignment_rank(spec.round_id, i, m))
+            held[plan[i]].append((start, end))
     return plan
+
+
+def copies_overlap(a: tuple[int, int], b: tuple[int, int], copy_elements: int) -> bool:
+    """Whether ranges ``a`` and ``b`` of a vector of copies (each ``copy_elements``
+    long) hold a copy of one coordinate in common."""
+    return any(
+        x_start < y_end and y_start < x_end
+        for x_start, x_end in _in_one_copy(a, copy_elements)
+        for y_start, y_end in _in_one_copy(b, copy_elements)
+    )
+
+
+def _in_one_copy(part: tuple[int, int], copy_elements: int) -> list[tuple[int, int]]:
+    """The coordinates of ``part`` as ranges of one copy (two when it wraps around)."""
+    start, end = part
+    if end <= start or copy_elements <= 0:
+        return []
+    if end - start >= copy_elements:
+        return [(0, copy_elements)]
+    first, last = start % copy_elements, (end - 1) % copy_elements + 1
+    return [(first, last)] if first < last else [(first, copy_elements), (0, last)]
 
 
 class RejectReason(enum.StrEnum):

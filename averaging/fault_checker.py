@@ -14,7 +14,11 @@ promises (docs/design/agreement.md):
 - P4: every round returns, within ``AllReduceConfig.return_bound``, without raising;
 - P5 (exclusions): in a schedule whose one fault is a Byzantine member that accuses
   the others falsely or equivocates (``random_schedule(seed, byzantine=True)``), it
-  costs at most one other member.
+  costs at most one other member;
+- P5 (a lying reducer): in every schedule with a member that publishes its parts plus
+  1000, each coordinate of an agreed result lies between the honest means of its copies
+  (their contributors' weighted means), which holds with three reducers per part
+  (:mod:`averaging.replicated`) and not with one.
 
 ``python -m averaging.fault_checker --schedules 1000`` runs seeds 0..999 and prints a
 line per violation with its seed; ``--seed S`` runs one and, if it fails, shrinks it to
@@ -39,8 +43,9 @@ from averaging.accusations import sign_accusation
 from averaging.allreduce_config import AllReduceConfig, AllReduceResult
 from averaging.allreduce_service import AllReduceService
 from averaging.allreduce_wire import notice_of
-from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO, RoundSpec
+from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO, AveragedPart, RoundSpec
 from averaging.reduction import capped_sample_weights
+from averaging.replicated import fold, replicate
 from peers.identity import PeerID
 from peers.memory_network import MemoryNetwork, MemoryPeer
 from peers.virtual_clock import VirtualClockError, run_virtual
@@ -54,8 +59,11 @@ KINDS = ("kill", "cut", "cut_one_way", "pause", "partition", "slow", "reset")
 #: Byzantine members, in the schedules of ``random_schedule(seed, byzantine=True)``:
 #: ``accuse``: member ``a`` accuses every other member, in its own name (signed, as a
 #: false observation), and goes on with the round; ``equivocate``: on each of its links
-#: it sends a different "first" accusation, of the member at the other end.
-BYZANTINE_KINDS = ("accuse", "equivocate")
+#: it sends a different "first" accusation, of the member at the other end; ``lie``:
+#: every part it reduces, it publishes plus :data:`LIE`.
+BYZANTINE_KINDS = ("accuse", "equivocate", "lie")
+#: What a lying reducer adds to the parts it publishes.
+LIE = 1000.0
 #: The round id every checked round runs under.
 ROUND_ID = b"checked round"
 
@@ -84,6 +92,9 @@ class Schedule:
     chunk_elements: int
     latency: float
     faults: tuple[Fault, ...]
+    reducers_per_part: int = 1
+    """Copies of the vector (``total_elements`` each), each coordinate's copies reduced
+    by distinct members (:mod:`averaging.replicated`)."""
 
 
 @dataclass(frozen=True)
@@ -107,12 +118,22 @@ def random_schedule(seed: int, *, byzantine: bool = False) -> Schedule:
     ``byzantine``: the same members, and one Byzantine member (:data:`BYZANTINE_KINDS`)
     acting at a random moment, alone or (3 times in 10) with one of the seed's faults."""
     schedule = _random_schedule(seed)
+    reducers = schedule.num_members - len(schedule.clients)
+    # A quarter of the schedules with three members able to reduce average three copies.
+    if reducers >= 3 and random.Random(f"{seed}/copies").random() < 0.25:
+        schedule = dataclasses.replace(schedule, reducers_per_part=3)
     if not byzantine:
         return schedule
     rng = random.Random(f"{seed}/byzantine")
     n = schedule.num_members
-    # At a frame of the round's first half: while the round runs and its links are up.
-    fault = Fault(rng.choice(BYZANTINE_KINDS), rng.randrange(n), -1, at_frame=rng.randint(1, n * n))
+    kind = rng.choice(BYZANTINE_KINDS)
+    if kind == "lie" and reducers < 3:  # nothing to outvote it with: P5 needs three
+        kind = rng.choice(BYZANTINE_KINDS[:2])
+    if kind == "lie":  # from the start, with three reducers per part
+        fault = Fault(kind, rng.randrange(n), -1, at_frame=1)
+        schedule = dataclasses.replace(schedule, reducers_per_part=3)
+    else:  # at a frame of the round's first half: while the round runs and links are up
+        fault = Fault(kind, rng.randrange(n), -1, at_frame=rng.randint(1, n * n))
     others = schedule.faults[:1] if rng.random() < 0.3 else ()
     return dataclasses.replace(schedule, faults=(fault, *others))
 
@@ -162,7 +183,6 @@ async def _run(schedule: Schedule) -> list[MemberOutcome]:
     network = MemoryNetwork(schedule.seed, latency_seconds=schedule.latency)
     peers = [network.add_peer() for _ in range(schedule.num_members)]
     members = tuple(p.peer_id for p in peers)
-    bandwidth = tuple(0.0 if i in schedule.clients else 1.0 for i in range(len(peers)))
     vectors, weights = _vectors(schedule)
     services = [AllReduceService(p, CONFIG) for p in peers]
     for service in services:
@@ -173,16 +193,10 @@ async def _run(schedule: Schedule) -> list[MemberOutcome]:
     returned: dict[int, float] = {}
 
     async def member(i: int) -> AllReduceResult:
-        spec = RoundSpec(
-            round_id=ROUND_ID,
-            members=members,
-            weights=bandwidth,
-            total_elements=schedule.total_elements,
-            chunk_elements=schedule.chunk_elements,
-            me=members[i],
-        )
+        spec = _spec(schedule, members, members[i])
+        local = replicate(vectors[i], schedule.reducers_per_part)
         try:
-            return await services[i].run_round(spec, vectors[i], weights[i])
+            return await services[i].run_round(spec, local, weights[i])
         finally:
             returned[i] = loop.time() - start
 
@@ -211,6 +225,18 @@ async def _run(schedule: Schedule) -> list[MemberOutcome]:
         )
     await network.aclose()
     return outcomes
+
+
+def _spec(schedule: Schedule, members: tuple[PeerID, ...], me: PeerID) -> RoundSpec:
+    return RoundSpec(
+        round_id=ROUND_ID,
+        members=members,
+        weights=tuple(0.0 if i in schedule.clients else 1.0 for i in range(len(members))),
+        total_elements=schedule.total_elements * schedule.reducers_per_part,
+        chunk_elements=schedule.chunk_elements,
+        me=me,
+        reducers_per_part=schedule.reducers_per_part,
+    )
 
 
 def _arm(
@@ -294,6 +320,15 @@ def _byzantine(
     if runner is None:  # it returned already, or has not started
         return
     others = [p.peer_id for i, p in enumerate(peers) if i != fault.a]
+    if fault.kind == "lie":
+        honest = runner.round.reduced_part
+
+        def lying(part_index: int | None = None) -> AveragedPart:
+            part = honest(part_index)
+            return dataclasses.replace(part, values=part.values + LIE)
+
+        setattr(runner.round, "reduced_part", lying)  # noqa: B010 (a method, replaced)
+        return
     if fault.kind == "accuse":
         for member in others:
             runner.accuse(member)
@@ -317,6 +352,9 @@ def check(schedule: Schedule, outcomes: Sequence[MemberOutcome]) -> list[Violati
             )
     agreed = [i for i, o in enumerate(outcomes) if o.alive and o.agreed]
     violations += _check_same_mean(schedule, outcomes, agreed)
+    liars = [f.a for f in schedule.faults if f.kind == "lie"]
+    if liars and agreed:
+        violations += _check_lie(schedule, outcomes[agreed[0]], liars[0])
     # A partition from the round's start, never healed: its sides never exchange a vote,
     # so at most one can hold a majority. (One that falls later may fall after the
     # decision: then both sides hold the decided tensor, which P1 checks.)
@@ -355,25 +393,84 @@ def _check_same_mean(
         other = outcomes[i].averaged
         if other is None or not torch.equal(other, first.averaged):
             return [Violation("P1", f"members {agreed[0]} and {i} agreed on different tensors")]
+    report = first.result.result.report
+    liars = {report.members[f.a] for f in schedule.faults if f.kind == "lie"}
+    expected = _honest_means(schedule, first)
+    for part in report.parts:
+        if part.end == part.start or not part.contributors or part.reducer in liars:
+            continue  # (a liar's parts: P5)
+        got = first.averaged[part.start : part.end]
+        if not torch.allclose(got, expected[part.start : part.end], atol=1e-5):
+            return [Violation("P1", f"part {part.part_index} is not its contributors' mean")]
+    return []
+
+
+def _honest_means(schedule: Schedule, outcome: MemberOutcome) -> torch.Tensor:
+    """Each part of ``outcome``'s round as honest reducers would have averaged it: the
+    weighted mean of the contributors its report names (its own values where none)."""
+    assert outcome.averaged is not None and outcome.result is not None
     vectors, weights = _vectors(schedule)
-    index = {m: k for k, m in enumerate(first.result.result.report.members)}
-    for part in first.result.result.report.parts:
+    copies = [replicate(v, schedule.reducers_per_part) for v in vectors]
+    report = outcome.result.result.report
+    index = {m: k for k, m in enumerate(report.members)}
+    expected = outcome.averaged.clone()
+    for part in report.parts:
         if part.end == part.start or not part.contributors:
             continue
         who = [index[m] for m in part.contributors]
-        members = first.result.result.report.members
         counted = capped_sample_weights(
-            {members[k]: weights[k] for k in who}, DEFAULT_MAX_WEIGHT_RATIO
+            {report.members[k]: weights[k] for k in who}, DEFAULT_MAX_WEIGHT_RATIO
         )
         total = sum(counted.values())
         mean = sum(
-            (vectors[k][part.start : part.end].double() * counted[members[k]] for k in who),
+            (copies[k][part.start : part.end].double() * counted[report.members[k]] for k in who),
             torch.zeros(part.end - part.start, dtype=torch.float64),
         )
-        expected = (mean / total).float()
-        if not torch.allclose(first.averaged[part.start : part.end], expected, atol=1e-5):
-            return [Violation("P1", f"part {part.part_index} is not its contributors' mean")]
+        expected[part.start : part.end] = (mean / total).float()
+    return expected
+
+
+def _check_lie(schedule: Schedule, outcome: MemberOutcome, liar: int) -> list[Violation]:
+    """P5 for a lying reducer: every coordinate of the agreed result, folded over its
+    copies, lies between the honest means of those copies; except where the liar
+    inherited a dead reducer's part holding a copy of coordinates it reduced already
+    (no other member was free of them: :func:`unguarded`)."""
+    assert outcome.averaged is not None
+    copies = schedule.reducers_per_part
+    got = fold(outcome.averaged, copies).values
+    honest = _honest_means(schedule, outcome).view(copies, -1)
+    low, high = honest.min(dim=0).values - 1e-5, honest.max(dim=0).values + 1e-5
+    outside = (got < low) | (got > high)
+    outside &= ~unguarded(schedule, outcome, liar)
+    moved = outside.nonzero()
+    if len(moved):
+        return [
+            Violation(
+                "P5",
+                f"lying reducer {liar} moved {len(moved)} of {got.numel()} coordinates "
+                f"({copies} reducers per part)",
+            )
+        ]
     return []
+
+
+def unguarded(schedule: Schedule, outcome: MemberOutcome, liar: int) -> torch.Tensor:
+    """Per coordinate of one copy: whether ``liar`` reduced a majority of its copies,
+    one of them inherited (a dead reducer's part that no other member could take)."""
+    assert outcome.result is not None
+    report = outcome.result.result.report
+    owners = _spec(schedule, report.members, report.members[liar]).owners
+    size = schedule.total_elements
+    held = torch.zeros(size, dtype=torch.int64)
+    inherited = torch.zeros(size, dtype=torch.bool)
+    for part in report.parts:
+        if part.reducer != report.members[liar] or part.end == part.start:
+            continue
+        positions = torch.arange(part.start, part.end) % size
+        held[positions] += 1
+        if owners[part.part_index] != liar:
+            inherited[positions] = True
+    return (held > (schedule.reducers_per_part - 1) // 2) & inherited
 
 
 def _check_cost(fault: Fault, outcomes: Sequence[MemberOutcome]) -> list[Violation]:
@@ -417,6 +514,11 @@ class Summary:
     """Each live member's return time, in every schedule with at least one fault."""
     single_fault_cost: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     """Per kind of fault, schedules holding only it by live members lost: [0, 1, 2+]."""
+    lies: int = 0
+    """Schedules with a lying reducer whose round some member agreed on."""
+    lies_unguarded: int = 0
+    """Of those, the ones where the liar inherited a second copy of some coordinates
+    (:func:`unguarded`: three members able to reduce, one of them dead)."""
 
     def add(self, schedule: Schedule, outcomes: Sequence[MemberOutcome], failed: bool) -> None:
         self.schedules += 1
@@ -425,6 +527,11 @@ class Summary:
             self.return_seconds += [
                 o.returned_after for o in outcomes if o.alive and o.returned_after is not None
             ]
+        liars = [f.a for f in schedule.faults if f.kind == "lie"]
+        agreed = [o for o in outcomes if o.agreed and o.result is not None]
+        if liars and agreed:
+            self.lies += 1
+            self.lies_unguarded += bool(unguarded(schedule, agreed[0], liars[0]).any())
         if len(schedule.faults) == 1:
             lost = sum(o.alive and not o.agreed for o in outcomes)
             counts = self.single_fault_cost.setdefault(schedule.faults[0].kind, [0, 0, 0])
@@ -445,6 +552,8 @@ class Summary:
             "return_seconds_max": times[-1] if times else 0.0,
             "return_bound_seconds": CONFIG.return_bound,
             "single_fault_lost_0_1_2plus": self.single_fault_cost,
+            "lying_reducer_schedules": self.lies,
+            "lying_reducer_unguarded_schedules": self.lies_unguarded,
         }
 
 

@@ -35,7 +35,9 @@ class PartitionError(LocalProtocolError, ValueError):
     """
 
 
-def split_parts(total_elements: int, weights: Sequence[float]) -> list[tuple[int, int]]:
+def split_parts(
+    total_elements: int, weights: Sequence[float], *, max_share: Fraction | None = None
+) -> list[tuple[int, int]]:
     """Split ``range(total_elements)`` into one contiguous ``(start, end)`` part per weight.
 
     Part ``i`` has ``floor(total * w_i / sum(w))`` elements, plus one for the
@@ -44,8 +46,13 @@ def split_parts(total_elements: int, weights: Sequence[float]) -> list[tuple[int
     ``total_elements`` and every size is within one element of its exact share. A weight
     of 0 (a client-mode peer, which cannot accept connections) always gets an empty part.
 
+    ``max_share``: no part gets more than this fraction of the total; the weights above
+    it are lowered to it (water-filling, exact) and the others keep their proportions.
+    When ``total * max_share`` is a whole number, no part exceeds it by even one element.
+
     Raises :class:`PartitionError` for a negative ``total_elements``, no weights, a
-    negative, NaN or infinite weight, or weights that are all zero.
+    negative, NaN or infinite weight, weights that are all zero, or fewer positive
+    weights than ``1 / max_share`` (the shares could not add up).
     """
     if isinstance(total_elements, bool) or not isinstance(total_elements, int):
         raise PartitionError(f"total_elements must be an int, not {type(total_elements).__name__}")
@@ -62,6 +69,9 @@ def split_parts(total_elements: int, weights: Sequence[float]) -> list[tuple[int
     total_weight = sum(exact, Fraction(0))
     if total_weight == 0:
         raise PartitionError("at least one weight must be positive (someone has to reduce)")
+    if max_share is not None:
+        exact = _cap_shares(exact, max_share)
+        total_weight = sum(exact, Fraction(0))
     quotas = [total_elements * w / total_weight for w in exact]
     sizes = [math.floor(q) for q in quotas]
     remainder = total_elements - sum(sizes)
@@ -77,6 +87,29 @@ def split_parts(total_elements: int, weights: Sequence[float]) -> list[tuple[int
         parts.append((start, start + size))
         start += size
     return parts
+
+
+def _cap_shares(weights: list[Fraction], max_share: Fraction) -> list[Fraction]:
+    """``weights`` with every share above ``max_share`` lowered to exactly it."""
+    if not 0 < max_share <= 1:
+        raise PartitionError(f"max_share must be in (0, 1], got {max_share}")
+    if sum(1 for w in weights if w > 0) * max_share < 1:
+        raise PartitionError(
+            f"{sum(1 for w in weights if w > 0)} positive weights cannot each hold at most "
+            f"{max_share} of the whole"
+        )
+    capped: set[int] = set()
+    while True:
+        # The capped weights hold max_share of the final total each; the others the rest.
+        rest = sum((w for i, w in enumerate(weights) if i not in capped), Fraction(0))
+        if len(capped) * max_share >= 1 or rest == 0:
+            cap = Fraction(1)
+            return [cap if i in capped else Fraction(0) for i in range(len(weights))]
+        cap = max_share * rest / (1 - len(capped) * max_share)
+        over = {i for i, w in enumerate(weights) if i not in capped and w > cap}
+        if not over:
+            return [cap if i in capped else w for i, w in enumerate(weights)]
+        capped |= over
 
 
 def chunk_ranges(start: int, end: int, chunk_elements: int) -> list[tuple[int, int]]:

@@ -249,6 +249,8 @@ async def ours_node(node: Any) -> None:
         AveragerConfig,
         MatchmakingConfig,
         RoundSpec,
+        fold,
+        replicate,
     )
     from peers.dht import DHT, DHTConfig
     from peers.identity import PeerID
@@ -271,19 +273,23 @@ async def ours_node(node: Any) -> None:
                     if peer_id != node.peer.peer_id:
                         node.peer.add_addresses(peer_id, [maddr])
                 config = AllReduceConfig(codec=make_codec(command["codec"]))
+                copies = int(command.get("reducers_per_part", 1))
                 spec = RoundSpec(
                     round_id=bytes.fromhex(command["round_id"]),
                     members=tuple(peer_id for peer_id, _ in members),
                     weights=tuple(1.0 for _ in members),
-                    total_elements=member.elements,
+                    total_elements=member.elements * copies,
                     chunk_elements=config.chunk_elements,
                     me=node.peer.peer_id,
+                    reducers_per_part=copies,
                 )
+                local = replicate(member.local, copies)
                 # A service per round: an Averager (the "step" command) registers its own.
                 async with AllReduceService(node.peer) as service:
                     await asyncio.sleep(max(0.0, float(command["start_at"]) - time.monotonic()))
                     started, cpu = time.monotonic(), time.process_time()
-                    outcome = await service.run_round(spec, member.local, 1.0, config)
+                    outcome = await service.run_round(spec, local, 1.0, config)
+                    averaged = fold(outcome.result.averaged, copies).values
                     ended, cpu = time.monotonic(), time.process_time() - cpu
                 report = outcome.result.report
                 node.report(
@@ -298,7 +304,7 @@ async def ours_node(node: Any) -> None:
                         "agreed": outcome.transfer.agreed,
                         "fraction": report.fraction_averaged,
                         "failed": sorted(str(m) for m in report.failed),
-                        **member.check(outcome.result.averaged, len(members)),
+                        **member.check(averaged, len(members)),
                     }
                 )
             elif op == "dht":

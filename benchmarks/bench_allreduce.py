@@ -137,6 +137,9 @@ class Plan:
     """Timed raw TCP exchanges per size (after one warm-up)."""
     matchmaking_seconds: float = 1.0
     """hivemind's ``min_matchmaking_time`` and our ``gather_timeout``."""
+    reducers_per_part: int = 1
+    """Our rounds' ``RoundSpec.reducers_per_part`` (3: each coordinate reduced by three
+    members, the median kept; hivemind has no such mode and runs as always)."""
 
     def __post_init__(self) -> None:
         if self.num_peers < 2:
@@ -337,6 +340,7 @@ def measure_ours(
                         "members": addresses,
                         "codec": codec,
                         "start_at": time.monotonic() + START_DELAY,
+                        "reducers_per_part": plan.reducers_per_part,
                     }
                     for member in members:
                         member.send(command)
@@ -746,6 +750,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-rounds", type=int, help="timed full steps (0: none of ours)")
     parser.add_argument("--matchmaking-seconds", type=float, help="min_matchmaking_time")
     parser.add_argument(
+        "--reducers-per-part",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="our rounds reduce each coordinate this many times (3: outvotes a lying reducer)",
+    )
+    parser.add_argument(
         "--no-patch", action="store_true", help="do not rerun hivemind's 8-bit codec patched"
     )
     parser.add_argument(
@@ -763,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, num_step_rounds=args.step_rounds)
     if args.matchmaking_seconds is not None:
         plan = replace(plan, matchmaking_seconds=args.matchmaking_seconds)
+    plan = replace(plan, reducers_per_part=args.reducers_per_part)
 
     notes: list[str] = []
     if not args.ignore_memory:
@@ -783,7 +795,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"all-reduce benchmark ({mode}): {plan.num_peers} peer processes on 127.0.0.1, sizes"
         f" {', '.join(plan.sizes)} float32, codecs {', '.join(plan.codecs)}; {os.cpu_count()}"
-        f" CPUs (load average {load_before:.1f}); hivemind {version or 'absent'}",
+        f" CPUs (load average {load_before:.1f}); hivemind {version or 'absent'}"
+        + (
+            f"; ours {plan.reducers_per_part} reducers per part"
+            if plan.reducers_per_part > 1
+            else ""
+        ),
         flush=True,
     )
     began = time.monotonic()

@@ -443,6 +443,7 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
         seed=args.seed,
         diloco=diloco,
         centered_clip=args.centered_clip,
+        reducers_per_part=args.reducers_per_part,
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
         checkpoint_every=args.checkpoint_every,
     )
@@ -588,6 +589,14 @@ def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
             action="store_true",
             help="average with CenteredClip, so one peer's update moves a step by a bounded "
             "amount whatever it sends (every peer of the run must give it)",
+        )
+        p.add_argument(
+            "--reducers-per-part",
+            type=int,
+            choices=(1, 3, 5),
+            default=1,
+            help="peers that reduce each coordinate of a round: 3 outvotes one that "
+            "publishes a wrong average, at 3x the traffic (every peer must give the same; 1)",
         )
         p.add_argument(
             "--checkpoint",

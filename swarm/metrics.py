@@ -247,6 +247,11 @@ def training_families(stats: Any, loss: float) -> Families:
             "Seconds in rounds that formed a group (matchmaking and all-reduce).",
             stats.round_seconds,
         ),
+        _gauge(
+            "swarm_train_reducer_spread",
+            "Largest difference between two reducers' copies of one coordinate, last round.",
+            stats.reducer_spread,
+        ),
         _gauge("swarm_train_peers", "Live peers of the run.", stats.num_peers),
         _gauge(
             "swarm_train_samples_per_second",

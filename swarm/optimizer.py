@@ -123,6 +123,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             "no_group": 0,
         }
         self._round_seconds = 0.0
+        self._reducer_spread = 0.0
         self._records: dict[PeerID, PeerProgress] = {}
         self._expect = 1
         self._first_read = threading.Event()
@@ -146,6 +147,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             matchmaking=config.matchmaking,
             allreduce=replace(config.allreduce, codec=codec),
             aggregation=config.aggregation,
+            reducers_per_part=config.reducers_per_part,
             error_feedback=config.error_feedback,
             state_sync=StateSyncConfig(trusted_signers=config.run_keys()),
             state_signer=config.run_key,
@@ -317,6 +319,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         self._counts["rounds"] += 1
         self._counts["bytes"] += step.outcome.transfer.bytes_sent
         self._round_seconds += step.matchmaking_seconds + step.allreduce_seconds
+        self._reducer_spread = step.spread
         self._fingerprint = step.outcome.result.fingerprint()[:16]
         report = step.outcome.result.report
         if not step.outcome.transfer.agreed or report.fraction_averaged < 1.0:
@@ -727,6 +730,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             num_rounds_not_agreed=self._counts["not_agreed"],
             num_rounds_without_group=self._counts["no_group"],
             round_seconds=self._round_seconds,
+            reducer_spread=self._reducer_spread,
         )
 
     def close(self) -> None:

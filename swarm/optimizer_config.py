@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from averaging import AllReduceConfig, CenteredClipConfig, MatchmakingConfig, NoneCodec
+from averaging import (
+    REDUCERS_PER_PART,
+    AllReduceConfig,
+    CenteredClipConfig,
+    MatchmakingConfig,
+    NoneCodec,
+)
 from peers.identity import KeyPair, PeerID
 from swarm.errors import SwarmError
 
@@ -80,6 +86,13 @@ class CollaborativeConfig:
     parameter change) moves the step by a bounded amount whatever it sends. Every peer
     of a run must choose the same (it is part of the averaging schema). None: the
     sample-weighted mean, which one peer can move anywhere."""
+    reducers_per_part: int = 1
+    """Distinct peers that reduce each coordinate of a round (1, 3 or 5; every peer of a
+    run must choose the same): with 3, a peer that publishes a wrong average of the
+    part it reduces moves nothing (the median of the three copies is taken), at three
+    times a round's traffic (``AveragerConfig.reducers_per_part``). With
+    ``aggregation``, this closes the reducer's side of the attack CenteredClip closes
+    for senders."""
     progress_interval: float = 0.05
     """Seconds between reads of everyone's progress while this peer waits for the others
     (its share of the batch is done, or it waits for a round or for the run to start),
@@ -135,6 +148,8 @@ class CollaborativeConfig:
                 raise OptimizerError(f"{name} must be a positive number of seconds")
         if self.aggregation is not None and not isinstance(self.aggregation, CenteredClipConfig):
             raise OptimizerError("aggregation must be None or an averaging.CenteredClipConfig")
+        if self.reducers_per_part not in REDUCERS_PER_PART:
+            raise OptimizerError(f"reducers_per_part must be one of {REDUCERS_PER_PART}")
         size = self.batch_size_per_step
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise OptimizerError(f"batch_size_per_step must be an int >= 0, got {size!r}")
@@ -190,3 +205,7 @@ class OptimizerStatistics:
     """Steps where peers were there but no group formed in time (this peer resynced)."""
     round_seconds: float = 0.0
     """Seconds spent in rounds that formed a group, matchmaking and all-reduce."""
+    reducer_spread: float = 0.0
+    """With several reducers per part, the largest difference between two reducers'
+    averages of one coordinate in the last round (``AveragingStep.spread``): rounding
+    when they are honest, the size of the lie when one lies (and is outvoted)."""

@@ -61,6 +61,8 @@ def join_command(config: TrainerConfig, initial_peers: Sequence[str]) -> str:
         parts += ["--diloco", str(config.diloco.inner_steps)]
     if config.centered_clip:
         parts.append("--centered-clip")
+    if config.reducers_per_part != 1:
+        parts += ["--reducers-per-part", str(config.reducers_per_part)]
     if config.swarm_key is not None:
         parts += ["--swarm-key", str(config.swarm_key)]
     run_keys = set(config.trusted_run_keys)

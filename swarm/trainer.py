@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from averaging import CenteredClipConfig
+from averaging import REDUCERS_PER_PART, CenteredClipConfig
 from peers.config import PeerConfig
 from peers.dht import BlockingDHT, DHTConfig
 from peers.identity import KeyPair, PeerID
@@ -110,6 +110,9 @@ class TrainerConfig:
     centered_clip: bool = False
     """Average with CenteredClip under the spread rule (``CollaborativeConfig.aggregation``)
     instead of the mean: robust to a minority of peers sending poisoned updates."""
+    reducers_per_part: int = 1
+    """Distinct peers reducing each coordinate (``CollaborativeConfig.reducers_per_part``):
+    3 outvotes a peer that publishes a wrong average of its part."""
     checkpoint: Path | None = None
     """Resume from this file if it exists, and save to it after training, when
     interrupted (Ctrl-C, SIGTERM) and every ``checkpoint_every`` epochs."""
@@ -159,6 +162,11 @@ class TrainerConfig:
             raise TaskError(f"slow_peer_seconds must be >= 0 seconds, got {slow!r}")
         if not isinstance(self.centered_clip, bool):
             raise TaskError(f"centered_clip must be a bool, got {self.centered_clip!r}")
+        if self.reducers_per_part not in REDUCERS_PER_PART:
+            raise TaskError(
+                f"reducers_per_part must be one of {REDUCERS_PER_PART}, "
+                f"got {self.reducers_per_part!r}"
+            )
         CollaborativeConfig(
             run_id=self.run_id,
             target_batch_size=1,
@@ -192,9 +200,12 @@ def _export_metrics(
 def _aggregation(config: TrainerConfig) -> dict[str, Any]:
     """``centered_clip`` as the CollaborativeConfig field it stands for (unless the
     overrides set that field themselves)."""
-    if not config.centered_clip or "aggregation" in config.collaborative:
-        return {}
-    return {"aggregation": CenteredClipConfig()}
+    chosen: dict[str, Any] = {}
+    if config.centered_clip and "aggregation" not in config.collaborative:
+        chosen["aggregation"] = CenteredClipConfig()
+    if config.reducers_per_part != 1 and "reducers_per_part" not in config.collaborative:
+        chosen["reducers_per_part"] = config.reducers_per_part
+    return chosen
 
 
 @dataclass(frozen=True, slots=True)

@@ -209,10 +209,11 @@ def test_the_command_line_runs_schedules_and_prints_a_summary(
     assert sum(sum(c) for c in summary["single_fault_lost_0_1_2plus"].values()) > 0
 
 
-def test_a_byzantine_member_that_accuses_or_equivocates_costs_at_most_one_other() -> None:
-    """P5 for exclusions: one member accusing every other one (in its own name), or
-    telling each member a different "first" accusation, costs at most one other member,
-    alone or with another fault, and P1-P4 hold throughout."""
+def test_a_byzantine_member_costs_at_most_one_other_and_a_liar_moves_nothing() -> None:
+    """P5: one member accusing every other one (in its own name), or telling each member
+    a different "first" accusation, costs at most one other member; one publishing wrong
+    parts, with three reducers per part, moves no coordinate; alone or with another
+    fault, and P1-P4 hold throughout."""
     failing = []
     for seed in range(200):
         violations = check_seed(seed, byzantine=True)
@@ -220,4 +221,4 @@ def test_a_byzantine_member_that_accuses_or_equivocates_costs_at_most_one_other(
             failing.append((seed, violations))
     assert not failing, failing[:5]
     kinds = {random_schedule(seed, byzantine=True).faults[0].kind for seed in range(20)}
-    assert kinds == {"accuse", "equivocate"}
+    assert kinds == {"accuse", "equivocate", "lie"}

@@ -173,6 +173,7 @@ def test_a_late_joiner_loads_the_state_the_run_key_signed(tmp_path: Path) -> Non
         (["demo", "--task", "imagenet"], "error: unknown task 'imagenet'"),
         (["demo", "--timeout", "0"], "error: argument --timeout: must be positive"),
         (["train", "--centered-clip=yes"], "argument --centered-clip: ignored explicit argument"),
+        (["train", "--reducers-per-part", "2"], "argument --reducers-per-part: invalid choice"),
     ],
 )
 def test_bad_flags_fail_with_a_clear_error_and_exit_code_2(args: list[str], message: str) -> None:

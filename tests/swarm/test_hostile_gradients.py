@@ -22,7 +22,10 @@ STEPS = 60
 FAST = {"progress_expiration": 3.0, "max_wait_seconds": 1.0}
 
 
-def _start(swarm: LocalSwarm, centered_clip: bool, steps: int) -> list[PeerProcess]:
+def _start(
+    swarm: LocalSwarm, centered_clip: bool, steps: int, hostile: str = HOSTILE, **extra: Any
+) -> list[PeerProcess]:
+    """Three honest trainers and one ``hostile`` one; ``extra``: more trainer options."""
     (boot,) = swarm.start(1, target="peers.dht.testing:dht_node")
     options = {
         "task": "digits",
@@ -33,9 +36,10 @@ def _start(swarm: LocalSwarm, centered_clip: bool, steps: int) -> list[PeerProce
         "collaborative": FAST,
         "centered_clip": centered_clip,
         "report_every": 1,
+        **extra,
     }
     honest = [swarm.start(1, target=HONEST, options=options)[0] for _ in range(3)]
-    swarm.start(1, target=HOSTILE, options=options)
+    swarm.start(1, target=hostile, options=options)
     return honest
 
 
@@ -51,17 +55,23 @@ def _losses_until(peer: PeerProcess, epoch: int, seconds: float) -> list[float]:
     return losses
 
 
+def trained_together(honest: list[PeerProcess], steps: int, accuracy: float) -> None:
+    """The honest peers trained every step, averaging (the attacker included), reached
+    ``accuracy`` and hold one model."""
+    results: list[dict[str, Any]] = [p.wait_report("trained", 240) for p in honest]
+    print("honest peers:", [r["metrics"] for r in results])
+    for r in results:
+        assert r["epochs"] == steps
+        assert r["statistics"]["num_rounds"] >= 0.9 * steps
+        assert r["metrics"]["accuracy"] >= accuracy, r["metrics"]
+    assert len({round(r["metrics"]["loss"], 6) for r in results}) == 1  # one model
+
+
 def test_one_poisoning_peer_ruins_the_mean_but_not_centered_clip() -> None:
     with LocalSwarm() as swarm:
         honest = _start(swarm, centered_clip=True, steps=STEPS)
-        results: list[dict[str, Any]] = [p.wait_report("trained", 240) for p in honest]
-    print("centered clip:", [r["metrics"] for r in results])
-    for r in results:
-        assert r["epochs"] == STEPS
-        assert r["statistics"]["num_rounds"] >= 0.9 * STEPS  # it averaged, attacker included
         # One process on the same batches: 0.950 after 60 steps (0.897 here): slowed, not stopped.
-        assert r["metrics"]["accuracy"] >= 0.8, r["metrics"]
-    assert len({round(r["metrics"]["loss"], 6) for r in results}) == 1  # one model
+        trained_together(honest, STEPS, accuracy=0.8)
     # The attack works on the mean: the same swarm without the defence is lost.
     with LocalSwarm() as swarm:
         honest = _start(swarm, centered_clip=False, steps=STEPS)

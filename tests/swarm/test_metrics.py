@@ -103,6 +103,7 @@ def test_training_metrics_appear_with_the_first_step() -> None:
         num_rounds_not_agreed=1,
         num_rounds_without_group=0,
         round_seconds=0.25,
+        reducer_spread=1000.0,
     )
     snapshot.publish(stats, 0.75)
     server = MetricsServer()
@@ -113,6 +114,7 @@ def test_training_metrics_appear_with_the_first_step() -> None:
     assert server.sample("swarm_train_loss") == 0.75
     assert server.sample("swarm_train_rounds_not_agreed_total") == 1
     assert server.sample("swarm_train_round_seconds_total") == 0.25
+    assert server.sample("swarm_train_reducer_spread") == 1000.0
 
 
 def test_a_training_peer_started_with_metrics_shows_samples_and_rounds_rising() -> None:

@@ -26,6 +26,7 @@ JSON = ["--progress", "json"]
         {"slow_peer_seconds": "30"},
         {"slow_peer_seconds": True},
         {"centered_clip": "yes"},
+        {"reducers_per_part": 2},
     ],
 )
 def test_bad_patience_or_aggregation_is_refused(fields: dict[str, object]) -> None:
@@ -41,6 +42,9 @@ def test_centered_clip_becomes_the_optimizer_aggregation() -> None:
         "aggregation": CenteredClipConfig()
     }
     assert _aggregation(TrainerConfig(task="digits")) == {}
+    assert _aggregation(TrainerConfig(task="digits", reducers_per_part=3)) == {
+        "reducers_per_part": 3
+    }
 
 
 def test_a_lone_peer_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
@@ -76,3 +80,12 @@ def test_json_progress_carries_the_lines_people_read() -> None:
     texts = [e["text"] for e in events if e["event"] == "message"]
     assert any(" join --initial-peers /ip4/127.0.0.1/tcp/" in t for t in texts), texts
     assert events[-1]["event"] == "result" and events[-1]["global_samples"] == 640
+
+
+def test_the_printed_join_command_carries_the_reducers_per_part() -> None:
+    from swarm.train_command import join_command
+
+    peers = ["/ip4/198.18.0.1/tcp/31337/p2p/12D3KooWLRPJAA5o6Bm8hJ4THgf1AR9kDT6KkFEXdB2hQFMBsAnt"]
+    command = join_command(TrainerConfig(task="digits", reducers_per_part=3), peers)
+    assert "--reducers-per-part 3" in command
+    assert "--reducers-per-part" not in join_command(TrainerConfig(task="digits"), peers)

@@ -1,0 +1,23 @@
+"""A LocalSwarm target: a hostile trainer that trains honestly and sends its true
+gradients, but publishes every part it reduces in a round plus ``lie`` (default 1000):
+the averaged gradient every other member takes from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from averaging import AveragedPart, ButterflyRound
+from peers.testing import Node
+from swarm.testing import trainer_node
+
+
+async def lying_reducer(node: Node) -> None:
+    lie = float(node.options.get("lie", 1000.0))
+    honest = ButterflyRound.reduced_part
+
+    def lying(self: ButterflyRound, part_index: int | None = None) -> AveragedPart:
+        part = honest(self, part_index)
+        return dataclasses.replace(part, values=part.values + lie)
+
+    ButterflyRound.reduced_part = lying  # type: ignore[method-assign]
+    await trainer_node(node)
