@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 from multiaddr import Multiaddr
 
@@ -32,6 +33,7 @@ from peers.socket_reader import SocketReader
 from peers.socket_writer import SocketWriter
 from peers.yamux import HEADER_BYTES as YAMUX_HEADER_BYTES
 from peers.yamux import (
+    MAX_HELD_RESETS,
     VIEW_FRAME_BYTES,
     DataReceived,
     GoAwayReceived,
@@ -398,6 +400,8 @@ class Connection:
         self._streams_changed_at = time.monotonic()
         self._closed_event = asyncio.Event()
         self._flush_scheduled = False
+        self._releasing: asyncio.Task[None] | None = None  # held replies, once drained
+        self._reading_paused = False
 
     @property
     def is_closed(self) -> bool:
@@ -440,6 +444,7 @@ class Connection:
                     def receive(data: bytes | memoryview) -> None:
                         if ended.done():
                             return
+                        self._session.hold_replies(self._backlogged())
                         try:
                             for plaintext in self._transport.receive_frames(data):
                                 self._handle_plaintext(plaintext)
@@ -449,6 +454,8 @@ class Connection:
                         # Soon, not now: acks and window updates then leave together
                         # with what the streams woken by this data answer meanwhile.
                         self._flush_soon()
+                        if self._session.holds_replies:
+                            self._release_when_drained()
 
                     def end(error: BaseException | None) -> None:
                         if not ended.done():
@@ -469,6 +476,41 @@ class Connection:
                     self._shutdown(self._closed or reason)
         finally:
             self._closed_event.set()
+
+    def _backlogged(self) -> bool:
+        """Whether our writes to the remote wait (above the transport's high-water mark):
+        it reads slower than we write, or not at all."""
+        transport = self._writer.transport
+        return transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]
+
+    def _release_when_drained(self) -> None:
+        """Held replies (:meth:`YamuxSession.hold_replies`) go out once our writes have
+        drained; past :data:`MAX_HELD_RESETS` refused streams, we stop reading until then:
+        a remote that provokes replies it does not read costs us a bounded buffer."""
+        if self._session.num_held_resets > MAX_HELD_RESETS and not self._reading_paused:
+            logger.info(
+                "%s does not read the replies it provokes: reading from it paused",
+                self.remote_peer_id,
+            )
+            self._reading_paused = True
+            cast(asyncio.Transport, self._writer.transport).pause_reading()
+        if self._releasing is None:
+            self._releasing = self._group.create_task(self._release_held_replies())
+            self._tasks.add(self._releasing)  # (cancelled with the connection)
+            self._releasing.add_done_callback(self._tasks.discard)
+
+    async def _release_held_replies(self) -> None:
+        try:
+            with contextlib.suppress(ConnectionError, OSError):
+                await self._writer.drain()  # returns below the transport's low-water mark
+            if self._closed is None:
+                self._session.hold_replies(False)
+                self._flush_quietly()
+                if self._reading_paused:
+                    self._reading_paused = False
+                    cast(asyncio.Transport, self._writer.transport).resume_reading()
+        finally:
+            self._releasing = None
 
     def close(self) -> None:
         """Close now: every stream fails with ConnectionClosed(by_us=True)."""

@@ -59,6 +59,12 @@ VIEW_FRAME_BYTES = 16 * 1024
 # Streams the remote opened that may wait for our ACK until we send something: go-yamux
 # lets a dialer have 256 unacknowledged streams, then blocks it until one is.
 MAX_OWED_ACKS = 128
+# Refused streams whose RST may wait while the remote does not read what we send (see
+# YamuxSession.hold_replies): past this many, the connection stops reading from it.
+MAX_HELD_RESETS = 1024
+# Pongs and RSTs queued between two frames_to_send: more are held as while the
+# connection is backlogged (one read of the socket can hold a million pings).
+MAX_QUEUED_REPLIES = 4096
 # Closed remote stream ids we remember to catch a reused id. go-yamux takes an id before it
 # sends the SYN, so two openers' SYNs may cross and "ids only grow" would misfire; an id
 # reused after this many closes is merely a new stream, which max_streams still bounds.
@@ -128,7 +134,7 @@ class StreamRejected:  # We refused a remote SYN (stream bound, or our go-away);
 
 
 @dataclass(frozen=True, slots=True)
-class PingReceived:  # The remote pinged us; the pong is already queued.
+class PingReceived:  # The remote pinged us; the pong is queued (or held: hold_replies).
     opaque: int
 
 
@@ -168,6 +174,9 @@ class YamuxStatistics:
     num_wire_bytes_sent: int
     num_wire_bytes_received: int
     window_growth_bytes: int
+    num_replies_held: int = 0
+    """Pongs and RSTs the remote provoked while it did not read what we sent, held back
+    (pongs coalesced into the latest) instead of queued."""
 
 
 @dataclass(slots=True)
@@ -251,6 +260,11 @@ class YamuxSession:
         self._num_data_bytes_received = 0
         self._num_wire_bytes_sent = 0
         self._num_wire_bytes_received = 0
+        self._holding = False
+        self._num_replies_queued = 0  # since the last frames_to_send
+        self._held_pong: int | None = None
+        self._held_resets: list[int] = []
+        self._num_replies_held = 0
 
     def receive_data(self, data: _Buffer, *, owned: bool = False) -> list[YamuxEvent]:
         """Feed bytes from the wire, split anywhere; return the events they complete, in order.
@@ -307,7 +321,12 @@ class YamuxSession:
                 self._remote_go_away = True
                 events.append(GoAwayReceived(length))
             elif flags & _SYN:  # spec.md: SYN marks a ping, ACK its answer
-                self._queue(_PING, _ACK, 0, length)
+                if self._holds_replies():
+                    self._held_pong = length  # only the latest: the remote waits for that one
+                    self._num_replies_held += 1
+                else:
+                    self._queue(_PING, _ACK, 0, length)
+                    self._num_replies_queued += 1
                 events.append(PingReceived(length))
             else:
                 events.append(PongReceived(length))
@@ -371,7 +390,12 @@ class YamuxSession:
             raise YamuxProtocolError(f"remote reused stream id {stream_id}")
         self._highest_remote_id = max(self._highest_remote_id, stream_id)
         if self._num_inbound >= self._max_streams or self._local_go_away:
-            self._queue(_WINDOW_UPDATE, _RST, stream_id, 0)
+            if self._holds_replies():
+                self._held_resets.append(stream_id)
+                self._num_replies_held += 1
+            else:
+                self._queue(_WINDOW_UPDATE, _RST, stream_id, 0)
+                self._num_replies_queued += 1
             self._remember_closed(stream_id)
             self._num_streams_rejected += 1
             events.append(StreamRejected(stream_id))
@@ -421,6 +445,7 @@ class YamuxSession:
             self._out[:0] = self._owed_acks()
         out = self._out
         self._out = []
+        self._num_replies_queued = 0
         self._num_wire_bytes_sent += sum(
             sum(map(len, frame)) if isinstance(frame, tuple) else len(frame) for frame in out
         )
@@ -557,6 +582,39 @@ class YamuxSession:
         _check_u32("opaque", opaque)
         self._queue(_PING, _SYN, 0, opaque)
 
+    def hold_replies(self, holding: bool) -> None:
+        """Hold back the replies the remote's own frames provoke, or release them.
+
+        A remote that sends pings or refused SYNs and never reads our answers would make
+        us queue 12 bytes for each 12 it sends, without end. While the connection's
+        writes to it are backlogged, and past :data:`MAX_QUEUED_REPLIES` queued since
+        the last :meth:`frames_to_send`, it holds them here instead: pongs coalesce into the
+        one for the latest ping (the only one a pinger still waits for), RSTs pile up in
+        :attr:`num_held_resets`, which the caller bounds (:data:`MAX_HELD_RESETS`: it stops
+        reading). Releasing queues what is held, pong first."""
+        self._holding = holding
+        if holding:
+            return
+        if self._held_pong is not None:
+            self._queue(_PING, _ACK, 0, self._held_pong)
+            self._held_pong = None
+        for stream_id in self._held_resets:
+            self._queue(_WINDOW_UPDATE, _RST, stream_id, 0)
+        self._held_resets.clear()
+
+    def _holds_replies(self) -> bool:
+        return self._holding or self._num_replies_queued >= MAX_QUEUED_REPLIES
+
+    @property
+    def num_held_resets(self) -> int:
+        """RSTs held back by :meth:`hold_replies`."""
+        return len(self._held_resets)
+
+    @property
+    def holds_replies(self) -> bool:
+        """Whether a pong or an RST is held back."""
+        return self._held_pong is not None or bool(self._held_resets)
+
     def go_away(self, code: int = GO_AWAY_NORMAL) -> None:
         """Queue a go-away: we accept no new streams. Open streams carry on. Idempotent."""
         _check_u32("code", code)
@@ -590,6 +648,7 @@ class YamuxSession:
             num_wire_bytes_sent=self._num_wire_bytes_sent,
             num_wire_bytes_received=self._num_wire_bytes_received,
             window_growth_bytes=self._window_growth_bytes,
+            num_replies_held=self._num_replies_held,
         )
 
     def _queue(self, kind: int, flags: int, stream_id: int, length: int) -> None:
@@ -649,6 +708,8 @@ class YamuxSession:
     def _fail(self) -> None:
         self._failed = True
         self._unacked.clear()
+        self._held_pong = None
+        self._held_resets.clear()
         self._local_go_away = True
         self._queue(_GO_AWAY, 0, 0, GO_AWAY_PROTOCOL_ERROR)
         self._streams.clear()

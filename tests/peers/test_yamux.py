@@ -16,6 +16,7 @@ from peers.yamux import (
     INITIAL_WINDOW_BYTES,
     MAX_FRAME_PAYLOAD_BYTES,
     MAX_OWED_ACKS,
+    MAX_QUEUED_REPLIES,
     YAMUX_PROTOCOL_ID,
     DataReceived,
     GoAwayReceived,
@@ -390,6 +391,42 @@ def test_ping_pong() -> None:
     client_events, server_events = pump(client, server)
     assert client_events == [PingReceived(8), PongReceived(7)]
     assert server_events == [PingReceived(7), PongReceived(8)]
+
+
+def test_held_replies_coalesce_pongs_and_keep_resets_until_released() -> None:
+    server = YamuxSession(is_client=False, max_streams=1)
+    server.receive_data(frame(WINDOW_UPDATE, SYN, 1, 0))  # the one stream it allows
+    server.data_to_send()
+    server.hold_replies(True)
+    pings = b"".join(frame(PING, SYN, 0, i) for i in range(5))
+    refused = frame(WINDOW_UPDATE, SYN, 3, 0) + frame(WINDOW_UPDATE, SYN, 5, 0)
+    events = server.receive_data(pings + refused)
+    assert events[:5] == [PingReceived(i) for i in range(5)]
+    assert events[5:] == [StreamRejected(3), StreamRejected(5)]
+    assert server.data_to_send() == b""  # nothing queued while held
+    assert server.holds_replies and server.num_held_resets == 2
+    assert server.statistics().num_replies_held == 7
+    server.hold_replies(False)  # the latest pong only, then the RSTs in order
+    assert server.data_to_send() == (
+        frame(WINDOW_UPDATE, ACK, 1, 0)  # (stream 1's ACK, owed until something is sent)
+        + frame(PING, ACK, 0, 4)
+        + frame(WINDOW_UPDATE, RST, 3, 0)
+        + frame(WINDOW_UPDATE, RST, 5, 0)
+    )
+    assert not server.holds_replies
+
+
+def test_replies_past_the_per_write_bound_are_held() -> None:
+    server = YamuxSession(is_client=False)
+    count = MAX_QUEUED_REPLIES + 10
+    server.receive_data(b"".join(frame(PING, SYN, 0, i) for i in range(count)))
+    queued = server.data_to_send()
+    assert queued == b"".join(frame(PING, ACK, 0, i) for i in range(MAX_QUEUED_REPLIES))
+    assert server.holds_replies
+    server.hold_replies(False)
+    assert server.data_to_send() == frame(PING, ACK, 0, count - 1)
+    server.receive_data(frame(PING, SYN, 0, 99))  # a write later: answered at once again
+    assert server.data_to_send() == frame(PING, ACK, 0, 99)
 
 
 def test_go_away() -> None:
