@@ -9,6 +9,7 @@ from peers.addresses import parse_multiaddr, tcp_target
 from peers.identity import KeyPair, PeerID
 from peers.noise import NOISE_CIPHERS
 from peers.relay.resources import RelayResourceConfig
+from peers.traffic import TrafficSnapshot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,3 +148,6 @@ class PeerStatistics:
     """Addresses learned from peers that we will not dial (``peers.dial_filter``)."""
     num_relayed_connections: int = 0
     """Open connections that run through a circuit relay (of ``num_connections``)."""
+    traffic: TrafficSnapshot = field(default_factory=TrafficSnapshot)
+    """Payload bytes by protocol, and the latencies of this peer's unary calls
+    (:mod:`peers.traffic`)."""

@@ -31,6 +31,7 @@ from peers.multistream import MultistreamDialer
 from peers.noise import AESGCM_NOISE, TAG_BYTES, NoiseError, NoiseTransport
 from peers.socket_reader import SocketReader
 from peers.socket_writer import SocketWriter
+from peers.traffic import TrafficBook
 from peers.yamux import HEADER_BYTES as YAMUX_HEADER_BYTES
 from peers.yamux import (
     MAX_HELD_RESETS,
@@ -110,6 +111,11 @@ class Stream:
         self._prefix = b""  # negotiation bytes of ours not yet written (see defer_write)
 
     @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not read yet (pushed back ones not included)."""
+        return self._buffered_bytes
+
+    @property
     def has_buffered_data(self) -> bool:
         """Whether a ``read`` would return data without waiting."""
         return bool(self._buffered_bytes or self._unread)
@@ -121,6 +127,8 @@ class Stream:
     # --- called by the connection ------------------------------------------------
 
     def _feed(self, data: bytes | memoryview) -> None:
+        if self.protocol is not None:
+            self.connection._traffic.received(self.protocol, len(data))
         self._chunks.append(data)
         self._buffered_bytes += len(data)
         self._readable.set()
@@ -309,6 +317,8 @@ class Stream:
         if len(buffers) > 1 and sum(len(b) for b in buffers) < SMALL_WRITE_BYTES:
             buffers = [b"".join(buffers)]
         views = [memoryview(data).cast("B") for data in buffers if len(data)]
+        if self.protocol is not None:
+            self.connection._traffic.sent(self.protocol, sum(len(v) for v in views))
         while views:
             if self._error is not None:
                 raise self._error.fresh()
@@ -376,6 +386,7 @@ class Connection:
         outbound: bool,
         initial_plaintext: bytes,
         on_inbound_stream: Callable[[Stream], Awaitable[None]],
+        traffic: TrafficBook | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
@@ -393,6 +404,7 @@ class Connection:
         self.relayed = False
         self._initial_plaintext = initial_plaintext
         self._on_inbound_stream = on_inbound_stream
+        self._traffic = traffic if traffic is not None else TrafficBook()
         self._streams: dict[int, Stream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed: ConnectionClosed | None = None

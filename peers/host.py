@@ -65,6 +65,7 @@ from peers.printable import printable
 from peers.rpc import CallContext
 from peers.socket_reader import SocketReader, can_reuse_port, open_connection, start_server
 from peers.stream_socket import stream_as_socket
+from peers.traffic import TrafficBook
 from peers.upgrade import UpgradedConnection, upgrade
 from peers.yamux import HEADER_BYTES as YAMUX_HEADER_BYTES
 from peers.yamux import YamuxSession
@@ -111,6 +112,8 @@ class Peer:
         self._noise_static = NoiseStaticKey.create(self.identity)
         self.peer_id = self.identity.peer_id
         self._handlers: dict[str, StreamHandler] = {}
+        #: Bytes by protocol and unary call latencies (``statistics().traffic``).
+        self.traffic = TrafficBook()
         self._connections: dict[PeerID, list[Connection]] = defaultdict(list)
         self._dialing: dict[PeerID, asyncio.Future[Connection]] = {}
         self._admission = InboundAdmission(
@@ -432,6 +435,7 @@ class Peer:
             outbound=outbound,
             initial_plaintext=upgraded.leftover_plaintext,
             on_inbound_stream=self._on_inbound_stream,
+            traffic=self.traffic,
         )
 
     def _register(self, conn: Connection) -> bool:
@@ -497,6 +501,9 @@ class Peer:
         stream.protocol = listener.selected
         if listener.leftover:
             stream.unread(listener.leftover)
+        # What came with the negotiation (a pipelined request) counts for the protocol.
+        pending = len(listener.leftover) + stream.buffered_bytes
+        self.traffic.received(listener.selected, pending)
         handler = self._handlers.get(listener.selected)
         if handler is None:  # removed while negotiating
             stream.reset()
@@ -904,6 +911,7 @@ class Peer:
             num_streams_refused=self._counters.streams_refused,
             num_addresses_refused=self._counters.addresses_refused,
             num_relayed_connections=sum(1 for c in conns if c.relayed),
+            traffic=self.traffic.snapshot(),
         )
 
     # --- conveniences ------------------------------------------------------------

@@ -38,6 +38,7 @@ from peers.errors import (
 )
 from peers.identity import KeyPair, PeerID
 from peers.stream_api import StreamHost, StreamLike
+from peers.traffic import TrafficBook
 from peers.virtual_clock import run_virtual
 from peers.yamux import INITIAL_WINDOW_BYTES
 
@@ -379,6 +380,8 @@ class MemoryPeer:
         self.network = network
         self.identity = identity
         self.peer_id = identity.peer_id
+        #: Its unary calls' latencies, as a real peer's (``peers.rpc.call_unary``).
+        self.traffic = TrafficBook()
         self._handlers: dict[str, MemoryStreamHandler] = {}
         # Dicts, not sets: iteration in insertion order keeps a run deterministic.
         self._streams: dict[MemoryStream, None] = {}

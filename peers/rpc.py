@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 import weakref
 from collections.abc import (
     AsyncIterable,
@@ -399,7 +400,38 @@ async def call_unary(
     Raises :class:`RemoteError` if the handler raised, :class:`TimeoutError` when
     ``timeout`` seconds pass (the remote handler is then cancelled), and the dial and
     protocol errors of :meth:`Peer.new_stream`. Cancelling the call resets the stream.
+    Its duration, and whether it failed, go into ``peer.traffic`` (a cancelled call is
+    not counted).
     """
+    started = time.monotonic()
+    try:
+        response = await _call_unary(
+            peer,
+            remote,
+            protocol,
+            request,
+            response_type,
+            timeout,
+            max_frame_bytes,
+            max_value_items,
+        )
+    except Exception:
+        peer.traffic.call_ended(protocol, time.monotonic() - started, failed=True)
+        raise
+    peer.traffic.call_ended(protocol, time.monotonic() - started, failed=False)
+    return response
+
+
+async def _call_unary(
+    peer: Peer,
+    remote: PeerID | Multiaddr | str,
+    protocol: str,
+    request: object,
+    response_type: type[Resp],
+    timeout: float | None,
+    max_frame_bytes: int,
+    max_value_items: int,
+) -> Resp:
     async with asyncio.timeout(timeout):
         stream = await peer.new_stream(remote, protocol)
         answered = False

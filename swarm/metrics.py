@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from peers.config import PeerStatistics
+from peers.traffic import LATENCY_BUCKETS, TrafficSnapshot
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -55,6 +56,7 @@ __all__ = [
     "parse_metrics_address",
     "peer_families",
     "server_families",
+    "traffic_families",
     "training_families",
 ]
 
@@ -119,7 +121,43 @@ def peer_families(stats: PeerStatistics) -> Families:
             "Addresses learned from peers that we will not dial.",
             stats.num_addresses_refused,
         ),
+        *traffic_families(stats.traffic),
     ]
+
+
+def traffic_families(traffic: TrafficSnapshot) -> Families:
+    """Payload bytes by protocol, and this peer's unary calls by protocol: a latency
+    histogram and the failures."""
+    received = CounterMetricFamily(
+        "swarm_peer_protocol_bytes_received",
+        "Payload bytes received on streams, by protocol.",
+        labels=["protocol"],
+    )
+    sent = CounterMetricFamily(
+        "swarm_peer_protocol_bytes_sent",
+        "Payload bytes sent on streams, by protocol.",
+        labels=["protocol"],
+    )
+    for protocol, counts in sorted(traffic.protocols.items()):
+        received.add_metric([protocol], counts.bytes_received)
+        sent.add_metric([protocol], counts.bytes_sent)
+    latency = HistogramMetricFamily(
+        "swarm_peer_call_seconds", "Unary calls this peer made, by protocol.", labels=["protocol"]
+    )
+    failures = CounterMetricFamily(
+        "swarm_peer_call_failures",
+        "Unary calls that failed (timeouts, remote errors, broken streams), by protocol.",
+        labels=["protocol"],
+    )
+    for protocol, calls in sorted(traffic.calls.items()):
+        buckets = [
+            (repr(bound), count)
+            for bound, count in zip(LATENCY_BUCKETS, calls.bucket_counts[:-1], strict=True)
+        ]
+        buckets.append(("+Inf", calls.count))
+        latency.add_metric([protocol], buckets, sum_value=calls.sum_seconds)
+        failures.add_metric([protocol], calls.failures)
+    return [received, sent, latency, failures]
 
 
 def dht_families(stats: DHTStatistics) -> Families:

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from peers import Peer
 from peers.dht import DHT, DHTConfig
+from peers.traffic import TrafficBook
 from swarm.metrics import (
     MetricsServer,
     TrainingSnapshot,
@@ -24,6 +25,7 @@ from swarm.metrics import (
     loop_runner,
     parse_metrics_address,
     peer_families,
+    traffic_families,
 )
 from swarm.optimizer_config import OptimizerStatistics
 
@@ -79,11 +81,29 @@ def test_a_peer_and_its_dht_are_scraped_from_another_thread_while_the_loop_serve
                 assert after["swarm_peer_connections"] == 1
                 assert after["swarm_dht_contacts"] == 1
                 assert after["swarm_dht_rpcs_served_total{rpc=find_node}"] >= 1
+                find_node = "protocol=/swarmtrain/dht/find-node/1.0.0"
+                assert after[f"swarm_peer_protocol_bytes_received_total{{{find_node}}}"] > 0
+                assert after[f"swarm_peer_protocol_bytes_sent_total{{{find_node}}}"] > 0
                 assert server.sample("swarm_peer_connections") is not None  # from Python too
             finally:
                 server.close()
 
     asyncio.run(main())
+
+
+def test_call_latencies_are_a_histogram_by_protocol() -> None:
+    book = TrafficBook()
+    for seconds in (0.002, 0.2, 3.0):
+        book.call_ended("/p/1", seconds, failed=seconds > 1)
+    server = MetricsServer()
+    server.add_source(lambda: traffic_families(book.snapshot()))
+    labels = {"protocol": "/p/1"}
+    assert server.sample("swarm_peer_call_seconds_count", labels) == 3
+    assert server.sample("swarm_peer_call_seconds_sum", labels) == pytest.approx(3.202)
+    assert server.sample("swarm_peer_call_seconds_bucket", {**labels, "le": "0.0025"}) == 1
+    assert server.sample("swarm_peer_call_seconds_bucket", {**labels, "le": "0.25"}) == 2
+    assert server.sample("swarm_peer_call_seconds_bucket", {**labels, "le": "+Inf"}) == 3
+    assert server.sample("swarm_peer_call_failures_total", labels) == 1
 
 
 def test_training_metrics_appear_with_the_first_step() -> None:
