@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import signal
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,8 +36,9 @@ from peers import (
     run,
     with_peer_id,
 )
-from peers.dht import DHT, DHTConfig, dht_time
-from peers.dht.presence import announce_forever, list_peers
+from peers.dht import DHT, DHTConfig
+from peers.dht.presence import announce_forever
+from peers.dht.status import MIN_STATUS_INTERVAL_SECONDS, ServedStatus
 from peers.echo import install_echo
 from peers.pnet import SwarmKeyError, missing_key_hint, new_swarm_key, write_swarm_key
 from peers.printable import printable
@@ -56,6 +57,7 @@ from swarm.cli_usage import (
     require_torch,
     swarm_key_arg,
 )
+from swarm.status import STATUS_INTERVAL_SECONDS, StatusSources, publishing_status
 
 if TYPE_CHECKING:
     from swarm.experts.server import ExpertServer
@@ -74,7 +76,8 @@ async def _bootstrap(args: argparse.Namespace) -> int:
         _print_addrs(peer)
         with _metrics_for(metrics, peer, dht):
             announcer = group.create_task(announce_forever(dht, peer.config.agent_version))
-            await stop.wait()
+            async with publishing_status(dht, StatusSources(), args.status_interval):
+                await stop.wait()
             announcer.cancel()
     return 0
 
@@ -156,7 +159,12 @@ async def _serve(args: argparse.Namespace) -> int:
 
     metrics = _start_metrics(args.metrics)
 
+    sources = StatusSources()
+
     def ready(server: ExpertServer) -> None:
+        from swarm.status import served_experts
+
+        sources.served = lambda: served_experts(server.statistics())
         for addr in peer.listen_addrs:
             print(addr, flush=True)
         print(f"serving {len(uids)} experts: {' '.join(uids[:8])}", flush=True)
@@ -169,7 +177,8 @@ async def _serve(args: argparse.Namespace) -> int:
     async with Peer(peer_config) as peer, DHT(peer, dht_config) as dht:
         try:
             with _metrics_for(metrics, peer, dht):
-                await serve(peer, dht, config, stop, ready)
+                async with publishing_status(dht, sources, args.status_interval):
+                    await serve(peer, dht, config, stop, ready)
         except ModuleFactoryError as e:  # the user's factory, called before `ready`
             raise UsageError(f"--module: {e}") from e
     return 0
@@ -219,6 +228,26 @@ def _add_metrics_option(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST: 127.0.0.1 unless "
         "given; 0.0.0.0 for all interfaces); off by default",
     )
+    parser.add_argument(
+        "--status-interval",
+        type=_status_interval,
+        default=STATUS_INTERVAL_SECONDS,
+        metavar="SECONDS",
+        help="publish this peer's signed status record (what `swarm status` and `swarm "
+        f"dashboard` show) every SECONDS (default {STATUS_INTERVAL_SECONDS:g}, at least "
+        f"{MIN_STATUS_INTERVAL_SECONDS:g})",
+    )
+
+
+def _status_interval(text: str) -> float:
+    from swarm.status import check_status_interval
+
+    value = _positive_float(text)
+    try:
+        check_status_interval(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _add_swarm_key_option(parser: argparse.ArgumentParser) -> None:
@@ -302,9 +331,17 @@ async def _serve_stage(args: argparse.Namespace) -> int:
     stop = _stop_on_signals()
     metrics = _start_metrics(args.metrics)
     announced = False
+    sources = StatusSources()
 
     def ready(server: StageServer) -> None:
         nonlocal announced
+        from swarm.status import served_stage
+
+        def served() -> list[ServedStatus]:
+            stats = server.statistics()
+            return served_stage(args.uid_prefix, model.num_stages, stats.stage, stats.server)
+
+        sources.served = served
         if not announced:
             _print_addrs(peer)
             announced = True
@@ -324,34 +361,25 @@ async def _serve_stage(args: argparse.Namespace) -> int:
 
     async with Peer(peer_config) as peer, DHT(peer, dht_config) as dht:
         with _metrics_for(metrics, peer, dht):
-            await StageServer(dht, config).run(stop, ready)
+            async with publishing_status(dht, sources, args.status_interval):
+                await StageServer(dht, config).run(stop, ready)
     return 0
 
 
 async def _status(args: argparse.Namespace) -> int:
-    """Join as a client, list every peer that can be found, and leave."""
+    """Join as a client, read the swarm's status records, print them, leave."""
+    from swarm.status import gather_view
+
     dht_config = DHTConfig(
         initial_peers=tuple(args.initial_peers), client_mode=True, bootstrap_timeout=args.timeout
     )
     config = PeerConfig(listen_addrs=(), swarm_key=swarm_key_arg(args.swarm_key))
     async with Peer(config) as peer, DHT(peer, dht_config) as dht:
-        announced = {p.peer_id: p for p in await list_peers(dht)}
-        now_wall, now_mono = dht_time(), time.monotonic()
-        rows: list[tuple[str, str, str]] = []
-        for presence in announced.values():
-            seconds = max(0.0, now_wall - presence.last_seen)
-            addrs = " ".join(printable(a, 200) for a in presence.addrs)  # a stranger's record
-            rows.append((str(presence.peer_id), f"{seconds:.0f} s ago", addrs))
-        for contact in dht.routing.contacts():  # answered us but did not announce
-            if contact.peer_id not in announced:
-                heard = dht.routing.last_seen(contact.peer_id)
-                ago = "now" if heard is None else f"{max(0.0, now_mono - heard):.0f} s ago"
-                full = " ".join(printable(f"{a}/p2p/{contact.peer_id}") for a in contact.addrs)
-                rows.append((str(contact.peer_id), ago, full))
-    print(f"{len(rows)} peers")
-    print(f"{'PEER ID':54}  {'LAST SEEN':>10}  ADDRESSES")
-    for peer_id, last_seen, addrs in rows:
-        print(f"{peer_id:54}  {last_seen:>10}  {addrs}")
+        view = await gather_view(dht)
+    if args.json:
+        print(json.dumps(view.to_json()))
+    else:
+        print("\n".join(view.lines()))
     return 0
 
 
@@ -446,6 +474,7 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
         reducers_per_part=args.reducers_per_part,
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
         checkpoint_every=args.checkpoint_every,
+        status_interval=args.status_interval,
     )
 
 
@@ -893,12 +922,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_swarm_key_option(ping)
 
-    status = sub.add_parser("status", help="join as a client and list the peers of a swarm")
+    status = sub.add_parser(
+        "status",
+        help="join as a client and show the swarm: peers and their reachability, runs, "
+        "experts and pipeline stages",
+    )
     status.add_argument(
         "--initial-peers", nargs="+", type=multiaddr_arg, metavar="MADDR", required=True
     )
     status.add_argument(
         "--timeout", type=_positive_float, default=10.0, help="seconds to reach them (default 10)"
+    )
+    status.add_argument(
+        "--json", action="store_true", help="print one JSON object (for programs) instead of text"
     )
     _add_swarm_key_option(status)
 
@@ -924,7 +960,10 @@ _PEER = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "bootstrap": ("swarm bootstrap --listen /ip4/0.0.0.0/tcp/31337 --identity boot.key",),
     "ping": (f"swarm ping {_PEER}",),
-    "status": (f"swarm status --initial-peers {_PEER}",),
+    "status": (
+        f"swarm status --initial-peers {_PEER}",
+        f"swarm status --initial-peers {_PEER} --json",
+    ),
     "swarm-key": ("swarm swarm-key team.key   # then every peer runs with --swarm-key team.key",),
     "serve": (
         "swarm serve --expert-pattern 'ffn.[0:4].[0:4]' --hidden-dim 1024 --optimizer adam \\",

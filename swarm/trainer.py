@@ -10,6 +10,7 @@ their identities, and no peer needs a rank or the size of the swarm.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import os
@@ -41,6 +42,13 @@ from swarm.optimizer import CollaborativeOptimizer
 from swarm.optimizer_config import CollaborativeConfig, DiLoCoConfig, OptimizerStatistics
 from swarm.progress import MAX_EXPECTED_PEERS
 from swarm.shares import Slot, my_slot, share_order, takeover_slots
+from swarm.status import (
+    STATUS_INTERVAL_SECONDS,
+    RunBoard,
+    StatusSources,
+    check_status_interval,
+    publish_status_forever,
+)
 from swarm.tasks import check_task_name, get_task
 from swarm.tasks.base import Recipe, SampleStream, check_seed
 from swarm.training_state import pack_state, unpack_state
@@ -125,11 +133,18 @@ class TrainerConfig:
     such a member's slot only after this long. A member that used it up once gets none
     until it delivers again: a peer that holds a slot and never trains costs the swarm
     one wait, not one per step."""
+    status_interval: float = STATUS_INTERVAL_SECONDS
+    """Seconds between this peer's status records (:mod:`swarm.status`: what ``swarm
+    status`` and ``swarm dashboard`` show); at least ``MIN_STATUS_INTERVAL_SECONDS``."""
     collaborative: dict[str, Any] = field(default_factory=dict)
     """Overrides of :class:`CollaborativeConfig` fields (e.g. timeouts, in tests)."""
 
     def __post_init__(self) -> None:
         check_task_name(self.task)
+        try:
+            check_status_interval(self.status_interval)
+        except ValueError as e:
+            raise TaskError(str(e)) from e
         if not isinstance(self.num_peers, int) or self.num_peers < 1:
             raise TaskError(f"num_peers must be >= 1, got {self.num_peers!r}")
         if self.num_peers > MAX_EXPECTED_PEERS:
@@ -195,6 +210,24 @@ def _export_metrics(
             on_step(stats, loss)
 
     return step
+
+
+def _publish_status(
+    dht: BlockingDHT, config: TrainerConfig, on_step: ProgressCallback | None
+) -> tuple[ProgressCallback, concurrent.futures.Future[None]]:
+    """Start publishing this peer's status record (cancel the future to stop); the step
+    callback that also records each step's progress in it."""
+    board = RunBoard()
+    publisher = dht.peer.submit(
+        publish_status_forever(dht.node, StatusSources(runs=board.runs), config.status_interval)
+    )
+
+    def step(stats: OptimizerStatistics, loss: float) -> None:
+        board.update(config.run_id, stats, loss)
+        if on_step is not None:
+            on_step(stats, loss)
+
+    return step, publisher
 
 
 def _aggregation(config: TrainerConfig) -> dict[str, Any]:
@@ -291,6 +324,7 @@ def train(
     )
     if metrics is not None:
         on_step = _export_metrics(metrics, dht, on_step)
+    on_step, publisher = _publish_status(dht, config, on_step)
     collaborative = CollaborativeConfig(
         run_id=config.run_id,
         target_batch_size=target,
@@ -346,6 +380,7 @@ def train(
             stats = opt.statistics()
             _save(config.checkpoint, params, inner, opt.epoch)
     finally:
+        publisher.cancel()
         dht.close()
     return TrainResult(
         metrics=task.evaluate(model),

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import msgpack
 
+from peers.dht.status import MAX_STATUS_BYTES, STATUS_KEY, StatusError, parse_status
 from peers.errors import IdentityError, RemoteProtocolError
 from peers.identity import KeyPair, KeyType, PeerID, PublicKey
 
@@ -155,6 +156,26 @@ def _size_check(name: str, data: bytes, limit: int) -> None:
         )
 
 
+def _check_status(record: Record, now: float) -> None:
+    """A status record (:mod:`peers.dht.status`) is owned, parses, and is not from the
+    future: every replica checks the schema, so readers never see a broken one."""
+    if record.subkey is None or _OWNER_MARKER.search(record.subkey) is None:
+        raise RecordError(RecordErrorReason.MALFORMED, "a status record needs its owner's subkey")
+    if len(record.value) > MAX_STATUS_BYTES:
+        raise RecordError(
+            RecordErrorReason.TOO_LARGE,
+            f"status record has {len(record.value)} bytes, the limit is {MAX_STATUS_BYTES}",
+        )
+    try:
+        status = parse_status(record.value)
+    except StatusError as e:
+        raise RecordError(RecordErrorReason.MALFORMED, f"status record: {e}") from e
+    if status.time > now + MAX_CLOCK_SKEW_SECONDS:
+        raise RecordError(
+            RecordErrorReason.TOO_FAR_IN_FUTURE, f"status record dated {status.time}, now is {now}"
+        )
+
+
 def validate(record: Record, now: float) -> Record:
     """Check ``record`` against every rule at time ``now``; return it normalised.
 
@@ -190,6 +211,8 @@ def validate(record: Record, now: float) -> Record:
             RecordErrorReason.TOO_FAR_IN_FUTURE,
             f"expires at {expiration}, past the maximum TTL (latest {latest})",
         )
+    if record.key == STATUS_KEY:
+        _check_status(record, now)
     found = _owner_key(record.key, record.subkey)
     if found is None:
         return replace(record, expiration_time=expiration, signature=b"")

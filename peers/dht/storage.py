@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from peers.dht.records import MAX_SUBKEYS_PER_KEY, Record, RecordError, validate
+from peers.dht.status import STATUS_KEY, too_soon
 from peers.identity import PeerID
 
 #: Who a stored record is charged to: a network's name (``peers.subnets``) or a PeerID.
@@ -62,6 +63,7 @@ class StoreResult(enum.Enum):
     REJECTED_STALE = "rejected: not newer than the record held"
     REJECTED_QUOTA = "rejected: the source holds more than its share"
     REJECTED_FULL = "rejected: full, and no source holds more than this one"
+    REJECTED_TOO_SOON = "rejected: replaces its owner's status record too soon"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,9 @@ class StoreStatistics:
     num_rejected_quota: int
     num_rejected_full: int
     num_evicted: int
+    num_rejected_too_soon: int = 0
+    """Status records replacing their owner's previous one sooner than
+    ``peers.dht.status.MIN_STATUS_INTERVAL_SECONDS`` after it."""
 
 
 @dataclass(slots=True, eq=False)
@@ -171,6 +176,12 @@ class RecordStore:
             return StoreResult.ACCEPTED
         if old is not None and record.expiration_time <= old.record.expiration_time:
             return StoreResult.REJECTED_STALE
+        if (
+            old is not None
+            and record.key == STATUS_KEY
+            and too_soon(old.record.value, record.value)
+        ):
+            return StoreResult.REJECTED_TOO_SOON
         cost = record_cost(record)
         own_old = old if old is not None and old.source == source else None
         held = len(self._by_source.get(source, ())) + (own_old is None)
@@ -264,6 +275,7 @@ class RecordStore:
             num_rejected_quota=self._outcomes["REJECTED_QUOTA"],
             num_rejected_full=self._outcomes["REJECTED_FULL"],
             num_evicted=self._num_evicted,
+            num_rejected_too_soon=self._outcomes["REJECTED_TOO_SOON"],
         )
 
     def _is_live(self, entry: _Entry) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from peers import BlockingPeer, PeerConfig, PeerID
 from swarm.experts import ExpertCallConfig, ExpertLocation, RemoteExpert
-from tests.swarm.test_metrics import _scrape
+from tests.swarm.test_metrics import _scrape, _status_json
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 
@@ -27,6 +27,7 @@ def test_serve_hosts_experts_until_sigterm() -> None:
             *("--module", "linear", "--hidden-dim", "8", "--uids", "lin.0"),
             *("--expert-pattern", "lin.[1:3]", "--listen", "/ip4/127.0.0.1/tcp/0"),
             *("--optimizer", "sgd", "--lr", "0.1", "--seed", "0", "--metrics", "0"),
+            *("--status-interval", "2"),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -54,6 +55,13 @@ def test_serve_hosts_experts_until_sigterm() -> None:
         assert scraped["swarm_server_backward_samples_total{module=lin.2}"] == 3
         assert scraped["swarm_server_forward_samples_total{module=lin.0}"] == 0
         assert scraped["swarm_peer_connections"] >= 1
+        status = _status_json(maddr, lambda view: any(e["num_batches"] for e in view["experts"]))
+        assert [(e["uid"], e["num_servers"]) for e in status["experts"]] == [
+            ("lin.0", 1),
+            ("lin.1", 1),
+            ("lin.2", 1),
+        ]
+        assert [e["num_batches"] > 0 for e in status["experts"]] == [False, False, True]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

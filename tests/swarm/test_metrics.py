@@ -5,11 +5,13 @@ peer started from the command line whose samples and rounds rise between scrapes
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -143,7 +145,7 @@ def test_a_training_peer_started_with_metrics_shows_samples_and_rounds_rising() 
     and DHT show the other peer."""
     train = [*SWARM, "train", *LOCAL, "--num-samples", str(64 * 3000), "--num-threads", "1"]
     first = subprocess.Popen(
-        [*train, "--num-peers", "2", "--metrics", "0"],
+        [*train, "--num-peers", "2", "--metrics", "0", "--status-interval", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -179,6 +181,9 @@ def test_a_training_peer_started_with_metrics_shows_samples_and_rounds_rising() 
             time.sleep(0.2)
         time.sleep(1.0)
         late = _scrape(port)
+        status = _status_json(
+            command.split()[2], lambda view: any(run["samples"] for run in view["runs"])
+        )
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
@@ -193,3 +198,25 @@ def test_a_training_peer_started_with_metrics_shows_samples_and_rounds_rising() 
     assert late["swarm_train_peers"] == 2
     assert late["swarm_peer_connections"] >= 1 and late["swarm_dht_contacts"] >= 1
     assert late["swarm_peer_relayed_connections"] == 0  # loopback: all direct
+    (run,) = status["runs"]  # the first peer's status record, as `swarm status` shows it
+    assert run["run_id"] == "demo" and run["samples"] > 0 and run["loss"] is not None
+
+
+def _status_json(addr: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """``swarm status --json`` through ``addr``, until ``done`` says the view is what
+    the test waits for (at most 30 s of tries)."""
+    view: dict[str, Any] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            [*SWARM, "status", "--initial-peers", addr, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        view = json.loads(out.stdout)
+        if done(view):
+            break
+        time.sleep(0.5)
+    return view

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from swarm.pipeline import (
     RemoteSequential,
     pipeline_model,
 )
+from swarm.status import gather_view
 from swarm.tasks import get_task
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
@@ -30,7 +32,16 @@ LISTEN = ("--listen", "/ip4/127.0.0.1/tcp/0")
 def _start(*args: str) -> tuple[subprocess.Popen[str], str, str]:
     """A serve-stage process, its first multiaddr and its 'serving' line."""
     proc = subprocess.Popen(
-        [*SWARM, "serve-stage", *LISTEN, "--announce-interval", "1", *args],
+        [
+            *SWARM,
+            "serve-stage",
+            *LISTEN,
+            "--announce-interval",
+            "1",
+            "--status-interval",
+            "2",
+            *args,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -79,7 +90,16 @@ def test_three_stage_servers_from_the_cli_take_every_stage_and_train(
         with torch.no_grad():
             after = float(F.cross_entropy(model(task.test_inputs), task.test_targets))
         print("test loss before and after", before, after)
+        # Their status records show the pipeline covered, each stage having worked.
+        deadline, pipelines = time.monotonic() + 30, ()
+        while time.monotonic() < deadline:
+            view = dht.peer.run(gather_view(dht.node), timeout=30)
+            pipelines = view.pipelines
+            if pipelines and pipelines[0].servers == (1, 1, 1):
+                break
+            time.sleep(0.5)
     assert after < 0.5 * before, (before, after)
+    assert [(p.uid_prefix, p.servers, p.coverage) for p in pipelines] == [("stage", (1, 1, 1), 1.0)]
 
     for proc in processes:
         proc.send_signal(signal.SIGTERM)

@@ -347,3 +347,35 @@ def test_a_dht_frame_is_small_and_our_own_big_stores_go_in_batches(arun: Run) ->
                 assert storer.statistics().rpcs_sent["store"] >= 3
 
     arun(main())
+
+
+def test_malformed_and_oversized_status_records_are_refused_and_cost_nothing_else(
+    arun: Run,
+) -> None:
+    """A status record (peers.dht.status) that breaks the schema, or is too large, is
+    refused by the replica over the real RPC; the attacker's connection, an honest
+    peer's record and the attacker's own valid record after it all still work."""
+    from peers.dht.status import MAX_STATUS_BYTES, STATUS_KEY, PeerStatus
+
+    def signed(owner: KeyPair, value: object) -> WireRecord:
+        data = value if isinstance(value, bytes) else pack(value)
+        subkey = owner_marker(owner.peer_id)
+        return record_to_wire(Record(STATUS_KEY, subkey, data, dht_time() + 60).sign(owner))
+
+    async def main() -> None:
+        async with victim_and_attacker() as (victim, attacker):
+            honest, hostile = KeyPair.generate(), KeyPair.generate()
+            good = PeerStatus(agent="swarmtrain", reachability="public", time=dht_time())
+            assert await raw_store(attacker, victim, [signed(honest, good.to_value())]) == [True]
+            broken = {**good.to_value(), "reach": "<script>", "agent": "x\x00"}
+            oversized = {**good.to_value(), "agent": "a" * MAX_STATUS_BYTES}
+            garbage = b"\x03\xc1\xc1\xc1"
+            attempts = [signed(hostile, v) for v in (broken, oversized, garbage)]
+            assert await raw_store(attacker, victim, attempts) == [False, False, False]
+            assert victim.store_.statistics().num_rejected_invalid == 3
+            assert await raw_store(attacker, victim, [signed(hostile, good.to_value())]) == [True]
+            found = await victim.get(STATUS_KEY)
+            assert isinstance(found, dict) and len(found) == 2
+            assert {owner_marker(honest.peer_id), owner_marker(hostile.peer_id)} == set(found)
+
+    arun(main())
