@@ -585,6 +585,9 @@ class Connection:
     async def _serve_inbound(self, stream: Stream) -> None:
         try:
             await self._on_inbound_stream(stream)
+        except ConnectionClosed as e:  # the remote reset it or left mid-request: theirs
+            logger.info("handler for %s ended: %r", stream.protocol, e)
+            stream.reset()
         except Exception as e:  # a handler's failure costs only its stream
             logger.warning("handler for %s failed: %r", stream.protocol, e)
             stream.reset()

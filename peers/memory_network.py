@@ -466,6 +466,9 @@ class MemoryPeer:
     async def _serve(self, handler: MemoryStreamHandler, stream: MemoryStream) -> None:
         try:
             await handler(stream)
+        except ConnectionClosed as e:  # the remote reset it or left mid-request: theirs
+            logger.info("handler for %s ended: %r", stream.protocol, e)
+            stream.reset()
         except Exception as e:  # a handler's failure costs only its stream
             logger.warning("handler for %s failed: %r", stream.protocol, e)
             stream.reset()

@@ -9,7 +9,7 @@ demo`` runs its peers as ``swarm train --progress json`` and reads them):
 - ``{"event": "progress", "epoch", "samples", "total_samples", "loss", "peers",
   "samples_per_second", "local_samples"}`` at each new epoch, and within an epoch at
   most every ``JSON_INTERVAL_SECONDS``;
-- ``{"event": "result", "metrics", "epochs", "global_samples", "seconds",
+- ``{"event": "result", "metrics", "epochs", "global_samples", "seconds", "train_seconds",
   "final_loss", "statistics"}`` once at the end.
 """
 
@@ -136,6 +136,7 @@ def result_record(result: TrainResult) -> dict[str, Any]:
         "epochs": result.epochs,
         "global_samples": result.global_samples,
         "seconds": result.seconds,
+        "train_seconds": result.train_seconds,
         "final_loss": None if math.isnan(result.final_loss) else result.final_loss,
         "statistics": dataclasses.asdict(result.statistics),
     }

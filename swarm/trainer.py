@@ -282,6 +282,9 @@ class TrainResult:
     seconds: float
     statistics: OptimizerStatistics
     final_loss: float
+    train_seconds: float = 0.0
+    """Seconds from this peer's first training step to its last: ``seconds`` without
+    joining, waiting for the run's peers and loading state."""
 
 
 ProgressCallback = Callable[[OptimizerStatistics, float], None]
@@ -351,6 +354,7 @@ def train(
             loss_value = math.nan
             network = _NetworkReport(dht, on_network)
             saved = opt.epoch
+            first_step = time.monotonic()
             try:
                 while opt.epoch < total_epochs:
                     network.maybe_report()
@@ -378,6 +382,7 @@ def train(
                     )
                 raise
             stats = opt.statistics()
+            train_seconds = time.monotonic() - first_step
             _save(config.checkpoint, params, inner, opt.epoch)
     finally:
         publisher.cancel()
@@ -389,6 +394,7 @@ def train(
         seconds=time.monotonic() - started,
         statistics=stats,
         final_loss=loss_value,
+        train_seconds=train_seconds,
     )
 
 

@@ -39,6 +39,30 @@ def test_demo_trains_a_local_swarm_and_compares_it_with_the_baseline() -> None:
     assert "demo finished in" in text
 
 
+def test_the_speed_demo_trains_the_transformer_to_the_same_model_as_one_process() -> None:
+    """``swarm demo --speed`` (three steps here): one trainer per core splits each batch
+    of 1024; the models are the same, the table has both training times and the bytes
+    (how the times compare is measured in docs/benchmarks.md, not asserted)."""
+    out = subprocess.run(
+        [*SWARM, "demo", "--speed", "--num-samples", str(1024 * 3)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "peers train the 'charlm' task together" in text
+    assert re.search(r"global batch\s+1024\s+same", text), text
+    assert re.search(r"optimizer steps\s+3\s+3", text), text
+    loss = re.search(r"test loss\s+(\d\.\d+)\s+(\d\.\d+)", text)
+    assert loss is not None and loss.group(1) == loss.group(2), text
+    assert re.search(r"training time\s+\d+\.\d+ s\s+\d+\.\d+ s", text), text
+    assert re.search(r"bytes sent\s+\d", text), text
+    assert "hold the same model" in text
+    assert re.search(r"trained \d+\.\d+x faster than one process|took \d+\.\dx as long", text)
+    assert "warning" not in out.stderr, out.stderr
+
+
 def _summary(stdout: str, epochs: int) -> None:
     assert f"done: {epochs} epochs, {epochs * 64:,} global samples" in stdout, stdout
     assert re.search(r"test metrics: loss \d\.\d+, accuracy \d+\.\d%", stdout), stdout
