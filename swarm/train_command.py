@@ -27,6 +27,7 @@ from peers.identity import KeyPair
 from peers.pnet import load_swarm_key
 from swarm.errors import TaskError
 from swarm.metrics import MetricsServer
+from swarm.status import STATUS_INTERVAL_SECONDS, StatusSources, publish_status_forever
 from swarm.tasks import get_task
 from swarm.train_display import ProgressMode, TrainDisplay
 from swarm.trainer import TrainerConfig, TrainResult, plan_run, train
@@ -75,11 +76,14 @@ def join_command(config: TrainerConfig, initial_peers: Sequence[str]) -> str:
 
 @contextlib.contextmanager
 def hosted_bootstrap(
-    listen: Sequence[str], announce: Sequence[str] = (), swarm_key: bytes | None = None
+    listen: Sequence[str],
+    announce: Sequence[str] = (),
+    swarm_key: bytes | None = None,
+    status_interval: float = STATUS_INTERVAL_SECONDS,
 ) -> Iterator[list[str]]:
-    """A bootstrap DHT node in this process for the duration; yields its multiaddrs
-    (``announce`` instead of the bound ones, if given); in ``swarm_key``'s private
-    network if given.
+    """A bootstrap DHT node in this process for the duration, publishing its status
+    record every ``status_interval`` seconds; yields its multiaddrs (``announce``
+    instead of the bound ones, if given); in ``swarm_key``'s private network if given.
 
     Raises :class:`TaskError` if ``listen`` is empty (a peer nobody can dial cannot
     start a swarm) and the ``peers`` errors of a bad or busy address.
@@ -91,7 +95,14 @@ def hosted_bootstrap(
     )
     boot = BlockingDHT(peer_config=config)
     try:
-        yield [str(a) for a in boot.peer.listen_addrs]
+        # It shows in `swarm status` like a `swarm bootstrap` peer (its own record).
+        publisher = boot.peer.submit(
+            publish_status_forever(boot.node, StatusSources(), status_interval)
+        )
+        try:
+            yield [str(a) for a in boot.peer.listen_addrs]
+        finally:
+            publisher.cancel()
     finally:
         boot.close()
 
@@ -126,7 +137,9 @@ def run_train(
     with contextlib.ExitStack() as stack:
         if not config.initial_peers:
             key = load_swarm_key(config.swarm_key) if config.swarm_key else None
-            addrs = stack.enter_context(hosted_bootstrap(config.listen, config.announce, key))
+            addrs = stack.enter_context(
+                hosted_bootstrap(config.listen, config.announce, key, config.status_interval)
+            )
             # The bootstrap peer keeps the ports given; this trainer takes the next ones.
             config = dataclasses.replace(
                 config,

@@ -200,6 +200,8 @@ def test_a_training_peer_started_with_metrics_shows_samples_and_rounds_rising() 
     assert late["swarm_peer_relayed_connections"] == 0  # loopback: all direct
     (run,) = status["runs"]  # the first peer's status record, as `swarm status` shows it
     assert run["run_id"] == "demo" and run["samples"] > 0 and run["loss"] is not None
+    # Both trainers and the first one's hosted bootstrap publish their records.
+    assert sum(1 for p in status["peers"] if p["agent"].startswith("swarmtrain/")) == 3
 
 
 def _status_json(addr: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
