@@ -24,6 +24,7 @@ import math
 import time
 import weakref
 from collections.abc import (
+    AsyncGenerator,
     AsyncIterable,
     AsyncIterator,
     Awaitable,
@@ -466,8 +467,33 @@ async def call_stream(
 
     Requests are sent by a task owned by this generator; closing the generator early,
     an error, or ``timeout`` resets the stream and so cancels the remote handler.
-    Raises :class:`RemoteError` if the handler raised.
+    Raises :class:`RemoteError` if the handler raised. The call's duration (to the end
+    of the response stream), and whether it failed, go into ``peer.traffic`` (a call
+    closed early or cancelled is not counted).
     """
+    started = time.monotonic()
+    responses = _call_stream(
+        peer, remote, protocol, requests, response_type, timeout, max_frame_bytes
+    )
+    async with contextlib.aclosing(responses):  # closed early: its stream resets now
+        try:
+            async for response in responses:
+                yield response
+        except Exception:
+            peer.traffic.stream_call_ended(protocol, time.monotonic() - started, failed=True)
+            raise
+    peer.traffic.stream_call_ended(protocol, time.monotonic() - started, failed=False)
+
+
+async def _call_stream(
+    peer: Peer,
+    remote: PeerID | Multiaddr | str,
+    protocol: str,
+    requests: AsyncIterable[Any] | Iterable[Any],
+    response_type: type[Resp],
+    timeout: float | None,
+    max_frame_bytes: int,
+) -> AsyncGenerator[Resp, None]:
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     async with asyncio.timeout_at(deadline):

@@ -1,8 +1,11 @@
 """What a peer's streams carried and how long its calls took, by protocol.
 
 A :class:`TrafficBook` per peer: the payload bytes each protocol's streams received and
-sent (after protocol negotiation; yamux and Noise framing not counted), and a latency
-histogram of the unary calls this peer made, per protocol, with their failures.
+sent (after protocol negotiation; yamux and Noise framing not counted), and latency
+histograms, per protocol, of the unary calls this peer made and of its streaming calls
+(from the call to the end of the response stream), with their failures.
+:class:`LatencyHistogram` is the histogram, for other latencies to reuse (a training
+peer's averaging rounds, a pipeline client's stage calls).
 ``Peer.statistics().traffic`` is a snapshot; ``swarm.metrics`` exports it as Prometheus
 counters and histograms.
 
@@ -60,13 +63,21 @@ class CallLatency:
     """Calls that raised (timeouts, remote errors, broken streams)."""
 
 
+EMPTY_LATENCY = CallLatency((0,) * (len(LATENCY_BUCKETS) + 1), 0, 0.0, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class TrafficSnapshot:
     protocols: Mapping[str, ProtocolTraffic] = field(default_factory=dict)
     calls: Mapping[str, CallLatency] = field(default_factory=dict)
+    stream_calls: Mapping[str, CallLatency] = field(default_factory=dict)
+    """Streaming calls: from the call to the end of its response stream. A call whose
+    caller stopped reading early is not counted (nor is a cancelled one)."""
 
 
-class _Histogram:
+class LatencyHistogram:
+    """Durations in :data:`LATENCY_BUCKETS`, their sum and the failures; one thread's."""
+
     __slots__ = ("count", "counts", "failures", "total")
 
     def __init__(self) -> None:
@@ -75,13 +86,27 @@ class _Histogram:
         self.total = 0.0
         self.failures = 0
 
+    def record(self, seconds: float, *, failed: bool = False) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.count += 1
+        self.total += seconds
+        self.failures += failed
+
+    def snapshot(self) -> CallLatency:
+        cumulative, running = [], 0
+        for count in self.counts:
+            running += count
+            cumulative.append(running)
+        return CallLatency(tuple(cumulative), self.count, self.total, self.failures)
+
 
 class TrafficBook:
     """Counts as streams and calls go; every method returns at once. One event loop's."""
 
     def __init__(self) -> None:
         self._traffic: dict[str, list[int]] = {}  # protocol -> [received, sent]
-        self._calls: dict[str, _Histogram] = {}
+        self._calls: dict[str, LatencyHistogram] = {}
+        self._stream_calls: dict[str, LatencyHistogram] = {}
 
     def _slot(self, protocol: str) -> list[int]:
         slot = self._traffic.get(protocol)
@@ -98,25 +123,22 @@ class TrafficBook:
         self._slot(protocol)[1] += num_bytes
 
     def call_ended(self, protocol: str, seconds: float, *, failed: bool) -> None:
-        histogram = self._calls.get(protocol)
-        if histogram is None:
-            if len(self._calls) >= MAX_PROTOCOLS:
-                protocol = OTHER
-            histogram = self._calls.setdefault(protocol, _Histogram())
-        histogram.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        histogram.count += 1
-        histogram.total += seconds
-        histogram.failures += failed
+        _histogram(self._calls, protocol).record(seconds, failed=failed)
+
+    def stream_call_ended(self, protocol: str, seconds: float, *, failed: bool) -> None:
+        _histogram(self._stream_calls, protocol).record(seconds, failed=failed)
 
     def snapshot(self) -> TrafficSnapshot:
         protocols = {p: ProtocolTraffic(r, s) for p, (r, s) in self._traffic.items()}
-        calls = {}
-        for protocol, histogram in self._calls.items():
-            cumulative, running = [], 0
-            for count in histogram.counts:
-                running += count
-                cumulative.append(running)
-            calls[protocol] = CallLatency(
-                tuple(cumulative), histogram.count, histogram.total, histogram.failures
-            )
-        return TrafficSnapshot(protocols, calls)  # (fresh dicts: a snapshot is its own)
+        calls = {p: h.snapshot() for p, h in self._calls.items()}
+        streams = {p: h.snapshot() for p, h in self._stream_calls.items()}
+        return TrafficSnapshot(protocols, calls, streams)  # fresh dicts: a snapshot is its own
+
+
+def _histogram(table: dict[str, LatencyHistogram], protocol: str) -> LatencyHistogram:
+    histogram = table.get(protocol)
+    if histogram is None:
+        if len(table) >= MAX_PROTOCOLS:
+            protocol = OTHER
+        histogram = table.setdefault(protocol, LatencyHistogram())
+    return histogram

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from peers.config import PeerStatistics
-from peers.traffic import LATENCY_BUCKETS, TrafficSnapshot
+from peers.traffic import LATENCY_BUCKETS, CallLatency, TrafficSnapshot
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -55,6 +55,7 @@ __all__ = [
     "loop_runner",
     "parse_metrics_address",
     "peer_families",
+    "pipeline_families",
     "server_families",
     "traffic_families",
     "training_families",
@@ -126,8 +127,8 @@ def peer_families(stats: PeerStatistics) -> Families:
 
 
 def traffic_families(traffic: TrafficSnapshot) -> Families:
-    """Payload bytes by protocol, and this peer's unary calls by protocol: a latency
-    histogram and the failures."""
+    """Payload bytes by protocol, and this peer's unary and streaming calls by protocol:
+    latency histograms and the failures."""
     received = CounterMetricFamily(
         "swarm_peer_protocol_bytes_received",
         "Payload bytes received on streams, by protocol.",
@@ -141,23 +142,60 @@ def traffic_families(traffic: TrafficSnapshot) -> Families:
     for protocol, counts in sorted(traffic.protocols.items()):
         received.add_metric([protocol], counts.bytes_received)
         sent.add_metric([protocol], counts.bytes_sent)
-    latency = HistogramMetricFamily(
-        "swarm_peer_call_seconds", "Unary calls this peer made, by protocol.", labels=["protocol"]
-    )
-    failures = CounterMetricFamily(
-        "swarm_peer_call_failures",
-        "Unary calls that failed (timeouts, remote errors, broken streams), by protocol.",
-        labels=["protocol"],
-    )
-    for protocol, calls in sorted(traffic.calls.items()):
+    calls = sorted(traffic.calls.items())
+    streams = sorted(traffic.stream_calls.items())
+    return [
+        received,
+        sent,
+        latency_family(
+            "swarm_peer_call_seconds", "Unary calls this peer made, by protocol.", calls
+        ),
+        _failures_family(
+            "swarm_peer_call_failures",
+            "Unary calls that failed (timeouts, remote errors, broken streams), by protocol.",
+            calls,
+        ),
+        latency_family(
+            "swarm_peer_stream_call_seconds",
+            "Streaming calls this peer made, from the call to the end of the responses, "
+            "by protocol.",
+            streams,
+        ),
+        _failures_family(
+            "swarm_peer_stream_call_failures",
+            "Streaming calls that failed, by protocol.",
+            streams,
+        ),
+    ]
+
+
+def latency_family(
+    name: str,
+    doc: str,
+    items: Iterable[tuple[str | tuple[str, ...], CallLatency]],
+    labels: Sequence[str] = ("protocol",),
+) -> HistogramMetricFamily:
+    """A Prometheus histogram of :class:`peers.traffic.CallLatency` records, one per
+    label value (a string for one label, a tuple for several)."""
+    family = HistogramMetricFamily(name, doc, labels=list(labels))
+    for key, latency in items:
+        values = [key] if isinstance(key, str) else list(key)
         buckets = [
             (repr(bound), count)
-            for bound, count in zip(LATENCY_BUCKETS, calls.bucket_counts[:-1], strict=True)
+            for bound, count in zip(LATENCY_BUCKETS, latency.bucket_counts[:-1], strict=True)
         ]
-        buckets.append(("+Inf", calls.count))
-        latency.add_metric([protocol], buckets, sum_value=calls.sum_seconds)
-        failures.add_metric([protocol], calls.failures)
-    return [received, sent, latency, failures]
+        buckets.append(("+Inf", latency.count))
+        family.add_metric(values, buckets, sum_value=latency.sum_seconds)
+    return family
+
+
+def _failures_family(
+    name: str, doc: str, items: Iterable[tuple[str, CallLatency]]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["protocol"])
+    for protocol, latency in items:
+        family.add_metric([protocol], latency.failures)
+    return family
 
 
 def dht_families(stats: DHTStatistics) -> Families:
@@ -230,6 +268,37 @@ def server_families(stats: Any, stage: int | None = None) -> Families:
     return families
 
 
+def pipeline_families(stats: Any) -> Families:
+    """A pipeline client's (``swarm.pipeline.PipelineClient.statistics()``): its
+    micro-batches, failed stage calls (retried elsewhere), and each stage's call
+    latency by direction."""
+    latencies = [
+        ((str(stage), direction), latency)
+        for (stage, direction), latency in stats.call_latency.items()
+    ]
+    return [
+        _counter(
+            "swarm_pipeline_forwards", "Micro-batches sent through every stage.", stats.num_forwards
+        ),
+        _counter(
+            "swarm_pipeline_backwards",
+            "Micro-batches back-propagated through every stage.",
+            stats.num_backwards,
+        ),
+        _counter(
+            "swarm_pipeline_failed_calls",
+            "Stage calls that failed and were retried on another server (or gave up).",
+            stats.num_failed_calls,
+        ),
+        latency_family(
+            "swarm_pipeline_call_seconds",
+            "Stage calls of this client, by stage and direction (forward or backward).",
+            latencies,
+            labels=("stage", "direction"),
+        ),
+    ]
+
+
 @dataclass
 class TrainingSnapshot:
     """The training loop's latest step, published by the training thread and read by
@@ -284,6 +353,12 @@ def training_families(stats: Any, loss: float) -> Families:
             "swarm_train_round_seconds",
             "Seconds in rounds that formed a group (matchmaking and all-reduce).",
             stats.round_seconds,
+        ),
+        latency_family(
+            "swarm_train_round_duration_seconds",
+            "Rounds that formed a group (matchmaking and all-reduce), by duration.",
+            [((), stats.round_latency)],
+            labels=(),
         ),
         _gauge(
             "swarm_train_reducer_spread",

@@ -49,6 +49,7 @@ from peers.dht.records import RecordError, owner_marker, owner_of
 from peers.errors import PeersError
 from peers.identity import PeerID
 from peers.owned_tasks import CANCEL_TIMEOUT_SECONDS, OwnedTasks
+from peers.traffic import LatencyHistogram
 from swarm.device_buffers import AveragingBuffers
 from swarm.errors import SwarmError
 from swarm.optimizer_config import (
@@ -123,6 +124,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             "no_group": 0,
         }
         self._round_seconds = 0.0
+        self._round_latency = LatencyHistogram()
         self._reducer_spread = 0.0
         self._records: dict[PeerID, PeerProgress] = {}
         self._expect = 1
@@ -319,6 +321,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         self._counts["rounds"] += 1
         self._counts["bytes"] += step.outcome.transfer.bytes_sent
         self._round_seconds += step.matchmaking_seconds + step.allreduce_seconds
+        self._round_latency.record(step.matchmaking_seconds + step.allreduce_seconds)
         self._reducer_spread = step.spread
         self._fingerprint = step.outcome.result.fingerprint()[:16]
         report = step.outcome.result.report
@@ -731,6 +734,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             num_rounds_without_group=self._counts["no_group"],
             round_seconds=self._round_seconds,
             reducer_spread=self._reducer_spread,
+            round_latency=self._round_latency.snapshot(),
         )
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from averaging import (
     NoneCodec,
 )
 from peers.identity import KeyPair, PeerID
+from peers.traffic import EMPTY_LATENCY, CallLatency
 from swarm.errors import SwarmError
 
 
@@ -205,6 +206,9 @@ class OptimizerStatistics:
     """Steps where peers were there but no group formed in time (this peer resynced)."""
     round_seconds: float = 0.0
     """Seconds spent in rounds that formed a group, matchmaking and all-reduce."""
+    round_latency: CallLatency = EMPTY_LATENCY
+    """Each round that formed a group (matchmaking and all-reduce), as a histogram in
+    ``peers.traffic.LATENCY_BUCKETS``: ``round_seconds`` split by duration."""
     reducer_spread: float = 0.0
     """With several reducers per part, the largest difference between two reducers'
     averages of one coordinate in the last round (``AveragingStep.spread``): rounding

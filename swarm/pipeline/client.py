@@ -26,7 +26,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -34,6 +34,7 @@ import torch
 
 from peers.dht import DHT
 from peers.errors import PeersError, RemoteError
+from peers.traffic import CallLatency, LatencyHistogram
 from swarm.experts.announce import ExpertLocation, find_experts
 from swarm.experts.calls import ExpertCallConfig, call_backward, call_forward
 from swarm.experts.uids import check_name
@@ -116,6 +117,9 @@ class PipelineStatistics:
     num_refreshes: int
     servers: tuple[tuple[ServerRecord, ...], ...]
     """Per stage, its servers as the wiring sees them."""
+    call_latency: Mapping[tuple[int, str], CallLatency] = field(default_factory=dict)
+    """Stage calls by ``(stage, "forward" or "backward")``: each attempt's duration, a
+    failed one (then retried elsewhere) counted as a failure."""
 
 
 class PipelineClient:
@@ -130,6 +134,7 @@ class PipelineClient:
         self._refreshed_at = -math.inf
         self._refresh_lock = asyncio.Lock()
         self._counters: Counter[str] = Counter()
+        self._latency: dict[tuple[int, str], LatencyHistogram] = {}
 
     async def refresh(self) -> None:
         """Re-read every stage's servers from the DHT now."""
@@ -179,10 +184,12 @@ class PipelineClient:
         *,
         first: ExpertLocation | None = None,
         measure: bool = True,
+        direction: str = "forward",
     ) -> tuple[ExpertLocation, R]:
         """``call`` on a server of ``stage`` (``first`` if it is not banned), retried on
         others. Raises StageFailed after ``max_attempts``, StageUnavailable (above)."""
         wiring = self.wirings[stage]
+        latency = self._latency.setdefault((stage, direction), LatencyHistogram())
         errors: list[str] = []
         for attempt in range(self.config.max_attempts):
             now = time.monotonic()
@@ -195,11 +202,13 @@ class PipelineClient:
             try:
                 result = await call(location)
                 settled = True
+                latency.record(time.monotonic() - now)
                 seconds = time.monotonic() - now if measure else None
                 wiring.on_success(location.peer_id, num_samples, seconds, time.monotonic())
                 return location, result
             except (PeersError, TimeoutError, OSError) as e:  # the server's failure (or gone)
                 settled = True
+                latency.record(time.monotonic() - now, failed=True)
                 busy = isinstance(e, RemoteError) and e.remote_type == "ServerBusy"
                 wiring.on_failure(location.peer_id, num_samples, time.monotonic(), busy=busy)
                 self._counters["failed_calls"] += 1
@@ -256,7 +265,9 @@ class PipelineClient:
             )
 
         n = done.inputs[0].shape[0]
-        _, got = await self._call(stage, n, attempt, first=done.location, measure=False)
+        _, got = await self._call(
+            stage, n, attempt, first=done.location, measure=False, direction="backward"
+        )
         return got
 
     async def backward(
@@ -313,4 +324,5 @@ class PipelineClient:
             num_failed_calls=self._counters["failed_calls"],
             num_refreshes=self._counters["refreshes"],
             servers=tuple(w.statistics(now) for w in self.wirings),
+            call_latency={key: h.snapshot() for key, h in sorted(self._latency.items())},
         )

@@ -4,6 +4,7 @@ peer pair as calls go, failures included, and bounded in the protocols they name
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -14,6 +15,7 @@ from peers.traffic import LATENCY_BUCKETS, MAX_PROTOCOLS, OTHER, TrafficBook
 
 ECHO = "/test/traffic/echo/1.0.0"
 FAIL = "/test/traffic/fail/1.0.0"
+STREAM = "/test/traffic/stream/1.0.0"
 
 
 def test_the_histogram_is_cumulative_and_names_are_bounded() -> None:
@@ -57,5 +59,45 @@ def test_a_peer_counts_bytes_by_protocol_and_its_calls_with_their_failures() -> 
             assert mine.calls[ECHO].count == 3 and mine.calls[ECHO].failures == 0
             assert mine.calls[FAIL].count == 1 and mine.calls[FAIL].failures == 1
             assert ECHO not in theirs.calls  # it served them; it called no one
+
+    asyncio.run(main())
+
+
+def test_streaming_calls_are_timed_to_the_end_of_their_responses() -> None:
+    """Finished and failed streaming calls are counted by protocol; one the caller
+    closes early is not, and its stream is reset at once (the server's handler ends)."""
+    ended = asyncio.Event()
+
+    async def count_to(requests: AsyncIterator[int], context: CallContext) -> AsyncIterator[int]:
+        try:
+            async for n in requests:
+                for i in range(n):
+                    yield i
+        finally:
+            ended.set()
+
+    async def fails(requests: AsyncIterator[int], context: CallContext) -> AsyncIterator[int]:
+        async for _ in requests:
+            raise ValueError("no")
+        yield 0
+
+    async def main() -> None:
+        async with Peer() as server, Peer() as client:
+            server.add_stream_handler(STREAM, count_to, int)
+            server.add_stream_handler(FAIL, fails, int)
+            address = f"{server.listen_addrs[0]}/p2p/{server.peer_id}"
+            for _ in range(2):
+                assert [x async for x in client.call_stream(address, STREAM, [3], int)] == [0, 1, 2]
+            with pytest.raises(RemoteError):
+                _ = [x async for x in client.call_stream(address, FAIL, [1], int)]
+            ended.clear()
+            early = client.call_stream(address, STREAM, [1_000_000], int)
+            assert await anext(early) == 0
+            await early.aclose()
+            await asyncio.wait_for(ended.wait(), 10)  # the reset reached the handler
+            streams = client.statistics().traffic.stream_calls
+            assert streams[STREAM].count == 2 and streams[STREAM].failures == 0
+            assert streams[FAIL].count == 1 and streams[FAIL].failures == 1
+            assert STREAM not in client.statistics().traffic.calls  # unary ones apart
 
     asyncio.run(main())

@@ -106,6 +106,12 @@ def test_call_latencies_are_a_histogram_by_protocol() -> None:
     assert server.sample("swarm_peer_call_seconds_bucket", {**labels, "le": "0.25"}) == 2
     assert server.sample("swarm_peer_call_seconds_bucket", {**labels, "le": "+Inf"}) == 3
     assert server.sample("swarm_peer_call_failures_total", labels) == 1
+    assert server.sample("swarm_peer_stream_call_seconds_count", labels) is None
+    book.stream_call_ended("/p/1", 0.7, failed=True)
+    assert server.sample("swarm_peer_stream_call_seconds_count", labels) == 1
+    assert server.sample("swarm_peer_stream_call_seconds_bucket", {**labels, "le": "0.5"}) == 0
+    assert server.sample("swarm_peer_stream_call_failures_total", labels) == 1
+    assert server.sample("swarm_peer_call_seconds_count", labels) == 3  # unary ones apart
 
 
 def test_training_metrics_appear_with_the_first_step() -> None:
@@ -195,6 +201,15 @@ def test_a_training_peer_started_with_metrics_shows_samples_and_rounds_rising() 
         "swarm_train_round_seconds_total",
     ):
         assert late[name] > early[name] > 0, (name, early, late)
+    # Every round in the duration histogram too, each one in some bucket.
+    assert late["swarm_train_round_duration_seconds_count"] == late["swarm_train_rounds_total"]
+    assert (
+        late["swarm_train_round_duration_seconds_bucket{le=+Inf}"]
+        == late["swarm_train_rounds_total"]
+    )
+    assert late["swarm_train_round_duration_seconds_sum"] == pytest.approx(
+        late["swarm_train_round_seconds_total"]
+    )
     assert late["swarm_train_peers"] == 2
     assert late["swarm_peer_connections"] >= 1 and late["swarm_dht_contacts"] >= 1
     assert late["swarm_peer_relayed_connections"] == 0  # loopback: all direct

@@ -21,6 +21,7 @@ from swarm.experts import ExpertCallConfig, ModuleBackend, ServerConfig
 from swarm.experts.batching import Batcher
 from swarm.experts.kept import KeptStore
 from swarm.experts.worker import ModuleWorker
+from swarm.metrics import pipeline_families
 from swarm.optim_spec import OptimizerSpec
 from swarm.pipeline import (
     MLPStages,
@@ -232,6 +233,20 @@ def test_a_dead_servers_micro_batches_are_rerouted_and_a_stage_without_servers_s
             (grad_x,) = await client.backward(trace, [grad])
             assert grad_x is not None and torch.allclose(grad_x, xl.grad, atol=1e-5)
             assert client.statistics().num_failed_calls == 1
+            # Each stage call is timed by stage and direction; the dead server's one failed.
+            latency = client.statistics().call_latency
+            assert [latency[(s, "forward")].count for s in range(3)] == [1, 1, 1]
+            assert [latency[(s, "backward")].count for s in range(3)] == [1, 2, 1]
+            assert latency[(1, "backward")].failures == 1
+            assert sum(v.failures for v in latency.values()) == 1
+            scraped = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in pipeline_families(client.statistics())
+                for s in family.samples
+            }
+            key = ("swarm_pipeline_call_seconds_count", (("direction", "backward"), ("stage", "1")))
+            assert scraped[key] == 2
+            assert scraped[("swarm_pipeline_failed_calls_total", ())] == 1
             stats = survivor.server.statistics().server
             assert stats is not None  # it recomputed the forward the dead server had kept
             assert next(iter(stats.modules.values())).num_recomputed_samples == 5
