@@ -228,7 +228,8 @@ def dht_families(stats: DHTStatistics) -> Families:
 
 def server_families(stats: Any, stage: int | None = None) -> Families:
     """An expert or stage server's modules, from its ``ServerStatistics`` (duck-typed):
-    samples served, optimizer steps, clipped contributions and queues, by module; with
+    samples served, optimizer steps, clipped contributions, queues and request
+    latencies, by module; with
     ``stage``, the pipeline stage served (-1 between stages)."""
     families: Families = []
     per_module = (
@@ -256,6 +257,14 @@ def server_families(stats: Any, stage: int | None = None) -> Families:
     for uid, rate in sorted(stats.throughput.items()):
         throughput.add_metric([uid], rate)
     families += [queued, throughput]
+    families.append(
+        latency_family(
+            "swarm_server_call_seconds",
+            "Requests from their arrival in the queue to their result, by module and direction.",
+            [(key, latency) for key, latency in getattr(stats, "latency", {}).items()],
+            labels=("module", "direction"),
+        )
+    )
     families.append(
         _counter(
             "swarm_server_refused_trainings",

@@ -17,10 +17,11 @@ compute with oneDNN where a probe finds it faster than torch's kernels
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import torch
@@ -31,6 +32,7 @@ from peers.identity import PeerID
 from peers.rpc import CallContext
 from peers.runtime import keep_freed_memory
 from peers.serialization import MAX_FRAME_BYTES
+from peers.traffic import CallLatency, LatencyHistogram
 from swarm.experts.announce import Announcement, ExpertLocation, declare_experts
 from swarm.experts.backend import BackendStatistics, KeptForward, ModuleBackend
 from swarm.experts.batching import Batcher
@@ -74,6 +76,9 @@ class ServerStatistics:
     """Backward calls refused because their peer is not in ``allowed_trainers``."""
     linear_kernels: str
     """Which kernels the hosted modules' Linear layers use: ``"onednn"`` or ``"torch"``."""
+    latency: Mapping[tuple[str, str], CallLatency] = field(default_factory=dict)
+    """Requests by ``(uid, "forward" or "backward")``, from their arrival in the queue to
+    their result: queueing and compute, as callers feel it (a refused one as a failure)."""
 
 
 class ExpertServer:
@@ -126,6 +131,8 @@ class ExpertServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._num_announcements = 0
         self._num_refused_trainings = 0
+        # hosted uids only: a request names one before it is timed
+        self._latency: dict[tuple[str, str], LatencyHistogram] = {}
 
     async def __aenter__(self) -> ExpertServer:
         self._group = asyncio.TaskGroup()
@@ -177,6 +184,18 @@ class ExpertServer:
             raise BadExpertRequest(f"no expert {uid[:128]!r} here; this server hosts {hosted}")
         return worker
 
+    @contextlib.contextmanager
+    def _timed(self, uid: str, direction: str) -> Iterator[None]:
+        """Time a request from its arrival in the queue to its result (or failure)."""
+        histogram = self._latency.setdefault((uid, direction), LatencyHistogram())
+        started = time.monotonic()
+        try:
+            yield
+        except Exception:
+            histogram.record(time.monotonic() - started, failed=True)
+            raise
+        histogram.record(time.monotonic() - started)
+
     async def rpc_info(self, request: InfoRequest, context: CallContext) -> ExpertInfo:
         return self._worker(request.uid).backend.info
 
@@ -189,7 +208,10 @@ class ExpertServer:
         )
         caller = context.remote_peer_id
         keep = request.keep and self._may_train(caller)  # no graph for a refused backward
-        outputs, kept = await worker.submit("forward", (inputs,), batch, keep=keep, caller=caller)
+        with self._timed(request.uid, "forward"):
+            outputs, kept = await worker.submit(
+                "forward", (inputs,), batch, keep=keep, caller=caller
+            )
         token = 0
         if kept is not None:
             token = worker.kept.put(context.remote_peer_id, kept, time.monotonic())
@@ -219,9 +241,10 @@ class ExpertServer:
             kept = worker.kept.take(caller, request.forward_token, time.monotonic())
             if kept is not None and kept.leaves[0].shape[0] != batch:
                 kept = None  # not this batch's graph: recompute
-        grad_inputs, _ = await worker.submit(
-            "backward", (inputs, grads), batch, kept=kept, caller=caller
-        )
+        with self._timed(request.uid, "backward"):
+            grad_inputs, _ = await worker.submit(
+                "backward", (inputs, grads), batch, kept=kept, caller=caller
+            )
         return BackwardResponse([None if g is None else encode(g, codec) for g in grad_inputs])
 
     # --- announcing ----------------------------------------------------------------
@@ -259,6 +282,7 @@ class ExpertServer:
             throughput={uid: w.throughput for uid, w in self.workers.items()},
             num_announcements=self._num_announcements,
             num_refused_trainings=self._num_refused_trainings,
+            latency={key: h.snapshot() for key, h in sorted(self._latency.items())},
             linear_kernels="onednn" if self.uses_onednn else "torch",
         )
 

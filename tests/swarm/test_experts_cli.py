@@ -54,6 +54,10 @@ def test_serve_hosts_experts_until_sigterm() -> None:
         assert scraped["swarm_server_forward_samples_total{module=lin.2}"] == 3
         assert scraped["swarm_server_backward_samples_total{module=lin.2}"] == 3
         assert scraped["swarm_server_forward_samples_total{module=lin.0}"] == 0
+        for direction in ("forward", "backward"):  # each request timed, queue to result
+            key = f"swarm_server_call_seconds_count{{direction={direction},module=lin.2}}"
+            assert scraped[key] == 1
+        assert "swarm_server_call_seconds_count{direction=forward,module=lin.0}" not in scraped
         assert scraped["swarm_peer_connections"] >= 1
         status = _status_json(maddr, lambda view: any(e["num_batches"] for e in view["experts"]))
         assert [(e["uid"], e["num_servers"]) for e in status["experts"]] == [
