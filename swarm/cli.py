@@ -196,6 +196,14 @@ def _print_addrs(peer: Peer) -> None:
     )
     for addr in addrs:
         print(addr, flush=True)
+    if addrs and all(str(a).startswith(("/ip4/127.", "/ip6/::1/")) for a in addrs):
+        print(
+            "warning: only loopback addresses: peers on other machines cannot reach this "
+            "one; listen on this machine's address (e.g. --listen /ip4/0.0.0.0/tcp/31337) "
+            "or give --announce",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _add_reachability_options(parser: argparse.ArgumentParser) -> None:

@@ -58,6 +58,13 @@ def test_bootstrap_prints_full_multiaddr_with_persistent_identity(
     assert proc.wait(timeout=10) == 0
 
 
+def test_a_loopback_only_bootstrap_warns_that_other_machines_cannot_reach_it() -> None:
+    proc, _ = _start_bootstrap()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=10)
+    assert "warning: only loopback addresses: peers on other machines cannot reach" in stderr
+
+
 def test_bootstrap_exits_zero_on_sigint(tmp_path: Path) -> None:
     proc, _ = _start_bootstrap()
     proc.send_signal(signal.SIGINT)
