@@ -6,6 +6,9 @@
 - :mod:`swarm.experts`: expert servers, ``RemoteExpert``, ``RemoteMixtureOfExperts``;
   :mod:`swarm.pipeline`: SWARM pipelines (``RemoteSequential``).
 - :mod:`swarm.cli`: the ``swarm`` command; :mod:`swarm.checkpoint`: safe checkpoints.
+- Monitoring: :mod:`swarm.metrics` (Prometheus metrics of a peer), :mod:`swarm.status`
+  and :mod:`swarm.status_view` (each peer's signed status record, and the swarm's view
+  of them: ``swarm status``), :mod:`swarm.dashboard` (``swarm dashboard``).
 
 Importing ``swarm`` stays light (no torch): torch-heavy modules are imported by name.
 """
