@@ -58,6 +58,7 @@ from swarm.cli_usage import (
     require_torch,
     swarm_key_arg,
 )
+from swarm.dashboard.command import DASHBOARD_EXAMPLES, add_dashboard_parser, dashboard_command
 from swarm.status import STATUS_INTERVAL_SECONDS, StatusSources, publishing_status
 
 if TYPE_CHECKING:
@@ -389,40 +390,6 @@ async def _status(args: argparse.Namespace) -> int:
         print(json.dumps(view.to_json()))
     else:
         print("\n".join(view.lines()))
-    return 0
-
-
-async def _dashboard(args: argparse.Namespace) -> int:
-    """Serve the dashboard page on this machine; read the swarm as a client until stopped."""
-    from swarm.dashboard.command import follow_swarm
-    from swarm.dashboard.server import DEFAULT_DASHBOARD_HOST, DashboardServer
-
-    server = DashboardServer()
-    try:
-        port = server.start(args.host, args.port)
-    except OSError as e:
-        raise UsageError(f"--host {args.host} --port {args.port}: cannot listen: {e}") from e
-    try:
-        stop = _stop_on_signals()
-        dht_config = DHTConfig(
-            initial_peers=tuple(args.initial_peers),
-            client_mode=True,
-            bootstrap_timeout=args.timeout,
-        )
-        config = PeerConfig(listen_addrs=(), swarm_key=swarm_key_arg(args.swarm_key))
-        shown = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"dashboard: http://{shown}:{port}/", flush=True)
-        if args.host != DEFAULT_DASHBOARD_HOST:
-            print(
-                f"warning: serving on {args.host}: anyone who can reach it sees the swarm's "
-                "peers, addresses and runs",
-                file=sys.stderr,
-                flush=True,
-            )
-        async with Peer(config) as peer, DHT(peer, dht_config) as dht:
-            await follow_swarm(dht, server, stop, args.refresh, str(args.initial_peers[0]))
-    finally:
-        server.close()
     return 0
 
 
@@ -762,20 +729,6 @@ def _add_demo_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     )
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
-    return value
-
-
-def _refresh_seconds(text: str) -> float:
-    value = _positive_float(text)
-    if value < 0.5:
-        raise argparse.ArgumentTypeError(f"must be at least 0.5 s, got {value}")
-    return value
-
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -1006,33 +959,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_swarm_key_option(status)
 
-    dashboard = sub.add_parser(
-        "dashboard",
-        help="serve a live page of the swarm on this machine: peers and their reachability, "
-        "runs' loss and throughput over time, stage and expert coverage, recent rounds",
-    )
-    dashboard.add_argument(
-        "--initial-peers", nargs="+", type=multiaddr_arg, metavar="MADDR", required=True
-    )
-    dashboard.add_argument(
-        "--port", type=_port, default=8080, help="port to serve the page on (8080; 0: any free)"
-    )
-    dashboard.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to serve on (127.0.0.1: this machine only; 0.0.0.0: everyone)",
-    )
-    dashboard.add_argument(
-        "--refresh",
-        type=_refresh_seconds,
-        default=2.0,
-        metavar="SECONDS",
-        help="seconds between reads of the swarm (2)",
-    )
-    dashboard.add_argument(
-        "--timeout", type=_positive_float, default=10.0, help="seconds to reach them (default 10)"
-    )
-    _add_swarm_key_option(dashboard)
+    add_dashboard_parser(sub)
 
     key = sub.add_parser(
         "swarm-key", help="make a new key for a private network (give it to every peer)"
@@ -1060,9 +987,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         f"swarm status --initial-peers {_PEER}",
         f"swarm status --initial-peers {_PEER} --json",
     ),
-    "dashboard": (
-        f"swarm dashboard --initial-peers {_PEER} --port 8080   # then open http://127.0.0.1:8080/",
-    ),
+    "dashboard": DASHBOARD_EXAMPLES,
     "swarm-key": ("swarm swarm-key team.key   # then every peer runs with --swarm-key team.key",),
     "serve": (
         "swarm serve --expert-pattern 'ffn.[0:4].[0:4]' --hidden-dim 1024 --optimizer adam \\",
@@ -1121,7 +1046,7 @@ def _run_command(args: argparse.Namespace) -> int:
         if command == "status":
             return run(_status(args))
         if command == "dashboard":
-            return run(_dashboard(args))
+            return run(dashboard_command(args))
         if command == "swarm-key":
             return _swarm_key(args)
         if command == "serve":

@@ -39,25 +39,34 @@ function chart(times, values, cls, label) {
   for (let i = 0; i < values.length; i++) {
     if (values[i] !== null && Number.isFinite(values[i])) points.push([times[i], values[i]]);
   }
-  const title = document.createElementNS(SVG, "text");
-  title.setAttribute("x", 6);
-  title.setAttribute("y", 12);
-  title.textContent = points.length
+  svg.append(text(6, 12, "start", points.length
     ? `${label}: ${points[points.length - 1][1].toPrecision(4)}`
-    : `${label}: no data yet`;
-  svg.append(title);
+    : `${label}: no data yet`));
   if (points.length >= 2) {
     const t0 = points[0][0], t1 = points[points.length - 1][0];
-    let lo = Math.min(...points.map((p) => p[1])), hi = Math.max(...points.map((p) => p[1]));
-    if (hi === lo) { hi += 1; lo -= 1; }
+    const bottom = Math.min(...points.map((p) => p[1])), top = Math.max(...points.map((p) => p[1]));
+    const lo = top === bottom ? bottom - 1 : bottom, hi = top === bottom ? top + 1 : top;
     const xs = (t) => pad + ((t - t0) / Math.max(t1 - t0, 1e-9)) * (width - 2 * pad);
-    const ys = (v) => height - pad - ((v - lo) / (hi - lo)) * (height - 20 - pad);
+    // the line between the title row (top 20 px) and the min label's row (bottom 16 px)
+    const ys = (v) => height - 16 - ((v - lo) / (hi - lo)) * (height - 16 - 20);
     const line = document.createElementNS(SVG, "polyline");
     line.setAttribute("class", cls);
     line.setAttribute("points", points.map((p) => `${xs(p[0]).toFixed(1)},${ys(p[1]).toFixed(1)}`).join(" "));
     svg.append(line);
+    // the range drawn, so a flat-looking line is not read as a flat run
+    svg.append(text(width - 6, 12, "end", `max ${top.toPrecision(3)}`));
+    svg.append(text(width - 6, height - 4, "end", `min ${bottom.toPrecision(3)}`));
   }
   return svg;
+}
+
+function text(x, y, anchor, content) {
+  const node = document.createElementNS(SVG, "text");
+  node.setAttribute("x", x);
+  node.setAttribute("y", y);
+  node.setAttribute("text-anchor", anchor);
+  node.textContent = content;
+  return node;
 }
 
 function renderRuns(view, history) {
@@ -126,8 +135,12 @@ function renderServed(view) {
 function renderEvents(history) {
   const list = document.getElementById("events");
   list.replaceChildren();
-  for (const event of (history.events || []).slice(0, 50)) {
-    const when = new Date(event.time * 1000).toLocaleTimeString();
+  // the server keeps a bounded number of events (swarm/dashboard/history.py)
+  for (const event of history.events || []) {
+    let when = new Date(event.time * 1000).toLocaleTimeString();
+    if (event.since && event.since < event.time) {
+      when = `${new Date(event.since * 1000).toLocaleTimeString()} to ${when}`;
+    }
     list.append(el("li", { class: `ev-${event.kind}` }, `${when}  ${event.text}`));
   }
 }
@@ -150,6 +163,7 @@ function render(data) {
 async function poll() {
   try {
     const response = await fetch("/api/view", { cache: "no-store" });
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const data = await response.json();
     if (data.refresh_seconds) refreshMs = Math.max(500, data.refresh_seconds * 1000);
     render(data);
