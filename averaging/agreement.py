@@ -1,5 +1,6 @@
 """The end of a round: members vote for the result they hold, and a strict majority of
-the whole group decides (a pure tally: no sockets, no clocks; STYLE.md 1).
+the whole group decides (a pure tally: no sockets, no clocks; CONTRIBUTING.md,
+"Protocols are pure state machines").
 
 Each member votes once, for the fingerprint (``butterfly_records.fingerprint_of``) of
 the first complete result it holds, its own or one it copied from a voter. A

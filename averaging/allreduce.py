@@ -8,7 +8,7 @@ has for that member just before it goes out (memory stays at one chunk per link)
 reader task per link decodes what arrives and feeds the state machine, which reduces
 each chunk as it arrives, so reduction overlaps the transfer of the next chunks.
 
-Failures (DESIGN.md, averaging): a link that breaks, or a member silent past
+Failures (docs/design/averaging.md, "Faults"): a link that breaks, or a member silent past
 ``sender_timeout`` (as a sender) or ``reducer_timeout`` (as a reducer), is excluded;
 the state machine reassigns its parts, and every exclusion is told to every member,
 the excluded one included (it withdraws). A link is never reset on exclusion: votes and

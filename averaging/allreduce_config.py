@@ -32,7 +32,8 @@ class AllReduceConfig:
     reducer_timeout: float = 20.0
     """Seconds a member waits without hearing from a reducer whose averaged part it still
     lacks before excluding it. Longer than ``sender_timeout``: a reducer is legitimately
-    silent while it waits for the slowest sender (STYLE.md 6)."""
+    silent while it waits for the slowest sender; the config checks the order
+    (CONTRIBUTING.md, "Timeouts are scopes, in seconds")."""
     round_timeout: float = 60.0
     """Bound on a round, from its start to the closing of its links (then at most
     ``2 * FLUSH_SECONDS`` more: :attr:`return_bound`). The butterfly gives up
@@ -45,12 +46,11 @@ class AllReduceConfig:
     """float32 elements per chunk (1 MiB): small enough that reduction overlaps the
     transfer of the next chunk, large enough that per-chunk costs (a message, a
     state-machine step) stay small, and one chunk fits one 2 MiB Noise frame between our
-    peers (a view all the way to the reduction, never joined). Measured with 4
-    processes on 2 cores (2026-11-30, after 2 MiB frames): at 16M elements 2^18 took
-    about 10% less CPU per round than 2^17, and 2^19 no less than 2^18; at 4M elements
-    2^17 and 2^18 were alike (0.061-0.081 s a round). In a process
-    running several peers, set ``torch.set_num_threads(1)``: chunks this size are split
-    over torch's thread pool, which oversubscribes shared cores."""
+    peers (a view all the way to the reduction, never joined). Smaller chunks cost more
+    CPU per round, larger ones saved none (docs/benchmarks.md, "Figures behind
+    constants"). In a process running several peers, set ``torch.set_num_threads(1)``:
+    chunks this size are split over torch's thread pool, which oversubscribes shared
+    cores."""
     codec: Codec = field(default_factory=NoneCodec)
     """How chunks and averaged parts are encoded on the wire. Must be round-safe
     (``Codec.round_safe``: stateless, no coordinate dropped; top-k and PowerSGD are

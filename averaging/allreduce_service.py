@@ -4,7 +4,7 @@ names, and runs rounds.
 Members leave matchmaking a little apart, so a link may arrive before its round starts
 here: it waits (``join_timeout``) for the round to be registered. Links naming a round
 that already ended, or that never starts, are refused with a reset; a bounded number
-wait at once (STYLE.md 7).
+wait at once (CONTRIBUTING.md, "Bound everything a peer controls").
 """
 
 from __future__ import annotations

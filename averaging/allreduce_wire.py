@@ -25,7 +25,8 @@ both sides send any of the other messages, each frame a msgpack array ``[tag, bo
   that suspects one of them too excludes it at once, since two links failing at one
   member is that member's fault, not one link's.
 
-Decoded once here, at the edge (STYLE.md 8); the state machine validates the rest.
+Decoded once here, at the edge; the state machine validates the rest
+(CONTRIBUTING.md, "Wire messages are typed and decoded at the edge").
 """
 
 from __future__ import annotations

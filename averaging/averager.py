@@ -1,4 +1,5 @@
-"""The Averager: named tensors averaged with peers on request (DESIGN.md, averaging).
+"""The Averager: named tensors averaged with peers on request (docs/design/averaging.md,
+"One step of the Averager").
 
 One object per run and peer. It owns the services a peer needs to average: matchmaking
 (groups through the DHT), butterfly rounds (:class:`AllReduceService`) and a state

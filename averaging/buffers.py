@@ -4,9 +4,9 @@ round's result, a reducer's sums, the flattened tensors.
 Each round needs fresh buffers the size of the vector (its result is handed to the
 caller, who keeps it as long as it likes). The allocator returns blocks that large to
 the kernel when they are freed, so every round faulted its buffers in again, 4 KiB at a
-time. Measured on the 2-core benchmark machine: writing 64 MiB into a fresh
-``torch.empty`` took 25 ms, into memory already faulted in 3.6 ms; the faults were about
-a tenth of an all-reduce round's CPU.
+time: writing into fresh memory was several times slower than into memory already
+faulted in, and the faults were a real share of an all-reduce round's CPU
+(docs/benchmarks.md, "Figures behind constants").
 
 So a buffer of at least ``MIN_POOLED_BYTES`` is a view of an anonymous mapping that goes
 back to a small pool when the last tensor viewing it dies (a finalizer on the
@@ -15,10 +15,10 @@ from there, already faulted in. The pool holds at most ``MAX_POOLED_BYTES`` and
 ``MAX_POOLED_PER_SIZE`` mappings of one size; a mapping that does not fit is unmapped.
 A reused buffer holds stale values, like any ``torch.empty``.
 
-Rejected: transparent huge pages (``MADV_HUGEPAGE``; 2 MiB per fault made a fresh 64 MiB
-buffer cost 6.5 ms, but on this virtual machine freed huge pages go back to the host and
-faulting them in again cost 160 ms per 64 MiB, so rounds got slower, not faster), and
-tuning the process's ``malloc`` (it would change the memory behaviour of the whole
+Rejected: transparent huge pages (``MADV_HUGEPAGE``: fewer faults for a fresh buffer,
+but on a virtual machine freed huge pages can go back to the host, and faulting them in
+again made rounds slower, not faster; docs/benchmarks.md, "Figures behind constants"),
+and tuning the process's ``malloc`` (it would change the memory behaviour of the whole
 application, not just ours).
 """
 

@@ -1,10 +1,12 @@
 """One butterfly all-reduce round from one peer's point of view: a pure state machine
-(STYLE.md 1). Messages and failures go in, events come out; no sockets, no clocks. The
-wire layer moves the chunks and turns its deadlines into ``on_*_failed`` calls.
+(CONTRIBUTING.md, "Protocols are pure state machines"). Messages and failures go in,
+events come out; no sockets, no clocks. The wire layer moves the chunks and turns its
+deadlines into ``on_*_failed`` calls.
 
-DESIGN.md, averaging: member ``i`` reduces part ``i`` of the flat vector (sized by
-bandwidth, :func:`~averaging.partition.split_parts`) from every member's chunks as they
-stream in, then sends the averaged part back. The fault rules:
+Member ``i`` reduces part ``i`` of the flat vector (sized by bandwidth,
+:func:`~averaging.partition.split_parts`) from every member's chunks as they stream in,
+then sends the averaged part back (docs/design/averaging.md,
+"Parts sized by bandwidth"). The fault rules (the same page, "Faults"):
 
 1. A peer that dies, stalls (the caller's deadline) or sends garbage is *excluded*: one
    failure set per round, for both roles. Its chunks are dropped from every part I have

@@ -2,7 +2,8 @@
 part, the events a :class:`~averaging.butterfly.ButterflyRound` returns, and its result.
 
 Kept apart from the state machine (``averaging.butterfly``) so that the wire layer can
-import the vocabulary without the machine, and so each module stays small (STYLE.md 13).
+import the vocabulary without the machine, and so each module stays small
+(CONTRIBUTING.md, "Small modules, one folder per subsystem").
 """
 
 from __future__ import annotations
@@ -473,11 +474,11 @@ class RoundResult:
         compare 32 bytes instead of tensors. Parts left at a peer's own value are left
         out (they differ between peers by design).
 
-        Values enter as a 128-bit XXH3 per part: 2.0 ms per 64 MiB here, where CRC-32
-        plus a word sum took 11.6 ms (5% of a round's CPU) and sha256 over the values a
-        fifth of it. Fingerprints detect honest divergence (different failure sets,
-        lost chunks); they are not a defence against a peer that lies about what it
-        holds, which it could anyway."""
+        Values enter as a 128-bit XXH3 per part, several times cheaper than CRC-32 plus
+        a word sum and than sha256 over the values (docs/benchmarks.md, "Figures behind constants").
+        Fingerprints detect honest divergence (different failure sets, lost chunks);
+        they are not a defence against a peer that lies about what it holds, which it
+        could anyway."""
         digest = hashlib.sha256(self.report.round_id)
         values = self.averaged.detach().cpu().contiguous().numpy()
         for part in self.report.parts:
@@ -493,7 +494,7 @@ class RoundResult:
 
 @dataclass(frozen=True, slots=True)
 class RoundStatistics:
-    """Counters of one round (STYLE.md 15)."""
+    """Counters of one round (CONTRIBUTING.md, "Objects worth debugging have statistics()")."""
 
     num_chunks_accepted: int
     num_chunks_deferred: int

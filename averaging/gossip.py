@@ -1,6 +1,7 @@
 """Gossip averaging: small groups each round instead of one global group.
 
-Two ways to pick a peer's group key for round ``t`` (pure, STYLE.md 1):
+Two ways to pick a peer's group key for round ``t``, both pure (CONTRIBUTING.md,
+"Protocols are pure state machines"):
 
 - :class:`MoshpitGrid` (Ryabinin et al. 2021, "Moshpit SGD", Algorithm 2): peers sit on
   a virtual ``grid_size ** grid_dims`` grid; in round ``t`` a peer averages with the

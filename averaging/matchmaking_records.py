@@ -2,8 +2,9 @@
 returns, and its wire messages (the DHT declaration and the join RPC).
 
 Kept apart from the search (``averaging.matchmaking_search``, pure) and the networked
-driver (``averaging.matchmaking``) so each stays small (STYLE.md 13), and so the
-all-reduce can import :class:`Group` without the machinery that forms it.
+driver (``averaging.matchmaking``) so each stays small, and so the all-reduce can import
+:class:`Group` without the machinery that forms it
+(CONTRIBUTING.md, "Small modules, one folder per subsystem").
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One search for a group under one key, as a pure state machine (STYLE.md 1).
+"""One search for a group under one key, as a pure state machine (CONTRIBUTING.md,
+"Protocols are pure state machines").
 
 Events in (what a DHT read showed, a join that arrived or was abandoned, the answer to
 our own join), actions out (read the DHT, join this leader, sleep until, formed, failed)

@@ -1,6 +1,6 @@
-"""Which coordinates of a flat vector each peer reduces, and how they travel (DESIGN.md,
-averaging: "the flat vector is split into parts, one per peer, sized by each peer's
-measured bandwidth (client-mode peers reduce nothing)").
+"""Which coordinates of a flat vector each peer reduces, and how they travel: one
+contiguous part per peer, sized by the bandwidth it measured; client-mode peers reduce
+nothing (docs/design/averaging.md, "Parts sized by bandwidth").
 
 Everything here is pure and deterministic: every member of a round computes the same
 split from the same inputs, on any platform, because :func:`split_parts` works in exact

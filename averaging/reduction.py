@@ -2,7 +2,7 @@
 events, no policy: ``averaging.butterfly`` decides who is in and when a part is final).
 
 - :class:`PartReduction`: the reducer's side. Chunks are added as they arrive into
-  running weighted sums (reduction overlaps transfer, DESIGN.md, averaging), and
+  running weighted sums (docs/design/averaging.md, "Reduction overlaps transfer"), and
   every sender's chunks are kept until the part is final, so that dropping a sender who
   fails mid-round is exact: its chunks' sums are rebuilt from the others rather than
   subtracted (subtracting would leave rounding residue of the dropped values).

@@ -404,7 +404,7 @@ RATIOS = {
     "rss_per_peer": ("rss_per_peer_MB", False),
     "pss_per_peer": ("pss_per_peer_MB", False),
 }
-#: The ratios we aim for (DESIGN: bring-up <= 0.3x hivemind's, latency and memory <= 0.5x).
+#: The ratios we aim for: bring-up <= 0.3x hivemind's, latency and memory <= 0.5x.
 TARGETS = {"bring_up": 1 / 0.3, "store_p50": 2.0, "get_p50": 2.0, "rss_per_peer": 2.0}
 
 ROWS = [

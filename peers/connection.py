@@ -3,7 +3,7 @@
 This is the asyncio shell around the pure machines: :class:`peers.noise.NoiseTransport`
 encrypts, :class:`peers.yamux.YamuxSession` multiplexes. The connection only moves bytes
 between them and the socket, wakes the streams that are waiting, and owns the tasks
-that serve inbound streams (STYLE.md 3).
+that serve inbound streams (CONTRIBUTING.md, "Every task has an owner").
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Errors of the ``peers`` package.
 
-One base class, and a split by whose fault it is (STYLE.md 5): ``LocalProtocolError``
-when we misuse a protocol, ``RemoteProtocolError`` when the remote peer breaks it,
+One base class, and a split by whose fault it is
+(CONTRIBUTING.md, "Errors say whose fault it is"): ``LocalProtocolError`` when we
+misuse a protocol, ``RemoteProtocolError`` when the remote peer breaks it,
 ``LimitExceeded`` when the remote breaks one of our bounds, ``RemoteError`` when a
 remote handler raised.
 """

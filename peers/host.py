@@ -1,7 +1,8 @@
 """The Peer: listens, dials, keeps one connection per remote peer, and routes streams.
 
 A :class:`Peer` is entered with ``async with`` and owns every task it starts: the
-listeners, each connection's reader, each inbound stream's handler (STYLE.md 3).
+listeners, each connection's reader, each inbound stream's handler
+(CONTRIBUTING.md, "Every task has an owner").
 Inbound streams negotiate their protocol with multistream-select and go to the handler
 registered for it; ``identify`` and ``ping`` are built in.
 """

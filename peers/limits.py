@@ -1,4 +1,5 @@
-"""Bounds on what a remote peer controls, each with the reason for its value (STYLE.md 7).
+"""Bounds on what a remote peer controls, each with the reason for its value
+(CONTRIBUTING.md, "Bound everything a peer controls").
 
 Breaking one is the remote's fault and costs only that stream or connection. The
 per-peer defaults live in :class:`peers.host.PeerConfig` so tests and operators can
@@ -26,8 +27,8 @@ MAX_CONNECTIONS_PER_SUBNET = 64
 #: Inbound handshakes one host (not loopback) may start per second, after a burst of
 #: HANDSHAKE_BURST_PER_IP. A peer connects to us once and keeps the connection; a few
 #: volunteers behind one NAT starting at once fit in the burst. Each handshake costs us
-#: about 0.3 ms of CPU (key generation, three Diffie-Hellmans, a signature check), so
-#: one host can take at most a few percent of a core.
+#: a key generation, three Diffie-Hellmans and a signature check, so one host can take
+#: at most a few percent of a core (docs/benchmarks.md, "Figures behind constants").
 HANDSHAKE_RATE_PER_IP = 10.0
 HANDSHAKE_BURST_PER_IP = 40
 

@@ -1,10 +1,11 @@
 """The ``/noise`` secure channel: libp2p's Noise XX handshake and framed transport.
 
-Pure state machines (STYLE.md 1), per the libp2p noise spec (r2+: no padding in payloads)
-and the Noise Protocol Framework rev 34 ("Noise §x"): ``Noise_XX_25519_ChaChaPoly_SHA256``,
-empty prologue, every message behind a 2-byte big-endian length. Messages 2 and 3 carry a
-``NoiseHandshakePayload``: the sender's libp2p public key and its signature of
-``"noise-libp2p-static-key:" || s``, binding the Noise static key ``s`` to the PeerID.
+Pure state machines (CONTRIBUTING.md, "Protocols are pure state machines"), per the
+libp2p noise spec (r2+: no padding in payloads) and the Noise Protocol Framework rev 34
+("Noise §x"): ``Noise_XX_25519_ChaChaPoly_SHA256``, empty prologue, every message
+behind a 2-byte big-endian length. Messages 2 and 3 carry a ``NoiseHandshakePayload``:
+the sender's libp2p public key and its signature of ``"noise-libp2p-static-key:" || s``,
+binding the Noise static key ``s`` to the PeerID.
 
 The same handshake with the AESGCM cipher function (Noise §12.4,
 ``Noise_XX_25519_AESGCM_SHA256``) is offered under our own protocol id, ``AESGCM_NOISE``:
@@ -528,10 +529,11 @@ class NoiseTransport:
     prefixes and frames of at most 65535 bytes (Noise §3); ours has 4-byte prefixes and
     frames of up to 2 MiB, so a bulk transfer pays the per-frame work 32 times less.
 
-    Bounded by construction (STYLE.md 7): every complete frame is decrypted as soon as it
-    arrives, so the receive side holds at most one partial frame (at most its cipher's
-    ``max_frame_bytes``, which a prefix announcing more never gets to allocate). Every
-    plaintext comes back as a fresh writable buffer that the caller owns.
+    Bounded by construction (CONTRIBUTING.md, "Bound everything a peer controls"):
+    every complete frame is decrypted as soon as it arrives, so the receive side holds
+    at most one partial frame (at most its cipher's ``max_frame_bytes``, which a prefix
+    announcing more never gets to allocate). Every plaintext comes back as a fresh
+    writable buffer that the caller owns.
     """
 
     __slots__ = (

@@ -1,4 +1,5 @@
-"""Text a remote peer chose, made safe to print or log (pure, STYLE.md 1).
+"""Text a remote peer chose, made safe to print or log (pure: no I/O, no clock;
+CONTRIBUTING.md, "Protocols are pure state machines").
 
 Agent strings, protocol names, addresses from records and remote error messages come
 from strangers. Printed as they are, an ANSI escape sequence could rewrite the user's

@@ -1,17 +1,18 @@
 """Whether others can dial us, decided from what they saw and what they could dial.
 
-A pure record (STYLE.md 1: no I/O, the caller passes ``now``): identify tells us the
-address each remote saw our connection come from (its *observed address*), and AutoNAT
-v1 dial-backs tell us whether a remote could open a new connection to an address of
-ours. From them this decides which addresses we may announce and whether we are
-*public* (some remote dialed us back) or *private* (remotes tried and could not): a
-private peer announces no direct address, so the DHT and matchmaking treat it as a
-client, and it reserves relay slots instead.
+A pure record (no I/O, the caller passes ``now``; CONTRIBUTING.md,
+"Data structures never start I/O"): identify tells us the address each remote saw our
+connection come from (its *observed address*), and AutoNAT v1 dial-backs tell us
+whether a remote could open a new connection to an address of ours. From them this
+decides which addresses we may announce and whether we are *public* (some remote dialed
+us back) or *private* (remotes tried and could not): a private peer announces no direct
+address, so the DHT and matchmaking treat it as a client, and it reserves relay slots
+instead.
 
 One remote's word moves nothing on its own when others are there to ask: a verdict
 needs :data:`CONFIRMATIONS` distinct servers (or every server we know, when fewer are
 known), so one hostile AutoNAT server can neither make us announce a wrong address to
-the swarm nor push us behind a relay (STYLE.md 19).
+the swarm nor push us behind a relay (CONTRIBUTING.md, "A peer is a stranger").
 """
 
 from __future__ import annotations

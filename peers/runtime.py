@@ -35,7 +35,7 @@ TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
 #: loop in its own thread, torch's work in ``asyncio.to_thread``) arenas of their own,
 #: made of 64 MiB heaps that are unmapped whenever they fall empty whatever the trim
 #: threshold: an expert server's backward faulted its 16 MB gradients in afresh each
-#: time (about 4,300 faults per batch-1 call, 2-4 ms).
+#: time (docs/benchmarks.md, "Figures behind constants").
 ARENA_MAX = 1
 #: Set to "0" to leave the allocator as it is.
 OPT_OUT_VARIABLE = "SWARMTRAIN_KEEP_FREED_MEMORY"
@@ -47,12 +47,12 @@ def keep_freed_memory() -> bool:
     after this call that one heap (ARENA_MAX); True if applied.
 
     For processes that free big tensor buffers over and over. An all-reduce round holds
-    tens of MiB of received chunks and frees them at its end; with glibc's defaults
-    that memory went back to the kernel each round and came back as fresh pages
-    (zeroed, one fault per 4 KiB) the next: about 8,000 faults per peer per round at
-    16M elements. An expert server's backward, in a thread of its own, faulted its
-    16 MB gradients in afresh on every call (see ARENA_MAX). A peer that only routes
-    (a bootstrap peer, a DHT client) frees nothing that big and gains nothing.
+    tens of MiB of received chunks and frees them at its end; with glibc's defaults that
+    memory went back to the kernel each round and came back as fresh pages (zeroed, one
+    fault per 4 KiB) the next (docs/benchmarks.md, "Figures behind constants"). An
+    expert server's backward, in a thread of its own, faulted its 16 MB gradients in
+    afresh on every call (see ARENA_MAX). A peer that only routes (a bootstrap peer, a
+    DHT client) frees nothing that big and gains nothing.
 
     The settings are the whole process's, so they are opt-in: :func:`run` applies them
     (it is a program's entry point), and so do ``swarm.experts.ExpertServer`` and the

@@ -47,8 +47,9 @@ _ALLOWED_DTYPES = frozenset(
 )
 
 
-#: numpy's ``dtype.name`` is computed in Python on every access (1.6 us here, several
-#: times per array sent or received); the names of the dtypes that may travel, cached.
+#: numpy's ``dtype.name`` is computed in Python on every access, several times per array
+#: sent or received (docs/benchmarks.md, "Figures behind constants"); the names of the
+#: dtypes that may travel, cached.
 _NAMES = {np.dtype(name): name for name in _ALLOWED_DTYPES if name != "bfloat16"}
 _DTYPES = {name: dtype for dtype, name in _NAMES.items()}
 

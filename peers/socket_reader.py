@@ -3,9 +3,9 @@
 The handshake (multistream, Noise, muxer selection) reads with ``await reader.read()``
 like any asyncio stream. Afterwards a connection only ever feeds what arrives to its
 Noise and yamux state machines, so :meth:`SocketReader.divert` makes the reader pass
-each chunk to a callback as the transport delivers it: no copy into the reader's
-buffer and out again, no task wake-up per read (measured on a 4-peer 16M-float
-all-reduce: about 8% less CPU per round). Backpressure then comes from yamux's
+each chunk to a callback as the transport delivers it: no copy into the reader's buffer
+and out again, no task wake-up per read (less CPU per all-reduce round:
+docs/benchmarks.md, "Figures behind constants"). Backpressure then comes from yamux's
 per-stream windows, which bound what a remote may send before we consume it.
 
 Diverted, the transport reads into a buffer reused for every read (asyncio's

@@ -3,9 +3,9 @@
 uvloop's ``transport.write`` tries the socket at once, from C code that keeps the GIL
 through the ``send``. On loopback or a LAN that call wakes the receiving process, which
 the kernel may run at once on the sender's CPU: the sender then sits descheduled inside
-the call with the GIL, and every other thread of the process waits too. An expert
-server steps its optimizer in a thread while its loop sends the gradients; at batch 1
-the step began 0.6-0.8 ms after the backward that way, on every call.
+the call with the GIL, and every other thread of the process waits too. An expert server
+steps its optimizer in a thread while its loop sends the gradients; at batch 1 the step
+started late that way on every call (docs/benchmarks.md, "Figures behind constants").
 
 :class:`SocketWriter` makes the same first attempt with ``os.writev``, which releases
 the GIL, and hands what the socket did not take to the transport, which buffers it and

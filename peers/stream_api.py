@@ -3,7 +3,8 @@
 Protocol code (RPC framing, the butterfly all-reduce) needs only these; both the real
 :class:`peers.connection.Stream` / :class:`peers.host.Peer` and the in-memory
 :class:`peers.memory_network.MemoryStream` / :class:`peers.memory_network.MemoryPeer`
-satisfy them, so the same code runs over TCP or on a virtual clock (STYLE.md 10, 11).
+satisfy them, so the same code runs over TCP or on a virtual clock (CONTRIBUTING.md,
+"Interfaces come with a conformance test" and "How tests are organised").
 See docs/design/memory-network.md.
 
 Methods take positional-only parameters: implementations name theirs as they like

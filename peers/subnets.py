@@ -1,9 +1,9 @@
 """Which peers count as distinct sources: the network a connection comes from.
 
-Identities cost ~43 µs each, addresses do not come cheap: one volunteer can mint a
-thousand PeerIDs but rarely holds addresses in a thousand networks. Wherever agreement
-among peers decides something (a state a newcomer loads, later DHT buckets), peers are
-counted by :func:`source_group`, not by identity.
+Identities are cheap to make (docs/benchmarks.md, "Figures behind constants"), addresses
+are not: one volunteer can mint a thousand PeerIDs but rarely holds addresses in a
+thousand networks. Wherever agreement among peers decides something (a state a newcomer
+loads, later DHT buckets), peers are counted by :func:`source_group`, not by identity.
 
 - A public IPv4 address counts by its /24 and a public IPv6 address by its /48: what
   one home line, one cloud tenant or one hosting customer typically holds.

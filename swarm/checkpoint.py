@@ -2,7 +2,8 @@
 
 Why not ``torch.save``/``torch.load``: a torch checkpoint is a pickle, and unpickling
 runs whatever code the file names. A swarm's checkpoints move between machines and
-people, so reading one must never execute anything (STYLE.md 8). Our format has a
+people, so reading one must never execute anything
+(CONTRIBUTING.md, "Wire messages are typed and decoded at the edge"). Our format has a
 msgpack header that describes the state, and the tensors' raw bytes after it:
 
 ====================  ========================================================

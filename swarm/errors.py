@@ -1,8 +1,9 @@
 """Errors of the ``swarm`` package.
 
-One base class (STYLE.md 5); each subsystem adds its own subclass next to its code's
-callers: :class:`TaskError` for a task that cannot be built or used as asked,
-:class:`CheckpointError` for a checkpoint that cannot be written or read.
+One base class (CONTRIBUTING.md, "Errors say whose fault it is"); each subsystem adds
+its own subclass next to its code's callers: :class:`TaskError` for a task that cannot
+be built or used as asked, :class:`CheckpointError` for a checkpoint that cannot be
+written or read.
 """
 
 from __future__ import annotations

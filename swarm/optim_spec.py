@@ -8,11 +8,11 @@ built from one :class:`OptimizerSpec`. A spec round-trips through a plain dict
 Adam and AdamW are built with torch's fused implementation (``fused=True``) wherever
 torch supports it for the parameters (floating point, on CPU or an accelerator): the
 same update in one pass over each tensor instead of a dozen element-wise kernels,
-5-10x faster on CPU (about 4 ms instead of 21-43 ms per step over 8.4 M parameters
-here), which is most of a small batch's time on an expert server. The results equal
-the plain implementation's up to float rounding. Parameters it does not support get
-the plain implementation. SGD keeps torch's default: its fused form gains little and
-does not take sparse gradients.
+several times faster on CPU, where the plain step was most of a small batch's time on an
+expert server (docs/benchmarks.md, "Figures behind constants"). The results equal the
+plain implementation's up to float rounding. Parameters it does not support get the
+plain implementation. SGD keeps torch's default: its fused form gains little and does
+not take sparse gradients.
 """
 
 from __future__ import annotations

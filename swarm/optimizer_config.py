@@ -178,7 +178,8 @@ class CollaborativeConfig:
 
 @dataclass(frozen=True, slots=True)
 class OptimizerStatistics:
-    """Counters of one peer's collaborative training (STYLE.md 15)."""
+    """Counters of one peer's collaborative training
+    (CONTRIBUTING.md, "Objects worth debugging have statistics()")."""
 
     epoch: int
     """Global optimizer steps (outer steps in DiLoCo mode) this peer has taken part in."""

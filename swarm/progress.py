@@ -3,8 +3,8 @@
 Each peer publishes one signed record under ``{run_id}/progress`` (its subkey is its
 owner marker, so nobody can write another peer's record): its epoch, the samples it
 accumulated toward the next step, its throughput and the time. :func:`summarize` turns
-every peer's records into the swarm's state from one peer's point of view (pure, STYLE.md
-1).
+every peer's records into the swarm's state from one peer's point of view (pure:
+CONTRIBUTING.md, "Protocols are pure state machines").
 
 Sample counts are self-reported, so one peer could claim a billion and end every epoch
 alone. A peer's claim therefore counts only up to ``plausible_factor`` times the

@@ -1,4 +1,5 @@
-"""Who trains on which samples of a global batch, decided without ranks (pure, STYLE.md 1).
+"""Who trains on which samples of a global batch, decided without ranks (pure:
+CONTRIBUTING.md, "Protocols are pure state machines"; design: docs/design/shares.md).
 
 Global step ``t`` of a run trains on stream positions ``[t * G, (t + 1) * G)`` of the
 task's sample stream (``G``: the global batch), the same positions a single process with

@@ -3,7 +3,8 @@ metadata: the form peers share it in (``averaging`` state sync) and load it from
 
 A torch optimizer's ``state_dict`` is nested dicts of tensors and numbers; tensors go
 out as ``optimizer/{param}/{name}``, everything else in the metadata (msgpack-able), so
-nothing is ever unpickled (STYLE.md 8).
+nothing is ever unpickled
+(CONTRIBUTING.md, "Wire messages are typed and decoded at the edge").
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Smoke tests of the benchmarks: each runs end to end at a tiny size and ends with its
-JSON line. Timing is never asserted (DESIGN.md); correctness checks inside a benchmark
-are, since a benchmark that measures a wrong result measures nothing."""
+JSON line. Timing is never asserted (CONTRIBUTING.md, "Benchmarks"); correctness checks
+inside a benchmark are, since a benchmark that measures a wrong result measures
+nothing."""
 
 from __future__ import annotations
 

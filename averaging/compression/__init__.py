@@ -1,4 +1,5 @@
-"""Tensor compression codecs behind one interface (DESIGN.md, averaging).
+"""Tensor compression codecs behind one interface (docs/design/averaging.md,
+"Compression on the wire").
 
 - :class:`Codec`: ``encode`` a tensor into an :class:`EncodedTensor` (plain wire values),
   ``decode`` it back, and declare ``error_bound`` and ``compression_ratio``.

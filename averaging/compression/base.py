@@ -3,14 +3,15 @@
 A codec turns a tensor into an :class:`EncodedTensor`: plain wire values (the codec's
 name, the original dtype and shape, and a payload of numpy arrays and scalars) that
 ``peers.wire``/``peers.serialization`` carry as a msgpack head plus raw array bytes
-(STYLE.md 8). Decoding is the receiving edge: every size, dtype and scale a remote
-claims is checked here *before* anything is allocated from it, and a decoder never
-returns NaN or infinity (DESIGN.md, averaging: "never NaN").
+(CONTRIBUTING.md, "Wire messages are typed and decoded at the edge"). Decoding is the
+receiving edge: every size, dtype and scale a remote claims is checked here *before*
+anything is allocated from it, and a decoder never returns NaN or infinity
+(docs/design/averaging.md, "Faults").
 
-Whose fault (STYLE.md 5): :class:`CompressionError` is the remote's (a payload that is
-malformed, truncated or inconsistent); :class:`EncodeError` is ours (we asked a codec to
-carry a tensor it cannot, such as one holding infinities or, for float16, values past
-65504).
+Whose fault (CONTRIBUTING.md, "Errors say whose fault it is"): :class:`CompressionError`
+is the remote's (a payload that is malformed, truncated or inconsistent);
+:class:`EncodeError` is ours (we asked a codec to carry a tensor it cannot, such as one
+holding infinities or, for float16, values past 65504).
 
 The codec name doubles as the payload's version: a codec whose payload layout or
 codebook changes gets a new name.
@@ -106,7 +107,8 @@ class EncodedTensor:
 class Codec(ABC):
     """A tensor compression codec: encode, decode, and what it promises.
 
-    Every codec passes the same conformance test (STYLE.md 11): for any tensor it
+    Every codec passes the same conformance test
+    (CONTRIBUTING.md, "Interfaces come with a conformance test"): for any tensor it
     accepts, ``decode(encode(t))`` differs from ``t`` by at most ``error_bound(t)`` in
     every coordinate, keeps ``t``'s shape and dtype, and the packed payload's size is
     ``compression_ratio(t) * t.nbytes`` plus a header of a few dozen bytes.
@@ -312,8 +314,8 @@ def all_finite(values: torch.Tensor) -> bool:
     Fast path: a finite sum proves every value finite (a NaN or an infinity makes the sum
     NaN or infinite). Only when the sum is not finite (which a huge but finite tensor can
     also cause, by overflow) does it check element by element. The sum is one pass with
-    no allocation; ``isfinite().all()`` allocates a mask and was ~100x slower per 32K-element
-    chunk on this machine, the largest single cost of an all-reduce round.
+    no allocation; ``isfinite().all()`` allocates a mask and was far slower, once the
+    largest single cost of an all-reduce round (docs/benchmarks.md, "Figures behind constants").
     """
     if values.numel() == 0:
         return True

@@ -140,7 +140,7 @@ class _CastCodec(Codec):
         values = _from_wire_array(array, wire)
         if self.target == torch.float16 and dtype == "float32":
             # torch's cast, not numpy's: numpy 2.4 converts float16 one value at a time
-            # here (160 us per 128K values against torch's 9 us).
+            # (docs/benchmarks.md, "Figures behind constants").
             values = values.to(torch.float32)
         check_finite_output(self.name, values)
         if dtype == "float16" and self.target == torch.bfloat16:

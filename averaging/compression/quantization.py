@@ -260,7 +260,8 @@ class Uniform8BitCodec(Codec):
             )
         codes = payload_array(encoded, self.name, "codes", ["uint8"], (numel,))
         # minimum + code * scale in float32, rounded after the product and after the sum
-        # (no fused multiply-add): bit for bit the grid lookup it replaces, 3x faster.
+        # (no fused multiply-add): bit for bit the grid lookup it replaces, and faster
+        # (docs/benchmarks.md, "Figures behind constants").
         values = torch.from_numpy(codes.astype(np.float32)).mul_(scale).add_(minimum)
         return finish(values, dtype, shape)
 

@@ -9,14 +9,14 @@ As in §2.3, at most alpha queries are in flight, each going to the closest cand
 not yet asked among the k closest known; the lookup ends when the k closest candidates
 that have not failed have all answered and nothing is in flight.
 
-One change for a swarm of strangers: a lookup's result holds at most
-``max_per_source`` nodes of one network (the caller names each answer's source,
-:func:`peers.subnets.source_group` of the connection it came over). Node ids cost ~43 us
-to grind, networks do not: without the limit, one machine with a few dozen ids ground
-near a key becomes all the key's closest nodes, where its records are stored and
-looked up (an eclipse of that key). With it, a network's ids past the closest
-``max_per_source`` are crowded out of the ranking as they answer, and the next
-closest, other networks' nodes, take their places.
+One change for a swarm of strangers: a lookup's result holds at most ``max_per_source``
+nodes of one network (the caller names each answer's source,
+:func:`peers.subnets.source_group` of the connection it came over). Node ids are cheap
+to grind (docs/benchmarks.md, "Figures behind constants"), networks are not: without the
+limit, one machine with a few dozen ids ground near a key becomes all the key's closest
+nodes, where its records are stored and looked up (an eclipse of that key). With it, a
+network's ids past the closest ``max_per_source`` are crowded out of the ranking as they
+answer, and the next closest, other networks' nodes, take their places.
 """
 
 from __future__ import annotations

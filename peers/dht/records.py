@@ -1,6 +1,6 @@
 """DHT records: a value under ``(key, subkey)`` with an expiration time, signed when owned.
 
-Policies (DESIGN.md, "DHT"):
+Policies (docs/design/dht.md, "Records"):
 
 - *Expiration is capped by rejection, not clamping.* A record expiring later than
   ``now + MAX_TTL_SECONDS + MAX_CLOCK_SKEW_SECONDS`` is refused. Clamping would change a

@@ -34,11 +34,12 @@ REPLACEMENT_CACHE_SIZE = K
 #: stall without keeping a dead peer in every lookup for long.
 MAX_FAILURES = 3
 #: Contacts one source (a public /24 or /48, a private host: ``peers.subnets``) may have
-#: in one bucket, and in the whole table. Identities cost ~43 µs, networks do not: without
-#: these, one machine could fill every bucket and the neighbourhood of any key (an
-#: eclipse). Two per bucket and eight in all are what go-libp2p's routing-table
-#: diversity filter allows by its defaults (per /16 there; we count the finer
-#: ``peers.subnets`` sources, as everywhere else); honest peers rarely share a /24.
+#: in one bucket, and in the whole table. Identities are cheap to make, networks are not
+#: (docs/benchmarks.md, "Figures behind constants"): without these, one machine could
+#: fill every bucket and the neighbourhood of any key (an eclipse). Two per bucket and
+#: eight in all are what go-libp2p's routing-table diversity filter allows by its
+#: defaults (per /16 there; we count the finer ``peers.subnets`` sources, as everywhere
+#: else); honest peers rarely share a /24.
 MAX_PER_SOURCE_PER_BUCKET = 2
 MAX_PER_SOURCE = 8
 _ID_SPACE_END = 1 << ID_BITS

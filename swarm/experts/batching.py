@@ -17,7 +17,8 @@ from any one caller, and the rotation gives a caller with one request a place in
 next batch however many requests another caller has queued. A caller is whatever the
 server says it is (the remote peer's ID); callers are not authenticated here.
 
-No clock reads and no I/O (STYLE.md 1): every call takes ``now``.
+No clock reads and no I/O (CONTRIBUTING.md, "Protocols are pure state machines"): every
+call takes ``now``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Finding the top-k live experts of a grid for each sample: beam search over the DHT.
 
-:class:`BeamSearch` is the pure part (STYLE.md 1): it says which prefix keys it needs
-(:meth:`BeamSearch.wanted`), and a caller hands it what the DHT holds under them
+:class:`BeamSearch` is the pure part
+(CONTRIBUTING.md, "Protocols are pure state machines"): it says which prefix keys it
+needs (:meth:`BeamSearch.wanted`), and a caller hands it what the DHT holds under them
 (:meth:`BeamSearch.advance`). Per sample, the beam starts at the grid's name; at grid
 dimension ``d`` every prefix in the beam is extended by its live next coordinates,
-scored by the sum of the sample's gate scores along the way, and the best
-``beam_size`` survive (hivemind's ``MoEBeamSearcher``). The prefixes all samples need
-at one dimension are fetched once, so a batch costs one DHT round per dimension.
-:class:`ExpertFinder` drives it against a DHT, with a short-lived cache of prefixes.
+scored by the sum of the sample's gate scores along the way, and the best ``beam_size``
+survive (hivemind's ``MoEBeamSearcher``). The prefixes all samples need at one dimension
+are fetched once, so a batch costs one DHT round per dimension. :class:`ExpertFinder`
+drives it against a DHT, with a short-lived cache of prefixes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Which expert serves which samples, and when a call of many experts may stop waiting.
 
-Pure parts of the mixture (STYLE.md 1). :func:`plan_calls` groups the chosen experts so
-each is called once with all its samples. :class:`Quorum` is hivemind's
-``_collect_responses`` as a state machine: every sample wants ``k_min`` answers from
-its experts; once all have them, stragglers get ``timeout_after_k_min`` more seconds;
-a sample that can no longer get them ends the wait at once (the call fails, and the
-caller may retry without the failed experts).
+Pure parts of the mixture (CONTRIBUTING.md, "Protocols are pure state machines").
+:func:`plan_calls` groups the chosen experts so each is called once with all its
+samples. :class:`Quorum` is hivemind's ``_collect_responses`` as a state machine: every
+sample wants ``k_min`` answers from its experts; once all have them, stragglers get
+``timeout_after_k_min`` more seconds; a sample that can no longer get them ends the wait
+at once (the call fails, and the caller may retry without the failed experts).
 """
 
 from __future__ import annotations

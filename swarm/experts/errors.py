@@ -1,4 +1,5 @@
-"""Errors of remote experts, split by whose fault it is (STYLE.md 5).
+"""Errors of remote experts, split by whose fault it is
+(CONTRIBUTING.md, "Errors say whose fault it is").
 
 On a server, :class:`BadExpertRequest`, :class:`ServerBusy` and
 :class:`TrainingNotAllowed` are raised by handlers and reach the caller as

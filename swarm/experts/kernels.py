@@ -1,20 +1,20 @@
 """Faster CPU kernels for the ``nn.Linear`` layers of hosted modules.
 
 torch computes a float32 ``nn.Linear`` on the CPU with MKL's sgemm. On AMD CPUs MKL
-takes its AVX2 code path even where the CPU has AVX-512: on this project's machines
-(AMD EPYC, Zen 5) it ran a 256 x 1024 x 4096 product at 99 GFLOP/s on one thread,
-where oneDNN, which torch also ships, ran it at 223 GFLOP/s with AVX-512. oneDNN is
-reached through ``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler
-emits for CPU linear layers; it takes ordinary dense tensors, so parameters,
-optimizers, checkpoints and averaging see nothing different.
+takes its AVX2 code path even where the CPU has AVX-512, and oneDNN, which torch also
+ships, runs the same products much faster with AVX-512
+(docs/benchmarks.md, "Figures behind constants"). oneDNN is reached through
+``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler emits for CPU linear
+layers; it takes ordinary dense tensors, so parameters, optimizers, checkpoints and
+averaging see nothing different.
 
 A server therefore computes its modules' Linear layers (forward, input gradient and
 weight gradient) with oneDNN where that is faster, and with torch's kernels where it is
-not: for small products oneDNN's fixed cost per call loses (the ``MIN_*`` bounds below,
-measured on that machine). ``"auto"`` first times both on one product and keeps torch's
-kernels unless oneDNN is clearly faster (:data:`AUTO_MIN_SPEEDUP`), so a CPU where MKL
-is at its best (Intel's) keeps them. The results are float32 products, as before, summed
-in another order: they agree with torch's to float32 rounding, not bit for bit.
+not: for small products oneDNN's fixed cost per call loses (the ``MIN_*`` bounds below).
+``"auto"`` first times both on one product and keeps torch's kernels unless oneDNN is
+clearly faster (:data:`AUTO_MIN_SPEEDUP`), so a CPU where MKL is at its best (Intel's)
+keeps them. The results are float32 products, as before, summed in another order: they
+agree with torch's to float32 rounding, not bit for bit.
 
 Rejected: ``torch.backends.mkldnn.matmul.fp32_precision`` (routes float32 products to
 oneDNN only at reduced precision, bf16 or tf32) and ``torch.compile`` (a compile per
@@ -36,21 +36,22 @@ from torch.autograd.function import once_differentiable
 LinearKernels = Literal["auto", "torch", "onednn"]
 LINEAR_KERNELS: tuple[LinearKernels, ...] = ("auto", "torch", "onednn")
 
-#: Below this many multiply-adds (rows x in x out) a product keeps torch's kernel: at
-#: 64 x 128 x 256 rows (2^21) oneDNN was as fast as MKL, below it up to 5x slower.
+#: Below this many multiply-adds (rows x in x out) a product keeps torch's kernel:
+#: there oneDNN's fixed cost per call makes it slower than MKL
+#: (docs/benchmarks.md, "Figures behind constants").
 MIN_MACS = 1 << 21
-#: Fewest rows for which each product goes to oneDNN, measured at 1024 x 4096 and
-#: 512 x 2048 (products interleaved, freed memory kept): the forward is faster at any
-#: row count (1.3x at one row, 1.8x at two, where MKL slows down); both gradients of a
-#: single row (matrix-vector and outer products) are faster without it (oneDNN 0.5-0.7x
-#: of MKL). A single row's weight gradient is an outer product, which a broadcast
-#: multiply writes faster than MKL's one-deep matrix product (0.67 against 0.79 ms at
-#: 4096 x 1024), with the same values: each element is one product, nothing is summed.
+#: Fewest rows for which each product goes to oneDNN: the forward is faster on it at
+#: any row count; both gradients of a single row (matrix-vector and outer products) are
+#: faster without it. A single row's weight gradient is an outer product, which a
+#: broadcast multiply writes faster than MKL's one-deep matrix product, with the same
+#: values: each element is one product, nothing is summed
+#: (docs/benchmarks.md, "Figures behind constants").
 MIN_ROWS_FORWARD = 1
 MIN_ROWS_GRAD_INPUT = 2
 MIN_ROWS_GRAD_WEIGHT = 2
 #: ``"auto"`` uses oneDNN only if it runs the probe product this much faster: a margin
-#: over timing noise, far below the 2.2x measured where it helps.
+#: over timing noise, far below its gain where it helps
+#: (docs/benchmarks.md, "Figures behind constants").
 AUTO_MIN_SPEEDUP = 1.25
 #: The probe: a (rows, in) x (in, out) product, timed this many times each way.
 PROBE_SHAPE = (128, 1024, 1024)
@@ -155,8 +156,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
         # even at one row, where neither gradient goes to oneDNN: the forward's gain and
-        # the outer product's outweigh the autograd function's own cost (measured on the
-        # 1024-wide FFN: forward+backward+Adam 7.89 against 8.22 ms through F.linear)
+        # the outer product's outweigh the autograd function's own cost
+        # (docs/benchmarks.md, "Figures behind constants")
         out: torch.Tensor = _Linear.apply(flat, weight, bias)  # type: ignore[no-untyped-call]
     else:  # nothing to differentiate: no autograd function to go through
         out = _onednn_mm(flat, weight, bias)

@@ -2,7 +2,8 @@
 
 A module declares one :class:`TensorSpec` per input (shape without the batch dimension,
 dtype); its outputs' specs come from one trial forward. A request is checked against
-them *before* anything is decoded or computed (STYLE.md 7): number of tensors, dtype,
+them *before* anything is decoded or computed
+(CONTRIBUTING.md, "Bound everything a peer controls"): number of tensors, dtype,
 per-sample shape, one batch size shared by all tensors, ``1 <= batch <= max``. The same
 checks run on a caller's inputs before sending, and on a server's replies.
 

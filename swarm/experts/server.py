@@ -3,13 +3,13 @@
 ``async with ExpertServer(peer, backends, config, dht=dht)`` registers the experts
 protocol on ``peer``, starts one :class:`ModuleWorker` per module and (with a DHT)
 announces the modules once, then every ``announce_interval``; its tasks live in a
-TaskGroup it owns (STYLE.md 3). Every request is checked against the module's schema
-before it is decoded or queued; a bad one costs only its caller a
-:class:`BadExpertRequest`. Each request is queued as its caller's (the remote peer's),
-within that caller's share of the module's queue, and a backward from a peer outside
-``ServerConfig.allowed_trainers`` is refused with :class:`TrainingNotAllowed` before
-anything else (docs/experts-trust.md). A pipeline stage is hosted the same way as an
-expert: a module under a uid such as ``stage.2``. The modules' ``nn.Linear`` layers
+TaskGroup it owns (CONTRIBUTING.md, "Every task has an owner"). Every request is checked
+against the module's schema before it is decoded or queued; a bad one costs only its
+caller a :class:`BadExpertRequest`. Each request is queued as its caller's (the remote
+peer's), within that caller's share of the module's queue, and a backward from a peer
+outside ``ServerConfig.allowed_trainers`` is refused with :class:`TrainingNotAllowed`
+before anything else (docs/experts-trust.md). A pipeline stage is hosted the same way as
+an expert: a module under a uid such as ``stage.2``. The modules' ``nn.Linear`` layers
 compute with oneDNN where a probe finds it faster than torch's kernels
 (``linear_kernels`` in :class:`ServerConfig`; :mod:`swarm.experts.kernels`).
 """

@@ -15,11 +15,12 @@ thread switches per request. After a backward batch, the replies go out
 first and the optimizer step follows, before the module's next batch: a backward that
 ran in a thread hands its results to the loop and steps in that same thread at once,
 so the step is under way before the loop, sending the replies, wants the GIL (started
-from the loop after the replies, the step began 0.6-0.8 ms after a batch-1 backward,
-waiting for it). One worker per module, so a forward never reads parameters a step is
-writing; code outside that reads or changes the parameters (replica averaging) goes
-through :meth:`ModuleWorker.exclusive` for the same reason. Work in a thread is awaited
-to its end even by a cancelled worker. A caller that gives up leaves the queue at once.
+from the loop after the replies, the step waited for the GIL after every backward:
+docs/benchmarks.md, "Figures behind constants"). One worker per module, so a forward
+never reads parameters a step is writing; code outside that reads or changes the
+parameters (replica averaging) goes through :meth:`ModuleWorker.exclusive` for the same
+reason. Work in a thread is awaited to its end even by a cancelled worker. A caller that
+gives up leaves the queue at once.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Errors of pipelines, by whose fault (STYLE.md 5).
+"""Errors of pipelines, by whose fault
+(CONTRIBUTING.md, "Errors say whose fault it is").
 
 A failed server is not an error for the caller: its micro-batch goes to another server
 of the stage. The caller sees :class:`StageUnavailable` when a stage has no live server

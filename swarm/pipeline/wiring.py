@@ -17,8 +17,9 @@ inversely proportional to the time this micro-batch would take there.
   ``busy_seconds``) and not drawn meanwhile, even while the DHT still lists it (its
   entries outlive a dead server by up to the announcement TTL).
 
-One :class:`Wiring` per stage. No clock reads and no I/O (STYLE.md 1): every call
-takes ``now``; randomness comes from the ``random.Random`` the caller passes.
+One :class:`Wiring` per stage. No clock reads and no I/O
+(CONTRIBUTING.md, "Protocols are pure state machines"): every call takes ``now``;
+randomness comes from the ``random.Random`` the caller passes.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ stream positions ``[t * G, (t + 1) * G)`` with ``G = num_peers * batch_size``, a
 - the peers' batches of step ``t``, concatenated in rank order, are exactly the batch of
   step ``t`` of a single process with ``batch_size = G`` and the same seed; this is what
   lets a swarm run be compared with (and, done synchronously, match) the baseline
-  (STYLE.md 18).
+  (CONTRIBUTING.md, "Numerics are checked as exact properties").
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Butterfly all-reduce rounds, simulated in-process (no network): n peers' state machines
 with their messages delivered in random order, peers killed, stalled or sending garbage.
 
-The exact properties (STYLE.md 18): after a round every survivor holds the same tensor
-(``torch.equal``, and equal fingerprints), every averaged part is averaged over a set
-that contains every survivor and equals the weighted mean over that set within float32
-rounding, and no result holds NaN.
+The exact properties (CONTRIBUTING.md, "Numerics are checked as exact properties"):
+after a round every survivor holds the same tensor (``torch.equal``, and equal
+fingerprints), every averaged part is averaged over a set that contains every survivor
+and equals the weighted mean over that set within float32 rounding, and no result holds
+NaN.
 
 Randomised tests print their seed; set SWARMTRAIN_TEST_SEED to replay one.
 """

@@ -1,5 +1,6 @@
-"""Compression codecs: one conformance test for every codec (STYLE.md 11), error feedback,
-hostile payloads, and the adaptive choice.
+"""Compression codecs: one conformance test for every codec
+(CONTRIBUTING.md, "Interfaces come with a conformance test"), error feedback, hostile
+payloads, and the adaptive choice.
 
 Randomised tests print their seed; set SWARMTRAIN_TEST_SEED to replay one.
 """

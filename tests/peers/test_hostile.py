@@ -1,4 +1,5 @@
-"""Hostile input against a real listening Peer on 127.0.0.1 (STYLE.md 7 and 10).
+"""Hostile input against a real listening Peer on 127.0.0.1
+(CONTRIBUTING.md, "Bound everything a peer controls" and "How tests are organised").
 
 Each test sends one kind of bad input to a *victim* Peer and checks three things: the
 victim refuses it clearly (an error frame, a reset stream, a closed socket), it keeps

@@ -1,5 +1,6 @@
 """oneDNN kernels for hosted Linear layers: the same numbers and gradients as torch's,
-each product on the kernel its bounds name, and a server that uses them (STYLE.md 18)."""
+each product on the kernel its bounds name, and a server that uses them
+(CONTRIBUTING.md, "Numerics are checked as exact properties")."""
 
 from __future__ import annotations
 

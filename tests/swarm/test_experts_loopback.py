@@ -1,5 +1,6 @@
 """Expert servers and clients on loopback, in one process: numerics, deadlines, bad
-requests, batching, compression (STYLE.md 10: port 0, bounded waits)."""
+requests, batching, compression (port 0, bounded waits: CONTRIBUTING.md, "How tests are
+organised")."""
 
 from __future__ import annotations
 

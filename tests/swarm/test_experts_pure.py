@@ -1,4 +1,5 @@
-"""Pure parts of remote experts: no loop, no network (STYLE.md 10)."""
+"""Pure parts of remote experts: no loop, no network
+(CONTRIBUTING.md, "How tests are organised")."""
 
 from __future__ import annotations
 

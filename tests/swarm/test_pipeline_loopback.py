@@ -1,6 +1,6 @@
 """Pipelines on loopback, in one process: numerics against the local model, rerouting,
-compression, replica averaging, state download, joining and moving (STYLE.md 10: port
-0, bounded waits)."""
+compression, replica averaging, state download, joining and moving (port 0, bounded
+waits: CONTRIBUTING.md, "How tests are organised")."""
 
 from __future__ import annotations
 
