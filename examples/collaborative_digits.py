@@ -25,8 +25,7 @@ from torch import nn
 
 from peers import PeerConfig
 from peers.dht import BlockingDHT
-from swarm.optimizer import CollaborativeOptimizer
-from swarm.optimizer_config import CollaborativeConfig
+from swarm.collaborative import CollaborativeConfig, CollaborativeOptimizer
 from swarm.tasks import load_digits
 
 NUM_PEERS = 2

@@ -23,8 +23,7 @@ import torch
 
 from peers import PeerConfig
 from peers.dht import BlockingDHT
-from swarm.optimizer import CollaborativeOptimizer
-from swarm.optimizer_config import CollaborativeConfig, DiLoCoConfig
+from swarm.collaborative import CollaborativeConfig, CollaborativeOptimizer, DiLoCoConfig
 from swarm.tasks import CharLMTask
 
 NUM_PEERS = 2

@@ -1,8 +1,8 @@
 """swarm: collaborative training, remote experts, the ``swarm`` command, monitoring.
 
-- :mod:`swarm.optimizer`: :class:`~swarm.optimizer.CollaborativeOptimizer` (gradient
-  averaging to a global batch, or DiLoCo); :mod:`swarm.trainer` runs one peer on a
-  built-in task (:mod:`swarm.tasks`), :mod:`swarm.demo` a whole local swarm.
+- :mod:`swarm.collaborative`: ``CollaborativeOptimizer`` (gradient averaging to a
+  global batch, or DiLoCo); :mod:`swarm.trainer` runs one peer on a built-in task
+  (:mod:`swarm.tasks`), :mod:`swarm.demo` a whole local swarm.
 - :mod:`swarm.experts`: expert servers, ``RemoteExpert``, ``RemoteMixtureOfExperts``;
   :mod:`swarm.pipeline`: SWARM pipelines (``RemoteSequential``).
 - :mod:`swarm.cli`: the ``swarm`` command; :mod:`swarm.checkpoint`: safe checkpoints.

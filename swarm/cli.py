@@ -448,7 +448,7 @@ async def _ping(args: argparse.Namespace) -> int:
 
 def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
     """The TrainerConfig the flags of ``swarm train``/``swarm join`` describe."""
-    from swarm.optimizer_config import DiLoCoConfig
+    from swarm.collaborative.config import DiLoCoConfig
     from swarm.trainer import TrainerConfig
 
     if args.identity:

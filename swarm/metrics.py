@@ -2,7 +2,7 @@
 
 Nothing is counted twice: every subsystem already keeps its statistics
 (:class:`peers.PeerStatistics`, :class:`peers.dht.DHTStatistics`, the optimizer's
-:class:`swarm.optimizer_config.OptimizerStatistics`, an expert server's
+:class:`swarm.collaborative.config.OptimizerStatistics`, an expert server's
 :class:`swarm.experts.server.ServerStatistics`), and a scrape turns a snapshot of them
 into metric families (the ``*_families`` functions, pure). Snapshots are taken on the
 thread that owns the statistics: the event loop's for a peer and its DHT (through

@@ -43,8 +43,8 @@ from peers.reachability import Reachability
 from swarm.status_view import Contact, SwarmView, summarize
 
 if TYPE_CHECKING:
+    from swarm.collaborative.config import OptimizerStatistics
     from swarm.experts.server import ServerStatistics
-    from swarm.optimizer_config import OptimizerStatistics
 
 logger = logging.getLogger(__name__)
 

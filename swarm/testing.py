@@ -8,7 +8,7 @@ JSON lines. Two targets ship for training runs:
 - ``swarm.testing:trainer_node``: one collaborative trainer, as ``swarm train`` runs it
   (:func:`swarm.trainer.train`). Its options are :class:`~swarm.trainer.TrainerConfig`'s
   fields (``initial_peers`` as a list, ``diloco`` as a dict of
-  :class:`~swarm.optimizer_config.DiLoCoConfig` fields, ``task`` a built-in name or
+  :class:`~swarm.collaborative.config.DiLoCoConfig` fields, ``task`` a built-in name or
   your own ``MODULE:FACTORY``), and ``report_every``: every that many epochs it reports
   ``{"event": "progress", "epoch", "loss"}`` (default 50). At the end it reports
   ``{"event": "trained", "metrics", "epochs", "statistics"}`` and stays up until the
@@ -29,7 +29,7 @@ from peers.testing import Node
 def trainer_config_from_options(options: dict[str, Any]) -> Any:
     """The :class:`~swarm.trainer.TrainerConfig` a target's JSON options describe (keys
     that are not its fields are left to the target); raises what the config raises."""
-    from swarm.optimizer_config import DiLoCoConfig
+    from swarm.collaborative.config import DiLoCoConfig
     from swarm.trainer import TrainerConfig
 
     fields = {f.name for f in dataclasses.fields(TrainerConfig)}
@@ -44,7 +44,7 @@ async def trainer_node(node: Node) -> None:
     """The trainer target (see the module docstring)."""
     import torch
 
-    from swarm.optimizer_config import OptimizerStatistics
+    from swarm.collaborative.config import OptimizerStatistics
     from swarm.trainer import train
 
     torch.set_num_threads(1)  # several trainers share the machine's cores

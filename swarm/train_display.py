@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Literal, TextIO
 
-from swarm.optimizer_config import OptimizerStatistics
+from swarm.collaborative.config import OptimizerStatistics
 from swarm.progress_bar import ProgressBar, human_bytes
 from swarm.trainer import RunPlan, TrainResult
 

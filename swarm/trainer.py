@@ -28,6 +28,10 @@ from peers.dht import BlockingDHT, DHTConfig
 from peers.identity import KeyPair, PeerID
 from peers.pnet import SwarmKeyError, load_swarm_key
 from swarm.checkpoint import read_state, write_state
+from swarm.collaborative.config import CollaborativeConfig, DiLoCoConfig, OptimizerStatistics
+from swarm.collaborative.optimizer import CollaborativeOptimizer
+from swarm.collaborative.progress import MAX_EXPECTED_PEERS
+from swarm.collaborative.state import pack_state, unpack_state
 from swarm.errors import CheckpointError, TaskError
 from swarm.metrics import (
     SCRAPE_TIMEOUT,
@@ -38,9 +42,6 @@ from swarm.metrics import (
     peer_families,
 )
 from swarm.optim_spec import OptimizerSpec
-from swarm.optimizer import CollaborativeOptimizer
-from swarm.optimizer_config import CollaborativeConfig, DiLoCoConfig, OptimizerStatistics
-from swarm.progress import MAX_EXPECTED_PEERS
 from swarm.shares import Slot, my_slot, share_order, takeover_slots
 from swarm.status import (
     STATUS_INTERVAL_SECONDS,
@@ -51,7 +52,6 @@ from swarm.status import (
 )
 from swarm.tasks import check_task_name, get_task
 from swarm.tasks.base import Recipe, SampleStream, check_seed
-from swarm.training_state import pack_state, unpack_state
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 
 from peers.dht import BlockingDHT, DHTConfig
 from peers.testing import LocalSwarm
-from swarm.optimizer import CollaborativeOptimizer
-from swarm.optimizer_config import CollaborativeConfig
+from swarm.collaborative.config import CollaborativeConfig
+from swarm.collaborative.optimizer import CollaborativeOptimizer
 from swarm.tasks import get_task
 
 TARGET = "swarm.testing:trainer_node"
@@ -47,7 +47,7 @@ def _free_rider(boot: str) -> Iterator[CollaborativeOptimizer]:
         for _ in range(10_000):  # bounded: 0.05 s each, longer than any run here
             if stop.wait(0.05):
                 return
-            opt.epoch = max(opt.epoch, opt._summary().epoch)
+            opt.epoch = max(opt.epoch, opt.swarm_progress().epoch)
 
     follower = threading.Thread(target=keep_up, daemon=True)
     follower.start()

@@ -11,8 +11,8 @@ import torch
 
 from peers.dht import BlockingDHT, DHTConfig
 from peers.testing import LocalSwarm
-from swarm.optimizer import CollaborativeOptimizer
-from swarm.optimizer_config import CollaborativeConfig
+from swarm.collaborative.config import CollaborativeConfig
+from swarm.collaborative.optimizer import CollaborativeOptimizer
 from swarm.tasks import get_task
 
 TARGET = "swarm.testing:trainer_node"

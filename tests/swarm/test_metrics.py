@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from peers import Peer
 from peers.dht import DHT, DHTConfig
 from peers.traffic import TrafficBook
+from swarm.collaborative.config import OptimizerStatistics
 from swarm.metrics import (
     MetricsServer,
     TrainingSnapshot,
@@ -29,7 +30,6 @@ from swarm.metrics import (
     peer_families,
     traffic_families,
 )
-from swarm.optimizer_config import OptimizerStatistics
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 LOCAL = ["--listen", "/ip4/127.0.0.1/tcp/0"]

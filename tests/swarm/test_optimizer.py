@@ -12,8 +12,8 @@ import torch
 from peers import KeyPair
 from peers.dht import BlockingDHT
 from peers.dht.ids import Contact
-from swarm.optimizer import CollaborativeOptimizer
-from swarm.optimizer_config import CollaborativeConfig
+from swarm.collaborative.config import CollaborativeConfig
+from swarm.collaborative.optimizer import CollaborativeOptimizer
 
 
 def _wait_until_closed(conn: socket.socket, timeout: float) -> bool:
@@ -64,7 +64,7 @@ def test_close_cancels_the_progress_publishes_in_flight() -> None:
 
 def test_config_checks_the_cadence_and_the_aggregation() -> None:
     from averaging import CenteredClipConfig
-    from swarm.optimizer_config import DiLoCoConfig, OptimizerError
+    from swarm.collaborative.config import DiLoCoConfig, OptimizerError
 
     CollaborativeConfig(run_id="r", target_batch_size=8, aggregation=CenteredClipConfig())
     bad: list[dict[str, object]] = [

@@ -13,8 +13,8 @@ from torch import nn
 from averaging import Float16Codec, NoneCodec
 from averaging.allreduce_config import AllReduceConfig
 from peers.dht import BlockingDHT
-from swarm.optimizer import CollaborativeOptimizer
-from swarm.optimizer_config import CollaborativeConfig, DiLoCoConfig, OptimizerError
+from swarm.collaborative.config import CollaborativeConfig, DiLoCoConfig, OptimizerError
+from swarm.collaborative.optimizer import CollaborativeOptimizer
 
 LOCAL_BATCH, GLOBAL_BATCH = 4, 8  # two local steps per global step
 
@@ -219,9 +219,9 @@ def test_a_diloco_state_dict_keeps_the_outer_optimizer_and_anchor(dht: BlockingD
         assert opt.epoch == 2
         state = opt.state_dict()
         assert set(state) >= {"outer", "anchor"} and len(state["anchor"]) == 2
-        opt._anchor[0].add_(1.0)
+        opt._diloco.anchor[0].add_(1.0)
         opt.load_state_dict(state)
-        assert torch.equal(opt._anchor[0], state["anchor"][0])
+        assert torch.equal(opt._diloco.anchor[0], state["anchor"][0])
         with pytest.raises(OptimizerError, match="anchor does not fit"):
             opt.load_state_dict({**state, "anchor": [torch.zeros(7)] * 2})
 
@@ -242,7 +242,7 @@ def test_the_device_path_accumulates_apart_and_copies_once_per_global_step(
     """Parameters on a GPU accumulate on their device and cross to the host buffers once
     per global step. That path runs here on CPU tensors (an accumulator apart from each
     host buffer, as a CUDA parameter gets): the same parameters, bit for bit."""
-    from swarm import device_buffers
+    from swarm.collaborative import buffers as device_buffers
 
     host_path = _run_lone(dht, diloco)
     copies: list[int] = []
@@ -263,7 +263,7 @@ def test_the_device_path_accumulates_apart_and_copies_once_per_global_step(
 
 
 def test_averaging_buffers_cast_gradients_to_each_parameters_dtype() -> None:
-    from swarm.device_buffers import AveragingBuffers
+    from swarm.collaborative.buffers import AveragingBuffers
 
     params = [nn.Parameter(torch.ones(3, dtype=torch.float64)), nn.Parameter(torch.ones(2))]
     buffers = AveragingBuffers(params)

@@ -8,8 +8,8 @@ import time
 from peers import KeyPair, PeerID
 from peers.dht import BlockingDHT, dht_time
 from peers.dht.records import owner_marker
-from swarm.optimizer import _parse_records
-from swarm.progress import PeerProgress, split_winner, summarize
+from swarm.collaborative.optimizer import _parse_records
+from swarm.collaborative.progress import PeerProgress, split_winner, summarize
 
 
 def _ids(n: int) -> list[PeerID]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from swarm.optimizer_config import OptimizerStatistics
+from swarm.collaborative.config import OptimizerStatistics
 from swarm.train_display import TrainDisplay
 from swarm.trainer import RunPlan
 

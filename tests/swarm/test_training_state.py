@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from swarm.collaborative.state import pack_state, unpack_state
 from swarm.errors import SwarmError
-from swarm.training_state import pack_state, unpack_state
 
 
 def _adam(model: nn.Module, *, fused: bool) -> torch.optim.Adam:

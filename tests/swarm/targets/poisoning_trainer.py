@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from peers.testing import Node
-from swarm.optimizer import CollaborativeOptimizer
+from swarm.collaborative.optimizer import CollaborativeOptimizer
 from swarm.testing import trainer_node
 
 

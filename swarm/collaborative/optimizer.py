@@ -14,18 +14,21 @@ Joining late or falling behind: a peer whose epoch is older than the swarm's dow
 parameters and optimizer state from its peers (several donors at once, verified) and
 continues from there. Every peer serves its state after each step.
 
-The training loop stays synchronous; the network runs on the DHT's background loop.
+This module is the driver: the decisions are :mod:`swarm.collaborative.machine`'s (a
+pure state machine), the tensor work :mod:`swarm.collaborative.updates`'. The training
+loop stays synchronous and does the tensor work in its own thread; the network runs on
+the DHT's background loop, and the training thread waits for it only in the calls that
+need an answer (a round, a state download).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -50,16 +53,26 @@ from peers.errors import PeersError
 from peers.identity import PeerID
 from peers.owned_tasks import CANCEL_TIMEOUT_SECONDS, OwnedTasks
 from peers.traffic import LatencyHistogram
-from swarm.device_buffers import AveragingBuffers
-from swarm.errors import SwarmError
-from swarm.optimizer_config import (
-    CollaborativeConfig,
-    OptimizerError,
-    OptimizerStatistics,
+from swarm.collaborative.buffers import AveragingBuffers
+from swarm.collaborative.config import CollaborativeConfig, OptimizerError, OptimizerStatistics
+from swarm.collaborative.face import SchedulerFactory, TorchOptimizerFace
+from swarm.collaborative.machine import (
+    Average,
+    Decision,
+    DiLoCoPolicy,
+    GradientPolicy,
+    Resync,
+    Round,
+    RoundOutcome,
+    Step,
+    StepMachine,
+    Train,
+    Wait,
 )
-from swarm.optimizer_face import SchedulerFactory, TorchOptimizerFace
-from swarm.progress import PeerProgress, SwarmProgress, split_winner, summarize
-from swarm.training_state import pack_state, state_problem, unpack_state
+from swarm.collaborative.progress import PeerProgress, SwarmProgress
+from swarm.collaborative.state import pack_state, state_problem, unpack_state
+from swarm.collaborative.updates import DiLoCoUpdates, GradientUpdates, Updates, zero_grads
+from swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +80,11 @@ logger = logging.getLogger(__name__)
 #: loads it: one volunteer, however many identities it holds, is not enough. A swarm
 #: whose donors all answer from fewer networks needs them all to agree.
 STATE_QUORUM = 2
+#: The averager ends each step within its own bounds (matchmaking's ``search_timeout``,
+#: then the round's ``round_timeout``; a state download its ``state_timeout``). The
+#: training thread waits this much longer before it calls the call hung: it fires on a
+#: bug or a stalled event loop, never on a slow round, which ends by its own deadline.
+HUNG_CALL_SLACK_SECONDS = 5.0
 
 _CODECS: dict[str, Callable[[], Codec]] = {
     "none": NoneCodec,
@@ -80,9 +98,9 @@ class CollaborativeOptimizer(TorchOptimizerFace):
     ``dht``. Call :meth:`step` after each local ``loss.backward()`` (with the batch
     size, or set ``config.batch_size_per_step``); call :meth:`close` (or use ``with``)
     when done. It is a ``torch.optim.Optimizer`` to the training loop
-    (:mod:`swarm.optimizer_face`): ``zero_grad``, ``param_groups``, ``state_dict``, and
-    ``scheduler``, a function that builds a learning-rate scheduler for ``optimizer``,
-    stepped once per global step."""
+    (:mod:`swarm.collaborative.face`): ``zero_grad``, ``param_groups``, ``state_dict``,
+    and ``scheduler``, a function that builds a learning-rate scheduler for
+    ``optimizer``, stepped once per global step."""
 
     def __init__(
         self,
@@ -100,47 +118,24 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         if not self.params:
             raise OptimizerError("the optimizer holds no parameters")
-        self.epoch = 0
+        self._machine = StepMachine(
+            me=dht.peer.peer_id,
+            policy=DiLoCoPolicy(config.diloco.inner_steps) if config.diloco else GradientPolicy(),
+            target_batch_size=config.target_batch_size,
+            progress_expiration=config.progress_expiration,
+            max_wait_seconds=config.max_wait_seconds,
+        )
         self._init_face(scheduler)
         #: What is averaged: host buffers, and accumulators on each parameter's device.
         self._averaged = AveragingBuffers(self.params)
         self.buffers = self._averaged.host
-        self._samples = 0
-        self._averaging = False
-        self._fingerprint = b""
-        self._local_steps = 0
-        self._local_samples = 0
-        self._inner_steps = 0
-        self._rate = 0.0
-        self._rate_since = time.monotonic()
-        self._rate_samples = 0
-        self._counts = {
-            "rounds": 0,
-            "alone": 0,
-            "loads": 0,
-            "bytes": 0,
-            "splits": 0,
-            "not_agreed": 0,
-            "no_group": 0,
-        }
-        self._round_seconds = 0.0
-        self._round_latency = LatencyHistogram()
-        self._reducer_spread = 0.0
-        self._records: dict[PeerID, PeerProgress] = {}
-        self._expect = 1
-        self._first_read = threading.Event()
-        self._refused_branches: set[bytes] = set()
-        self._view: SwarmProgress | None = None
-        self._outer: torch.optim.Optimizer | None = None
-        self._anchor: list[torch.Tensor] = []
+        self._updates: Updates
         if config.diloco is not None:
-            self._anchor = [p.detach().clone() for p in self.params]
-            self._outer = torch.optim.SGD(
-                self.params,
-                lr=config.diloco.outer_lr,
-                momentum=config.diloco.outer_momentum,
-                nesterov=config.diloco.outer_momentum > 0,
-            )
+            self._diloco = DiLoCoUpdates(optimizer, self.params, self._averaged, config.diloco)
+            self._updates = self._diloco
+        else:
+            self._updates = GradientUpdates(optimizer, self.params, self._averaged)
+        self._round_latency = LatencyHistogram()
         # DiLoCo's parameter changes travel with its own codec; gradients with the one
         # config.allreduce names (CollaborativeConfig refuses a choice of both).
         codec = _CODECS[config.diloco.codec]() if config.diloco else config.allreduce.codec
@@ -156,17 +151,32 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         )
         named = {str(i): b for i, b in enumerate(self.buffers)}
         self._averager = Averager(dht.node, named, averager_config)
+        self._closed = False
+        # The tracker's (the DHT loop's): everyone's records as last read, how many reads
+        # so far (the training thread waits for the next one), whether it waits.
+        self._records: dict[PeerID, PeerProgress] = {}
+        self._reads = 0
+        self._read = threading.Condition()
+        self._hurry = False  # the training thread waits on the records: read them often
+        self._published: tuple[PeerProgress, float] | None = None  # and when (monotonic)
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()  # the tracker's: read now (or stop)
-        self._hurry = False  # someone waits on the progress records: read them often
-        self._published: tuple[PeerProgress, float] | None = None  # and when (monotonic)
-        self._closed = False
         # The progress tracker and every publish in flight: close() ends them (the DHT
-        # loop's thread only).
+        # loop's thread only); the averager's context is left by close() too.
         self._tasks = OwnedTasks("CollaborativeOptimizer")
-        dht.peer.run(self._averager.__aenter__())
+        self._exit = contextlib.AsyncExitStack()
+        dht.peer.run(self._exit.enter_async_context(self._averager))
         self._progress_task = dht.peer.submit(self._tasks.run(self._track_progress()))
         self._publish_now()
+
+    @property
+    def epoch(self) -> int:
+        """Global steps (DiLoCo: outer steps) this peer has taken part in."""
+        return self._machine.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._machine.epoch = value
 
     # --- the training loop's side ------------------------------------------------------
 
@@ -204,282 +214,157 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         self._step(0)
 
     def _step(self, batch_size: int) -> None:
+        """Carry out the machine's decisions for one batch until it says train on."""
         if self._closed:
             raise OptimizerError("the optimizer is closed")
-        if batch_size:
-            self._local_steps += 1
-            self._local_samples += batch_size
-            self._measure(batch_size)
-        if self._behind():
-            self._zero_grads()
-            self._load_state()
-            return
-        branch = split_winner(
-            self._records,
-            self.dht.peer.peer_id,
-            self._mine(),
-            now=dht_time(),
-            expiration_seconds=self.config.progress_expiration,
-        )
-        if branch is not None and branch[0] not in self._refused_branches:
-            # we stepped in a group apart from most of the swarm
-            logger.warning("epoch %d: the swarm split; following the majority", self.epoch)
-            self._zero_grads()
-            self._counts["splits"] += 1
-            if not self._load_state(donors=branch[1], fingerprint=branch[0]):
-                # Its peers cannot give us its state (a quorum of distinct networks, that
-                # fits): identities claiming a branch are no majority. Stay on ours.
-                self._refused_branches.add(branch[0])
-            return
-        if self.config.diloco is not None:
-            if batch_size:
-                self._diloco_step(batch_size)
-        else:
-            self._gradient_step(batch_size)
+        self._machine.records = self._records
+        decision: Decision = self._machine.batch(batch_size, dht_time())
+        if batch_size and not isinstance(decision, Resync):
+            self._updates.take_batch(batch_size)
+        waiting = False
+        while True:
+            if isinstance(decision, Train):
+                return
+            if isinstance(decision, Resync):
+                self._resync(decision)
+                return
+            if isinstance(decision, Step):
+                self._updates.apply()
+                self._finish_epoch()
+                return
+            if isinstance(decision, Wait):
+                if not waiting:
+                    waiting = True
+                    self._publish_now()  # my share is done: the others should know
+                self._await_records(decision.deadline)
+                self._machine.records = self._records
+                decision = self._machine.poll(decision, dht_time())
+                continue
+            assert isinstance(decision, Average)
+            self._publish_now()  # I am averaging: peers of my epoch should join now
+            outcome = self._average(decision)
+            decision = self._machine.round_ended(outcome, dht_time())
 
-    def _gradient_step(self, batch_size: int) -> None:
-        if batch_size:
-            self._averaged.add_gradients(self.params, float(batch_size))
-            self._zero_grads()
-            self._samples += batch_size
-        view = self._wait_for_swarm(always=not batch_size)
-        if not view.ready:
-            return
-        self._averaging = True
-        self._publish_now()
-        self._averaged.to_host()
-        self._averaged.divide_host(float(self._samples))
-        if not self._average(self._samples, view.num_peers):
-            self._load_state()
-            return
-        self._averaged.host_as_gradients(self.params)
-        self.optimizer.step()
-        self._zero_grads()
-        self._finish_epoch()
-
-    def _diloco_step(self, batch_size: int) -> None:
-        assert self.config.diloco is not None and self._outer is not None
-        self.optimizer.step()
-        self._zero_grads()
-        self._samples += batch_size
-        self._inner_steps += 1
-        if self._inner_steps % self.config.diloco.inner_steps:
-            return
-        self._averaging = True
-        self._wait_for_outer_step()
-        # the outer "gradient": anchor - current
-        self._averaged.set_difference(self._anchor, self.params)
-        self._averaged.to_host()
-        if not self._average(self._samples, self._summary().num_peers):
-            self._load_state()
-            return
-        with torch.no_grad():
-            for p, a in zip(self.params, self._anchor, strict=True):
-                p.copy_(a)
-        self._averaged.host_as_gradients(self.params)
-        self._outer.step()
-        self._zero_grads()
-        with torch.no_grad():
-            for p, a in zip(self.params, self._anchor, strict=True):
-                a.copy_(p)
-        self._finish_epoch()
-
-    def _average(self, samples: int, num_peers: int) -> bool:
-        """Average the buffers with the swarm (in place). False if no group formed while
-        other peers are live: they stepped without us, so our state is stale."""
+    def _average(self, average: Average) -> RoundOutcome:
+        """Build the update and average it as ``average`` says."""
+        self._updates.build(self._machine.samples)
         if not self._averaged.host_finite():
-            # A diverged model or a bad batch: sending it would poison (or, the round
-            # refusing it, stall) everyone. Drop it and take the swarm's state instead.
-            logger.warning(
-                "epoch %d: this peer's update holds NaN or infinity; dropped, resyncing",
-                self.epoch,
-            )
-            self._samples = 0
-            self._averaged.zero()
-            return False
-        if num_peers <= 1:  # nobody else is training: no group to look for
-            self._stepped_alone()
-            return True
-        timeout = self.config.matchmaking.search_timeout
+            return RoundOutcome(Round.NON_FINITE)
+        if average.alone:
+            return RoundOutcome(Round.ALONE)
+        timeout = self.config.matchmaking.search_timeout + self.config.allreduce.round_timeout
         try:
             step: AveragingStep = self.dht.peer.run(
                 self._averager.step(
-                    self.epoch,
-                    weight=float(max(samples, 1)),
-                    target_group_size=max(self._expected_group(), 2),
+                    average.epoch, weight=average.weight, target_group_size=average.group_size
                 ),
-                timeout=timeout + self.config.allreduce.round_timeout + 5.0,
+                timeout=timeout + HUNG_CALL_SLACK_SECONDS,
             )
         except MatchmakingError as e:
-            if self._summary().num_peers > 1:
-                logger.info("epoch %d: no group (%s); resyncing", self.epoch, e)
-                self._counts["no_group"] += 1
-                return False
-            logger.info("epoch %d: no group (%s); stepping alone", self.epoch, e)
-            self._stepped_alone()
-            return True
-        self._counts["rounds"] += 1
-        self._counts["bytes"] += step.outcome.transfer.bytes_sent
-        self._round_seconds += step.matchmaking_seconds + step.allreduce_seconds
-        self._round_latency.record(step.matchmaking_seconds + step.allreduce_seconds)
-        self._reducer_spread = step.spread
-        self._fingerprint = step.outcome.result.fingerprint()[:16]
-        report = step.outcome.result.report
-        if not step.outcome.transfer.agreed or report.fraction_averaged < 1.0:
-            # Withdrawn, or the round ended at its deadline: what we hold is not what
-            # the others hold. Take their state rather than drift apart silently.
-            logger.info("epoch %d: round not agreed (%s); resyncing", self.epoch, report)
-            self._counts["not_agreed"] += 1
-            return False
-        return True
+            logger.info("epoch %d: no group (%s)", average.epoch, e)
+            return RoundOutcome(Round.NO_GROUP)
+        except TimeoutError:
+            logger.warning("epoch %d: the averaging step hung; abandoned", average.epoch)
+            return RoundOutcome(Round.NOT_AGREED)
+        seconds = step.matchmaking_seconds + step.allreduce_seconds
+        self._round_latency.record(seconds)
+        transfer, report = step.outcome.transfer, step.outcome.result.report
+        if not transfer.agreed or report.fraction_averaged < 1.0:
+            logger.info("epoch %d: round not agreed (%s)", average.epoch, report)
+        return RoundOutcome(
+            Round.AGREED
+            if transfer.agreed and report.fraction_averaged >= 1.0
+            else Round.NOT_AGREED,
+            fingerprint=step.outcome.result.fingerprint()[:16],
+            bytes_sent=transfer.bytes_sent,
+            seconds=seconds,
+            spread=step.spread,
+        )
 
-    def _expected_group(self) -> int:
-        """Peers expected in this epoch's round, me included: the live ones in this epoch
-        that added samples to it or started averaging. A member that delivered nothing
-        has no part in the round (its slot was filled by others) and does not come:
-        counting it would make every round wait out the gather window for it (mine says
-        it is averaging by now)."""
-        live = self._live().values()
-        return max(1, sum(1 for r in live if r.epoch == self.epoch and (r.samples or r.averaging)))
-
-    def _wait_for_swarm(self, *, always: bool = False) -> SwarmProgress:
-        """Once this peer has its share of the global batch (or ``always``), wait (a
-        bounded time) for the others to fill theirs rather than run ahead: the step then
-        averages the global batch the config asks for, as one big machine would."""
-        view = self._summary()
-        share = self.config.target_batch_size // max(view.num_peers, 1)
-        if view.ready or (self._samples < share and not always):
-            return view
-        self._publish_now()
-        deadline = time.monotonic() + self.config.max_wait_seconds
-        with self._hurrying():
-            while not view.ready and time.monotonic() < deadline and not self._behind_view(view):
-                time.sleep(self.config.progress_interval / 4)
-                view = self._summary()
-        return view
-
-    def _wait_for_outer_step(self) -> None:
-        """DiLoCo: wait (a bounded time) until every live peer in this epoch finished its
-        inner steps too, so that all of them enter the same averaging round."""
-        self._publish_now()
-        deadline = time.monotonic() + self.config.max_wait_seconds
-        me = self.dht.peer.peer_id
-        with self._hurrying():
-            while time.monotonic() < deadline:
-                now = dht_time()
-                waiting = [
-                    r
-                    for p, r in self._records.items()
-                    if p != me
-                    and now - r.time <= self.config.progress_expiration
-                    and r.epoch == self.epoch
-                    and not r.averaging
-                ]
-                if not waiting:
-                    return
-                time.sleep(self.config.progress_interval / 4)
-
-    def _behind_view(self, view: SwarmProgress) -> bool:
-        return view.epoch > self.epoch
-
-    def _stepped_alone(self) -> None:
-        # A fingerprint of our own: should another peer have stepped this epoch too
-        # (we did not see it in time), the two branches differ and split detection
-        # makes one follow the other instead of drifting apart unseen.
-        self._counts["alone"] += 1
-        digest = hashlib.sha256(b"alone\0" + self.dht.peer.peer_id.to_bytes())
-        digest.update(self.epoch.to_bytes(8, "big"))
-        self._fingerprint = digest.digest()[:16]
+    def _resync(self, resync: Resync) -> None:
+        log = logger.warning if resync.unusual else logger.info
+        log("epoch %d: %s; resyncing", self.epoch, resync.reason)
+        zero_grads(self.params)
+        if resync.drop_update:
+            self._averaged.zero()
+        donors = list(resync.donors) if resync.donors is not None else None
+        if not self._load_state(donors=donors, fingerprint=resync.fingerprint):
+            # A branch whose peers cannot give its state (a quorum of distinct networks,
+            # that fits) is no majority: this peer stays on its own.
+            self._machine.load_failed(resync)
+            self._publish_now()
 
     def _finish_epoch(self) -> None:
-        self.epoch += 1
+        self._machine.finish_epoch()
         self._follow_epoch()  # the scheduler steps once per global step
-        self._averaging = False
-        self._samples = 0
         self._averaged.zero()
         self._publish_now()
         self._share_state()
 
-    def _zero_grads(self) -> None:
-        for p in self.params:
-            p.grad = None
+    def _await_records(self, deadline: float) -> None:
+        """Until the tracker read everyone's records again (it reads every
+        ``progress_interval`` while someone waits) or ``deadline`` (DHT time)."""
+        self._hurry = True
+        with contextlib.suppress(PeersError, RuntimeError):  # the DHT's peer is closed
+            self.dht.peer.submit(self._wake_tracker())
+        try:
+            with self._read:
+                seen = self._reads
+                self._read.wait_for(
+                    lambda: self._reads != seen or self._closed,
+                    timeout=max(0.0, deadline - dht_time()),
+                )
+        finally:
+            self._hurry = False
 
-    def _measure(self, batch_size: int) -> None:
-        self._rate_samples += batch_size
-        elapsed = time.monotonic() - self._rate_since
-        if elapsed >= 1.0:
-            self._rate = self._rate_samples / elapsed
-            self._rate_since, self._rate_samples = time.monotonic(), 0
-
-    # --- progress ---------------------------------------------------------------------
+    # --- the swarm as this peer sees it -------------------------------------------------
 
     def _mine(self) -> PeerProgress:
-        return PeerProgress(
-            self.epoch,
-            self._samples,
-            self._rate,
-            dht_time(),
-            self._averaging,
-            self._fingerprint,
-            self._expect,
-        )
+        return self._machine.mine(dht_time())
 
-    def _live(self) -> dict[PeerID, PeerProgress]:
-        now, me = dht_time(), self.dht.peer.peer_id
-        live = {
-            p: r
-            for p, r in self._records.items()
-            if p != me and now - r.time <= self.config.progress_expiration
-        }
-        live[me] = self._mine()
-        return live
+    def swarm_progress(self) -> SwarmProgress:
+        """The run's progress as this peer sees it now: the swarm's epoch, its live peers,
+        the samples toward the next step (each claim capped), throughput and ETA."""
+        self._machine.records = self._records
+        return self._machine.view(dht_time())
 
     def members(self) -> list[PeerID]:
         """The live peers of the run as this peer sees them, itself included (those whose
         progress record has not expired), except those claiming an epoch ahead of ours:
         who shares the next global batch. A peer truly ahead stepped without us (we
         resync), and one that only claims it would hold a slot it never fills."""
-        return sorted(p for p, r in self._live().items() if r.epoch <= self.epoch)
+        self._machine.records = self._records
+        return sorted(p for p, r in self._machine.live(dht_time()).items() if r.epoch <= self.epoch)
 
     def delivered(self) -> set[PeerID]:
         """Members that added samples to this peer's epoch (or are past it)."""
+        self._machine.records = self._records
         return {
             p
-            for p, r in self._live().items()
+            for p, r in self._machine.live(dht_time()).items()
             if r.epoch > self.epoch or (r.epoch == self.epoch and (r.samples or r.averaging))
         }
 
     def working(self, within: float) -> set[PeerID]:
         """Members whose progress record is at most ``within`` seconds old: alive and
         publishing, so busy with their part rather than gone (their record stops)."""
+        self._machine.records = self._records
         now = dht_time()
-        return {p for p, r in self._live().items() if now - r.time <= within}
+        return {p for p, r in self._machine.live(now).items() if now - r.time <= within}
 
     @property
     def accumulated(self) -> int:
         """Samples this peer added toward the step that ends its epoch."""
-        return self._samples
+        return self._machine.samples
 
     @property
     def inner_step(self) -> int:
         """DiLoCo: local steps taken since the last outer step (0 in gradient mode)."""
         if self.config.diloco is None:
             return 0
-        return self._inner_steps % self.config.diloco.inner_steps
+        return self._machine.inner_steps % self.config.diloco.inner_steps
 
-    def _summary(self) -> SwarmProgress:
-        self._view = summarize(
-            self._records,
-            self.dht.peer.peer_id,
-            self._mine(),
-            self.config.target_batch_size,
-            now=dht_time(),
-            expiration_seconds=self.config.progress_expiration,
-        )
-        return self._view
-
-    def _behind(self) -> bool:
-        return self._summary().epoch > self.epoch
+    # --- progress records ---------------------------------------------------------------
 
     @property
     def _progress_key(self) -> str:
@@ -491,18 +376,6 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             return
         with contextlib.suppress(PeersError, RuntimeError):  # the DHT's peer is closed
             self.dht.peer.submit(self._tasks.run(self._publish(self._mine())))
-
-    @contextlib.contextmanager
-    def _hurrying(self) -> Iterator[None]:
-        """While inside, the tracker reads everyone's progress every ``progress_interval``
-        (the training thread is polling the records), not every ``refresh_interval``."""
-        self._hurry = True
-        with contextlib.suppress(PeersError, RuntimeError):  # the DHT's peer is closed
-            self.dht.peer.submit(self._wake_tracker())
-        try:
-            yield
-        finally:
-            self._hurry = False
 
     async def _wake_tracker(self) -> None:
         self._wake.set()
@@ -532,7 +405,9 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                 found = await node.get(self._progress_key)
                 if isinstance(found, dict):
                     self._records = _parse_records(found)
-            self._first_read.set()
+            with self._read:
+                self._reads += 1
+                self._read.notify_all()
             self._wake.clear()
             interval = self.config.progress_interval
             if not self._hurry:
@@ -560,14 +435,10 @@ class CollaborativeOptimizer(TorchOptimizerFace):
 
     # --- state ------------------------------------------------------------------------
 
-    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        optimizers = {"inner": self.optimizer}
-        if self._outer is not None:
-            optimizers["outer"] = self._outer
-        return optimizers
-
     def _share_state(self) -> None:
-        tensors, metadata = pack_state(self.params, self._optimizers(), {"epoch": self.epoch})
+        tensors, metadata = pack_state(
+            self.params, self._updates.optimizers(), {"epoch": self.epoch}
+        )
         try:
             self.dht.peer.run(
                 self._averager.share_state(
@@ -590,7 +461,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         keys, when it is no more than one epoch ahead of the epoch half the live peers
         reached; and when it fits our parameters and optimizers; our hyperparameters
         stay ours."""
-        ahead = max(self._summary().epoch, self.epoch) + 1
+        ahead = max(self.swarm_progress().epoch, self.epoch) + 1
         try:
             loaded = self.dht.peer.run(
                 self._averager.load_state_from_peers(
@@ -602,7 +473,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                     quorum=STATE_QUORUM,
                     check=self._state_problem,
                 ),
-                timeout=self.config.state_timeout + 5.0,
+                timeout=self.config.state_timeout + HUNG_CALL_SLACK_SECONDS,
             )
         except (StateSyncError, TimeoutError) as e:
             logger.warning("could not load state from peers: %s", e)
@@ -611,24 +482,16 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             k.removeprefix("extra/"): v for k, v in loaded.tensors.items() if k.startswith("extra/")
         }
         try:
-            counters = unpack_state(extra, loaded.metadata, self.params, self._optimizers())
+            counters = unpack_state(extra, loaded.metadata, self.params, self._updates.optimizers())
         except SwarmError as e:  # checked on the manifest already: a bug if it happens
             logger.warning("could not load state from peers: %s", e)
             return False
-        self.epoch = int(counters["epoch"])
-        self._follow_epoch()
-        self._fingerprint = (
-            fingerprint if fingerprint is not None else bytes(counters.get("fingerprint", b""))
+        self._machine.loaded(
+            int(counters["epoch"]),
+            fingerprint if fingerprint is not None else bytes(counters.get("fingerprint", b"")),
         )
-        self._samples = 0
-        self._inner_steps = 0
-        self._averaged.zero()
-        if self._anchor:
-            with torch.no_grad():
-                for p, a in zip(self.params, self._anchor, strict=True):
-                    a.copy_(p)
-        self._counts["loads"] += 1
-        self._refused_branches.clear()
+        self._follow_epoch()
+        self._updates.restart()
         self._publish_now()
         return True
 
@@ -641,7 +504,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             if not spec.name.startswith("extra/"):
                 return f"it has an unexpected tensor {spec.name!r}"
             tensors[spec.name.removeprefix("extra/")] = (DTYPES[spec.dtype], tuple(spec.shape))
-        problem = state_problem(tensors, metadata, self.params, self._optimizers())
+        problem = state_problem(tensors, metadata, self.params, self._updates.optimizers())
         if problem is None and metadata.get("counters", {}).get("epoch") != version:
             return f"its epoch counter is not its version {version}"
         return problem
@@ -655,85 +518,83 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         The wait is for the largest number any peer of the run waits for (its progress
         record says so), so a volunteer who joins a run that has not started yet waits
         with the others without being told how many to expect."""
-        deadline = time.monotonic() + timeout
-        self._expect = max(1, num_peers)
+        deadline = dht_time() + timeout
+        self._machine.expect = max(1, num_peers)
         self._publish_now()
-        self._first_read.wait(timeout)
-        with self._hurrying():
-            while time.monotonic() < deadline:
-                live = self._live()
-                wanted = max((r.expect for r in live.values() if r.epoch == 0), default=1)
-                if len(live) >= wanted or any(r.epoch > 0 for r in live.values()):
+        try:
+            while dht_time() < deadline:
+                self._machine.records = self._records
+                if self._reads and self._machine.everyone_present(dht_time()):
                     break
-                time.sleep(self.config.progress_interval)
-        self._expect = 1
-        return len(self._live())
+                self._await_records(deadline)
+        finally:
+            self._machine.expect = 1
+        self._machine.records = self._records
+        return len(self._machine.live(dht_time()))
 
     def load_state_from_peers(self) -> bool:
         """Join a running swarm: download its state now if it is ahead of us. True if
         state was loaded."""
-        if not self._behind():
+        if self.swarm_progress().epoch <= self.epoch:
             return False
         return self._load_state()
 
-    # --- state_dict (swarm.optimizer_face) ----------------------------------------------
+    # --- state_dict (swarm.collaborative.face) -----------------------------------------
 
     def _extra_state(self) -> dict[str, Any]:
-        if self._outer is None:
+        if self.config.diloco is None:
             return {}
         return {
-            "outer": self._outer.state_dict(),
-            "anchor": [a.detach().clone() for a in self._anchor],
+            "outer": self._diloco.outer.state_dict(),
+            "anchor": [a.detach().clone() for a in self._diloco.anchor],
         }
 
     def _check_extra_state(self, state_dict: Mapping[str, Any]) -> None:
-        if self._outer is None:
+        if self.config.diloco is None:
             if "outer" in state_dict:
                 raise OptimizerError("a DiLoCo optimizer's state_dict; this one averages gradients")
             return
         anchor = state_dict.get("anchor")
         if "outer" not in state_dict or not isinstance(anchor, list):
             raise OptimizerError("not a DiLoCo optimizer's state_dict (no outer optimizer)")
-        if len(anchor) != len(self._anchor) or any(
+        if len(anchor) != len(self._diloco.anchor) or any(
             not isinstance(t, torch.Tensor) or t.shape != a.shape
-            for t, a in zip(anchor, self._anchor, strict=False)
+            for t, a in zip(anchor, self._diloco.anchor, strict=False)
         ):
             raise OptimizerError("the state_dict's DiLoCo anchor does not fit these parameters")
 
     def _load_extra_state(self, state_dict: Mapping[str, Any]) -> None:
-        if self._outer is None:
+        if self.config.diloco is None:
             return
-        self._outer.load_state_dict(state_dict["outer"])
+        self._diloco.outer.load_state_dict(state_dict["outer"])
         with torch.no_grad():
-            for a, saved in zip(self._anchor, state_dict["anchor"], strict=True):
+            for a, saved in zip(self._diloco.anchor, state_dict["anchor"], strict=True):
                 a.copy_(saved)
 
     def _restarted(self) -> None:
-        self._samples = 0
-        self._inner_steps = 0
-        self._averaging = False
+        self._machine.restarted(self.epoch)
         self._averaged.zero()
         self._publish_now()
 
     # --- lifecycle --------------------------------------------------------------------
 
     def statistics(self) -> OptimizerStatistics:
-        view = self._view or self._summary()
+        counts = self._machine.counts
         return OptimizerStatistics(
             epoch=self.epoch,
-            local_steps=self._local_steps,
-            local_samples=self._local_samples,
-            num_rounds=self._counts["rounds"],
-            num_rounds_alone=self._counts["alone"],
-            num_state_loads=self._counts["loads"],
-            num_splits=self._counts["splits"],
-            bytes_sent=self._counts["bytes"],
-            num_peers=view.num_peers,
-            samples_per_second=self._rate,
-            num_rounds_not_agreed=self._counts["not_agreed"],
-            num_rounds_without_group=self._counts["no_group"],
-            round_seconds=self._round_seconds,
-            reducer_spread=self._reducer_spread,
+            local_steps=counts.local_steps,
+            local_samples=counts.local_samples,
+            num_rounds=counts.rounds,
+            num_rounds_alone=counts.alone,
+            num_state_loads=counts.loads,
+            num_splits=counts.splits,
+            bytes_sent=counts.bytes_sent,
+            num_peers=self._machine.last_view(dht_time()).num_peers,
+            samples_per_second=self._machine.samples_per_second,
+            num_rounds_not_agreed=counts.not_agreed,
+            num_rounds_without_group=counts.no_group,
+            round_seconds=counts.round_seconds,
+            reducer_spread=counts.reducer_spread,
             round_latency=self._round_latency.snapshot(),
         )
 
@@ -742,13 +603,15 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         if self._closed:
             return
         self._closed = True
+        with self._read:
+            self._read.notify_all()  # a wait in another thread ends now
 
         async def stop() -> None:
             self._stop.set()
             self._wake.set()
             # A publish still in flight would outlive us, and maybe the DHT under it.
             await self._tasks.close(CANCEL_TIMEOUT_SECONDS)
-            await self._averager.__aexit__(None, None, None)
+            await self._exit.aclose()
 
         with contextlib.suppress(Exception):
             self.dht.peer.run(stop(), timeout=10.0)

@@ -1,5 +1,5 @@
-"""The face a :class:`~swarm.optimizer.CollaborativeOptimizer` shows a training loop: a
-``torch.optim.Optimizer``.
+"""The face a :class:`~swarm.collaborative.optimizer.CollaborativeOptimizer` shows a training
+loop: a ``torch.optim.Optimizer``.
 
 Code written for torch optimizers (``zero_grad``, ``param_groups``, ``state_dict`` and
 ``load_state_dict``, learning-rate schedulers) works on a collaborative optimizer:
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from swarm.optimizer_config import OptimizerError
+from swarm.collaborative.config import OptimizerError
 
 #: The ``state_dict`` format this module writes and reads.
 STATE_FORMAT = 1
@@ -52,7 +52,7 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Scheduler]
 
 
 class TorchOptimizerFace(torch.optim.Optimizer):
-    """The torch-optimizer surface of :class:`~swarm.optimizer.CollaborativeOptimizer`
+    """The torch-optimizer surface of :class:`~swarm.collaborative.optimizer.CollaborativeOptimizer`
     (see the module docstring). ``torch.optim.Optimizer.__init__`` is not called: the
     parameter groups and state are the wrapped optimizer's, not copies."""
 

@@ -1,4 +1,4 @@
-"""Configuration and statistics of :class:`swarm.optimizer.CollaborativeOptimizer`."""
+"""Configuration and statistics of :class:`swarm.collaborative.optimizer.CollaborativeOptimizer`."""
 
 from __future__ import annotations
 

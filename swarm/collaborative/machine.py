@@ -1,0 +1,421 @@
+"""When a collaborative optimizer waits, averages, steps or resyncs: a pure state machine.
+
+:class:`StepMachine` holds what one peer knows of its run (its epoch and samples, the
+swarm's progress records, its own round history) and turns events into decisions. It
+does no I/O, reads no clock and touches no tensor: every event carries ``now`` (the DHT's
+clock), and the driver (:class:`swarm.collaborative.optimizer.CollaborativeOptimizer`)
+carries out each decision and reports its outcome. So late joins, split swarms, DiLoCo's
+outer steps and churn are tested by feeding records and times
+(``tests/swarm/test_step_machine.py``), without processes or sleeps.
+
+The events, in a step's order:
+
+1. :meth:`StepMachine.batch` (a local batch of ``n`` samples; ``n == 0``: nothing to add,
+   wait for the swarm's step) returns :class:`Resync` when the swarm left this peer
+   behind or stepped on another branch, else the policy's answer: :class:`Train` (go on
+   with the next batch), :class:`Wait` (for the others, until a deadline; call
+   :meth:`StepMachine.poll` when records change or the deadline passes) or
+   :class:`Average`.
+2. After :class:`Average`, the driver builds the update (the mean gradient, or DiLoCo's
+   parameter change), averages it with a group (or not: ``alone``) and reports
+   :meth:`StepMachine.round_ended` with a :class:`RoundOutcome`: the answer is
+   :class:`Step` (apply the averaged update, then :meth:`StepMachine.finish_epoch`) or
+   :class:`Resync`.
+3. After :class:`Resync`, the driver downloads state and reports
+   :meth:`StepMachine.loaded` or :meth:`StepMachine.load_failed`.
+
+Two policies decide when to average: :class:`GradientPolicy` (hivemind.Optimizer's
+model: when the swarm's samples reach the global batch) and :class:`DiLoCoPolicy` (every
+``inner_steps`` local steps, once the others in the epoch are done with theirs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from peers.identity import PeerID
+from swarm.collaborative.progress import PeerProgress, SwarmProgress, split_winner, summarize
+
+#: Seconds over which a peer's own throughput is measured before it is published.
+RATE_WINDOW_SECONDS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    """Nothing to do with the swarm now: train the next batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait for the others' progress, until ``deadline`` (DHT time) at the latest, then
+    call :meth:`StepMachine.poll`; sooner whenever new records arrive."""
+
+    deadline: float
+    reason: str
+    """What is waited for, for logs: "the global batch", "the outer step"."""
+
+
+@dataclass(frozen=True, slots=True)
+class Average:
+    """Build this epoch's update and average it in a round of ``epoch`` with a group of
+    ``group_size`` (this peer included), weighted by ``weight``; or, when ``alone``
+    (nobody else is live), report ``RoundOutcome(ALONE)`` without a round."""
+
+    epoch: int
+    weight: float
+    group_size: int
+    alone: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Apply the (averaged) update, then call :meth:`StepMachine.finish_epoch`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """Download the swarm's state (from ``donors`` if given, of the branch ``fingerprint``
+    names) and report :meth:`StepMachine.loaded` or :meth:`StepMachine.load_failed`.
+    ``drop_update``: an update was built and averaged (or refused) already; whatever
+    the load does, it is gone (clear the buffers that held it)."""
+
+    reason: str
+    donors: tuple[PeerID, ...] | None = None
+    fingerprint: bytes | None = None
+    drop_update: bool = False
+    unusual: bool = False
+    """Worth a warning (a split swarm, a non-finite update), not routine (a late join)."""
+
+
+Decision = Train | Wait | Average | Step | Resync
+
+
+class Round(Enum):
+    """How an averaging attempt ended."""
+
+    AGREED = "agreed"
+    """The group agreed on the result; every coordinate was averaged."""
+    NOT_AGREED = "not agreed"
+    """A group formed, but its result was withdrawn or incomplete."""
+    NO_GROUP = "no group"
+    """No group formed in time."""
+    ALONE = "alone"
+    """Nobody else was live: no round was tried."""
+    NON_FINITE = "non-finite"
+    """This peer's update held NaN or infinity: it was never sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutcome:
+    kind: Round
+    fingerprint: bytes = b""
+    """Of the agreed result (``AGREED`` only): peers that stepped together share it."""
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    """Matchmaking and all-reduce, for a round that formed a group."""
+    spread: float = 0.0
+    """Largest difference between reducers' copies of one coordinate."""
+
+
+@dataclass(slots=True)
+class Counts:
+    """What happened to this peer's steps so far (its ``OptimizerStatistics``)."""
+
+    local_steps: int = 0
+    local_samples: int = 0
+    rounds: int = 0
+    alone: int = 0
+    loads: int = 0
+    splits: int = 0
+    not_agreed: int = 0
+    no_group: int = 0
+    bytes_sent: int = 0
+    round_seconds: float = 0.0
+    reducer_spread: float = 0.0
+
+
+class Policy(Protocol):
+    """When to average: called by the machine with its state up to date."""
+
+    def after_batch(self, machine: StepMachine, samples: int, now: float) -> Decision:
+        """A local batch of ``samples`` (0: nothing new, wait for the swarm's step) was
+        taken; the machine is in its epoch and on the swarm's branch."""
+        ...
+
+    def poll(self, machine: StepMachine, wait: Wait, now: float) -> Decision:
+        """Records changed or ``wait``'s deadline passed."""
+        ...
+
+
+class GradientPolicy:
+    """Average gradients when the swarm's samples reach the global batch. A peer that has
+    its share (the global batch over the live peers) waits, a bounded time, for the
+    others to fill theirs rather than run ahead: the step then averages the batch the
+    config asks for, as one big machine would. Past the deadline it goes on training
+    (its extra samples still count). A peer with no samples in the epoch never enters
+    its round: it has nothing to average, and the others would wait for it; it waits
+    for their step instead, and then resyncs."""
+
+    def after_batch(self, machine: StepMachine, samples: int, now: float) -> Decision:
+        machine.samples += samples
+        view = machine.view(now)
+        if view.ready and machine.samples:
+            return machine.begin_average(view, now)
+        share = machine.target_batch_size // max(view.num_peers, 1)
+        if machine.samples < share and samples:
+            return Train()
+        return Wait(now + machine.max_wait_seconds, "the global batch")
+
+    def poll(self, machine: StepMachine, wait: Wait, now: float) -> Decision:
+        view = machine.view(now)
+        if view.ready and machine.samples:
+            return machine.begin_average(view, now)
+        if view.epoch > machine.epoch or now >= wait.deadline:
+            return Train()  # left behind (the next batch resyncs), or tired of waiting
+        return wait
+
+
+class DiLoCoPolicy:
+    """Average the parameter change every ``inner_steps`` local steps. Before it does, it
+    waits (a bounded time) until every live peer of its epoch finished its inner steps
+    too, so that all of them enter the same round."""
+
+    def __init__(self, inner_steps: int) -> None:
+        self.inner_steps = inner_steps
+
+    def after_batch(self, machine: StepMachine, samples: int, now: float) -> Decision:
+        if not samples:  # DiLoCo's peers never wait for a global batch
+            return Train()
+        machine.samples += samples
+        machine.inner_steps += 1
+        if machine.inner_steps % self.inner_steps:
+            return Train()
+        machine.averaging = True
+        return self.poll(machine, Wait(now + machine.max_wait_seconds, "the outer step"), now)
+
+    def poll(self, machine: StepMachine, wait: Wait, now: float) -> Decision:
+        me = machine.me
+        busy = [
+            r
+            for p, r in machine.records.items()
+            if p != me
+            and now - r.time <= machine.progress_expiration
+            and r.epoch == machine.epoch
+            and not r.averaging
+        ]
+        if busy and now < wait.deadline:
+            return wait
+        return machine.begin_average(machine.view(now), now)
+
+
+@dataclass
+class StepMachine:
+    """One peer's view of its run and the decisions that follow from it."""
+
+    me: PeerID
+    policy: Policy
+    target_batch_size: int
+    progress_expiration: float
+    max_wait_seconds: float
+
+    epoch: int = 0
+    samples: int = 0
+    """Samples added toward the update that ends ``epoch``."""
+    inner_steps: int = 0
+    """DiLoCo: local steps since the run began (or the last state load)."""
+    averaging: bool = False
+    """This peer started averaging for ``epoch``: the others should join its round."""
+    fingerprint: bytes = b""
+    """Of the round that ended the previous epoch."""
+    expect: int = 1
+    """Peers this one waits for before the run's first step (published)."""
+    records: dict[PeerID, PeerProgress] = field(default_factory=dict)
+    """Everyone's last progress records, as read from the DHT (maybe stale)."""
+    counts: Counts = field(default_factory=Counts)
+    samples_per_second: float = 0.0
+    refused_branches: set[bytes] = field(default_factory=set)
+    """Branches whose state could not be had: identities claiming one are no majority."""
+    _rate_since: float | None = None
+    _rate_samples: int = 0
+    _last_view: SwarmProgress | None = None
+
+    # --- events -------------------------------------------------------------------------
+
+    def batch(self, samples: int, now: float) -> Decision:
+        """A local batch of ``samples`` was computed (its gradients are in the model);
+        0: nothing new to add, wait for the swarm's step."""
+        if samples:
+            self.counts.local_steps += 1
+            self.counts.local_samples += samples
+            self._measure(samples, now)
+        view = self.view(now)
+        if view.epoch > self.epoch:
+            return Resync(f"the swarm is at epoch {view.epoch}")
+        branch = split_winner(
+            self.records,
+            self.me,
+            self.mine(now),
+            now=now,
+            expiration_seconds=self.progress_expiration,
+        )
+        if branch is not None and branch[0] not in self.refused_branches:
+            self.counts.splits += 1
+            return Resync(
+                "the swarm split; following the majority",
+                donors=tuple(branch[1]),
+                fingerprint=branch[0],
+                unusual=True,
+            )
+        return self.policy.after_batch(self, samples, now)
+
+    def poll(self, wait: Wait, now: float) -> Decision:
+        """New records arrived while waiting, or ``wait.deadline`` passed."""
+        return self.policy.poll(self, wait, now)
+
+    def round_ended(self, outcome: RoundOutcome, now: float) -> Step | Resync:
+        """The averaging that :class:`Average` asked for ended."""
+        if outcome.kind in (Round.AGREED, Round.NOT_AGREED):
+            self.counts.rounds += 1
+            self.counts.bytes_sent += outcome.bytes_sent
+            self.counts.round_seconds += outcome.seconds
+            self.counts.reducer_spread = outcome.spread
+        if outcome.kind is Round.AGREED:
+            self.fingerprint = outcome.fingerprint
+            return Step()
+        if outcome.kind is Round.ALONE:
+            return self._step_alone()
+        if outcome.kind is Round.NO_GROUP:
+            if self.view(now).num_peers <= 1:
+                return self._step_alone()
+            self.counts.no_group += 1
+            return self._drop_update("no group formed while other peers are live")
+        if outcome.kind is Round.NOT_AGREED:
+            # Withdrawn, or ended at its deadline: what this peer holds is not what the
+            # others hold. Take their state rather than drift apart silently.
+            self.counts.not_agreed += 1
+            return self._drop_update("the round was not agreed")
+        # A diverged model or a bad batch: sending it would poison (or, the round
+        # refusing it, stall) everyone. Dropped; the swarm's state is taken instead.
+        return self._drop_update("this peer's update holds NaN or infinity", unusual=True)
+
+    def finish_epoch(self) -> None:
+        """The update was applied: the epoch is over."""
+        self.epoch += 1
+        self.averaging = False
+        self.samples = 0
+
+    def loaded(self, epoch: int, fingerprint: bytes) -> None:
+        """The driver loaded the swarm's state of ``epoch``, of branch ``fingerprint``."""
+        self.epoch = epoch
+        self.fingerprint = fingerprint
+        self.samples = 0
+        self.inner_steps = 0
+        self.averaging = False
+        self.counts.loads += 1
+        self.refused_branches.clear()
+
+    def load_failed(self, resync: Resync) -> None:
+        """No state could be had for ``resync``: this peer goes on with its own."""
+        if resync.fingerprint is not None:
+            self.refused_branches.add(resync.fingerprint)
+        self.averaging = False
+
+    def restarted(self, epoch: int) -> None:
+        """The epoch was set from outside (a ``state_dict``): start it afresh."""
+        self.epoch = epoch
+        self.samples = 0
+        self.inner_steps = 0
+        self.averaging = False
+
+    # --- the view ----------------------------------------------------------------------
+
+    def mine(self, now: float) -> PeerProgress:
+        """This peer's progress record as it should be published now."""
+        return PeerProgress(
+            self.epoch,
+            self.samples,
+            self.samples_per_second,
+            now,
+            self.averaging,
+            self.fingerprint,
+            self.expect,
+        )
+
+    def view(self, now: float) -> SwarmProgress:
+        """The swarm's progress as this peer sees it (:func:`summarize`)."""
+        self._last_view = summarize(
+            self.records,
+            self.me,
+            self.mine(now),
+            self.target_batch_size,
+            now=now,
+            expiration_seconds=self.progress_expiration,
+        )
+        return self._last_view
+
+    def last_view(self, now: float) -> SwarmProgress:
+        """The view of the last decision (a fresh one if none was taken)."""
+        return self._last_view or self.view(now)
+
+    def live(self, now: float) -> dict[PeerID, PeerProgress]:
+        """Live peers' records (not expired), this peer's own as of ``now`` included."""
+        live = {
+            p: r
+            for p, r in self.records.items()
+            if p != self.me and now - r.time <= self.progress_expiration
+        }
+        live[self.me] = self.mine(now)
+        return live
+
+    def expected_group(self, now: float) -> int:
+        """Peers expected in this epoch's round, me included: the live ones in this epoch
+        that added samples to it or started averaging. A member that delivered nothing
+        has no part in the round (its slot was filled by others) and does not come:
+        counting it would make every round wait out the gather window for it."""
+        live = self.live(now).values()
+        return max(1, sum(1 for r in live if r.epoch == self.epoch and (r.samples or r.averaging)))
+
+    def everyone_present(self, now: float) -> bool:
+        """Before the run's first step: as many live peers as any of them waits for, or
+        one of them has stepped already."""
+        live = self.live(now)
+        wanted = max((r.expect for r in live.values() if r.epoch == 0), default=1)
+        return len(live) >= wanted or any(r.epoch > 0 for r in live.values())
+
+    def begin_average(self, view: SwarmProgress, now: float) -> Average:
+        """This peer enters its epoch's round now (policies call it)."""
+        self.averaging = True
+        return Average(
+            epoch=self.epoch,
+            weight=float(max(self.samples, 1)),
+            group_size=max(self.expected_group(now), 2),
+            alone=view.num_peers <= 1,
+        )
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _step_alone(self) -> Step:
+        # A fingerprint of its own: should another peer have stepped this epoch too (we
+        # did not see it in time), the two branches differ and split detection makes one
+        # follow the other instead of drifting apart unseen.
+        self.counts.alone += 1
+        digest = hashlib.sha256(b"alone\0" + self.me.to_bytes())
+        digest.update(self.epoch.to_bytes(8, "big"))
+        self.fingerprint = digest.digest()[:16]
+        return Step()
+
+    def _drop_update(self, reason: str, *, unusual: bool = False) -> Resync:
+        self.samples = 0
+        return Resync(reason, drop_update=True, unusual=unusual)
+
+    def _measure(self, samples: int, now: float) -> None:
+        if self._rate_since is None:
+            self._rate_since = now
+        self._rate_samples += samples
+        elapsed = now - self._rate_since
+        if elapsed >= RATE_WINDOW_SECONDS:
+            self.samples_per_second = self._rate_samples / elapsed
+            self._rate_since, self._rate_samples = now, 0

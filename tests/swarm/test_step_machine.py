@@ -1,0 +1,236 @@
+"""The collaborative optimizer's decisions, fed records and times: no process, no socket,
+no sleep. Late joins, split swarms, DiLoCo's outer steps, churn and failed rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from peers import KeyPair, PeerID
+from swarm.collaborative.machine import (
+    Average,
+    DiLoCoPolicy,
+    GradientPolicy,
+    Policy,
+    Resync,
+    Round,
+    RoundOutcome,
+    Step,
+    StepMachine,
+    Train,
+    Wait,
+)
+from swarm.collaborative.progress import PeerProgress
+
+TARGET = 64
+EXPIRATION = 10.0
+MAX_WAIT = 2.0
+T0 = 1000.0
+AGREED = RoundOutcome(Round.AGREED, fingerprint=b"f" * 16, bytes_sent=100, seconds=0.5)
+
+
+def _ids(n: int) -> list[PeerID]:
+    return [KeyPair.generate().peer_id for _ in range(n)]
+
+
+def _machine(policy: Policy | None = None) -> StepMachine:
+    return StepMachine(
+        me=_ids(1)[0],
+        policy=policy or GradientPolicy(),
+        target_batch_size=TARGET,
+        progress_expiration=EXPIRATION,
+        max_wait_seconds=MAX_WAIT,
+    )
+
+
+def _record(
+    epoch: int = 0,
+    samples: int = 0,
+    *,
+    at: float = T0,
+    averaging: bool = False,
+    fingerprint: bytes = b"",
+) -> PeerProgress:
+    return PeerProgress(epoch, samples, 10.0, at, averaging, fingerprint)
+
+
+def test_a_peer_trains_until_its_share_then_waits_then_averages_with_who_delivered() -> None:
+    m = _machine()
+    a, b, idle = _ids(3)
+    m.records = {a: _record(samples=16), b: _record(samples=16), idle: _record()}
+    assert m.batch(8, T0) == Train()  # 8 of its share of 64 / 4 peers
+    wait = m.batch(8, T0 + 0.1)  # its share is done; the swarm holds 48 of 64
+    assert isinstance(wait, Wait) and wait.deadline == T0 + 0.1 + MAX_WAIT
+    assert m.poll(wait, T0 + 0.2) is wait  # nothing new
+    m.records[a] = _record(samples=32, at=T0 + 0.3)
+    average = m.poll(wait, T0 + 0.3)
+    # the idle peer delivered nothing: it is not expected in the round
+    assert average == Average(epoch=0, weight=16.0, group_size=3, alone=False)
+    assert m.averaging and m.mine(T0 + 0.3).averaging
+    assert m.round_ended(AGREED, T0 + 1) == Step()
+    m.finish_epoch()
+    assert (m.epoch, m.samples, m.averaging, m.fingerprint) == (1, 0, False, b"f" * 16)
+    assert (m.counts.rounds, m.counts.bytes_sent, m.counts.round_seconds) == (1, 100, 0.5)
+
+
+def test_past_the_deadline_a_peer_goes_on_and_its_extra_samples_count() -> None:
+    m = _machine()
+    (a,) = _ids(1)
+    m.records = {a: _record(samples=0)}
+    wait = m.batch(32, T0)
+    assert isinstance(wait, Wait)
+    assert m.poll(wait, wait.deadline) == Train()
+    assert m.batch(32, T0 + 3) == Average(epoch=0, weight=64.0, group_size=2, alone=False)
+
+
+def test_a_peer_that_started_averaging_pulls_the_others_in_once_half_the_batch_is_there() -> None:
+    m = _machine()
+    (a,) = _ids(1)
+    m.records = {a: _record(samples=8, averaging=True)}
+    assert m.batch(8, T0) == Train()  # 16 of 64: a flag alone does not end an epoch
+    m.records = {a: _record(samples=24, averaging=True)}
+    assert isinstance(m.batch(8, T0), Average)  # 40 of 64
+
+
+def test_a_late_joiner_resyncs_and_starts_from_the_swarms_epoch() -> None:
+    m = _machine()
+    peers = _ids(3)
+    m.records = {p: _record(epoch=7, samples=8, fingerprint=b"x") for p in peers}
+    resync = m.batch(8, T0)
+    assert isinstance(resync, Resync) and resync.donors is None and not resync.drop_update
+    m.loaded(7, b"x")
+    assert (m.epoch, m.samples, m.counts.loads, m.fingerprint) == (7, 0, 1, b"x")
+    assert m.batch(8, T0 + 1) == Train()
+
+
+def test_one_record_claiming_a_far_epoch_moves_nobody() -> None:
+    m = _machine()
+    liar, a, b = _ids(3)
+    m.records = {liar: _record(epoch=10**9), a: _record(samples=4), b: _record(samples=4)}
+    assert m.batch(4, T0) == Train()
+    assert m.view(T0).epoch == 0
+
+
+def test_a_split_swarm_follows_the_larger_branch_unless_it_cannot_have_its_state() -> None:
+    m = _machine()
+    m.epoch, m.fingerprint = 3, b"mine"
+    others = _ids(4)
+    friend = others[0]
+    m.records = {p: _record(epoch=3, fingerprint=b"theirs") for p in others[1:]}
+    m.records[friend] = _record(epoch=3, fingerprint=b"mine")
+    resync = m.batch(4, T0)
+    assert isinstance(resync, Resync)
+    assert resync.fingerprint == b"theirs" and set(resync.donors or ()) == set(others[1:])
+    assert resync.unusual  # a split is worth a warning; a late join is not
+    assert m.counts.splits == 1
+    m.load_failed(resync)  # no quorum offered it: identities are no majority
+    assert m.batch(4, T0 + 1) == Train()
+    assert m.samples == 4  # what it accumulated on its own branch still counts
+    m.loaded(3, b"theirs")  # later, it did get the branch's state
+    assert not m.refused_branches and m.fingerprint == b"theirs"
+
+
+def test_peers_gone_from_the_records_leave_the_round_and_a_last_peer_steps_alone() -> None:
+    m = _machine()
+    a, b = _ids(2)
+    m.records = {a: _record(samples=16), b: _record(samples=16)}
+    assert m.batch(8, T0) == Train()  # share 64 / 3 = 21
+    late = T0 + EXPIRATION + 1  # their records expired: they left
+    assert m.batch(16, late) == Train()  # alone, its share is the whole batch: 24 of 64
+    assert m.view(late).num_peers == 1
+    average = m.batch(40, late + 3)
+    assert average == Average(epoch=0, weight=64.0, group_size=2, alone=True)
+    assert m.round_ended(RoundOutcome(Round.ALONE), late + 3) == Step()
+    assert m.counts.alone == 1 and len(m.fingerprint) == 16
+
+
+def test_failed_rounds_drop_the_update_and_resync() -> None:
+    m = _machine()
+    (a,) = _ids(1)
+    m.records = {a: _record(samples=32)}
+    for kind, counter in [(Round.NOT_AGREED, "not_agreed"), (Round.NO_GROUP, "no_group")]:
+        assert isinstance(m.batch(32, T0), Average)
+        resync = m.round_ended(RoundOutcome(kind), T0)
+        assert isinstance(resync, Resync) and resync.drop_update
+        assert m.samples == 0 and getattr(m.counts, counter) == 1
+        m.load_failed(resync)
+        assert not m.averaging  # its record no longer pulls others into a round
+    assert isinstance(m.batch(32, T0), Average)
+    resync = m.round_ended(RoundOutcome(Round.NON_FINITE), T0)
+    assert isinstance(resync, Resync) and resync.drop_update and m.counts.rounds == 1
+
+
+def test_no_group_with_nobody_left_steps_alone() -> None:
+    m = _machine()
+    (a,) = _ids(1)
+    m.records = {a: _record(samples=32)}
+    assert isinstance(m.batch(32, T0), Average)
+    assert m.round_ended(RoundOutcome(Round.NO_GROUP), T0 + EXPIRATION + 1) == Step()
+    assert m.counts.alone == 1 and m.counts.no_group == 0
+
+
+def test_a_peer_with_nothing_to_add_waits_for_the_step_and_then_resyncs() -> None:
+    """``wait()`` without samples never enters a round (it has nothing to average, and
+    counting it would make the others wait for it); it waits for the others' step."""
+    m = _machine()
+    a, b = _ids(2)
+    m.records = {a: _record(samples=40, averaging=True), b: _record(samples=40, averaging=True)}
+    wait = m.batch(0, T0)
+    assert isinstance(wait, Wait)
+    assert m.poll(wait, T0 + 0.5) is wait
+    m.records = {a: _record(epoch=1, at=T0 + 1), b: _record(epoch=1, at=T0 + 1)}
+    assert m.poll(wait, T0 + 1) == Train()
+    assert isinstance(m.batch(0, T0 + 1), Resync)
+
+
+def test_diloco_averages_every_inner_steps_once_the_others_are_done() -> None:
+    m = _machine(DiLoCoPolicy(inner_steps=3))
+    a, b = _ids(2)
+    m.records = {a: _record(samples=8), b: _record(samples=8, averaging=True)}
+    assert m.batch(0, T0) == Train()  # DiLoCo never waits for a global batch
+    assert m.batch(4, T0) == Train() and m.batch(4, T0) == Train()
+    wait = m.batch(4, T0)  # the third inner step: a is still busy with its own
+    assert isinstance(wait, Wait) and m.averaging and m.samples == 12
+    m.records[a] = _record(samples=12, averaging=True, at=T0 + 0.5)
+    assert m.poll(wait, T0 + 0.5) == Average(epoch=0, weight=12.0, group_size=3, alone=False)
+    assert m.round_ended(AGREED, T0 + 1) == Step()
+    m.finish_epoch()
+    assert m.batch(4, T0 + 1) == Train()  # the next outer step's first inner step
+
+
+def test_diloco_stops_waiting_for_a_slow_peer_at_the_deadline() -> None:
+    m = _machine(DiLoCoPolicy(inner_steps=1))
+    (slow,) = _ids(1)
+    m.records = {slow: _record(samples=4)}
+    wait = m.batch(4, T0)
+    assert isinstance(wait, Wait)
+    assert isinstance(m.poll(wait, wait.deadline), Average)
+
+
+@pytest.mark.parametrize("claims", [[4], [4, 4, 4], [0, 0, 0, 0, 0]])
+def test_everyone_present_counts_the_largest_wait_any_peer_asked_for(claims: list[int]) -> None:
+    m = _machine()
+    m.expect = 3
+    others = _ids(len(claims))
+    m.records = {p: _record() for p in others}
+    assert m.everyone_present(T0) == (len(others) + 1 >= 3)
+    m.records[others[0]] = PeerProgress(0, 0, 1.0, T0, expect=10)
+    assert m.everyone_present(T0) == (len(others) + 1 >= 10)
+    m.records[others[0]] = _record(epoch=1)  # someone stepped: the run has begun
+    assert m.everyone_present(T0)
+
+
+def test_throughput_is_measured_over_a_window_of_the_given_clock() -> None:
+    m = _machine()
+    m.batch(10, T0)
+    assert m.samples_per_second == 0.0
+    m.batch(10, T0 + 0.5)
+    m.batch(10, T0 + 2.0)
+    assert m.samples_per_second == 15.0  # 30 samples over 2 s
+    assert m.counts.local_steps == 3 and m.counts.local_samples == 30
+
+
+def test_a_restart_from_a_state_dict_starts_the_epoch_afresh() -> None:
+    m = _machine(DiLoCoPolicy(inner_steps=4))
+    m.batch(4, T0)
+    m.restarted(5)
+    assert (m.epoch, m.samples, m.inner_steps, m.averaging) == (5, 0, 0, False)
