@@ -46,7 +46,7 @@ from averaging import (
     StateSyncError,
     Uniform8BitCodec,
 )
-from averaging.state_manifest import DTYPES, TensorSpec
+from averaging.state.manifest import DTYPES, TensorSpec
 from peers.dht import DHT, BlockingDHT, dht_time
 from peers.dht.records import RecordError, owner_marker, owner_of
 from peers.errors import PeersError
@@ -221,8 +221,22 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         decision: Decision = self._machine.batch(batch_size, dht_time())
         if batch_size and not isinstance(decision, Resync):
             self._updates.take_batch(batch_size)
-        waiting = False
+        try:
+            self._carry_out(decision)
+        finally:
+            self._hurry = False
+
+    def _carry_out(self, decision: Decision) -> None:
         while True:
+            if isinstance(decision, Wait):
+                if not self._hurry:  # a wait begins: my share is done, the others should
+                    self._hurry_tracker()  # know, and I should hear of theirs soon
+                    self._publish_now()
+                self._await_records(decision.deadline)
+                self._machine.records = self._records
+                decision = self._machine.poll(decision, dht_time())
+                continue
+            self._hurry = False
             if isinstance(decision, Train):
                 return
             if isinstance(decision, Resync):
@@ -232,15 +246,6 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                 self._updates.apply()
                 self._finish_epoch()
                 return
-            if isinstance(decision, Wait):
-                if not waiting:
-                    waiting = True
-                    self._publish_now()  # my share is done: the others should know
-                self._await_records(decision.deadline)
-                self._machine.records = self._records
-                decision = self._machine.poll(decision, dht_time())
-                continue
-            assert isinstance(decision, Average)
             self._publish_now()  # I am averaging: peers of my epoch should join now
             outcome = self._average(decision)
             decision = self._machine.round_ended(outcome, dht_time())
@@ -301,21 +306,21 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         self._publish_now()
         self._share_state()
 
-    def _await_records(self, deadline: float) -> None:
-        """Until the tracker read everyone's records again (it reads every
-        ``progress_interval`` while someone waits) or ``deadline`` (DHT time)."""
+    def _hurry_tracker(self) -> None:
+        """The training thread waits on the records: the tracker reads them now, then
+        every ``progress_interval`` (not ``refresh_interval``) until ``_hurry`` drops."""
         self._hurry = True
         with contextlib.suppress(PeersError, RuntimeError):  # the DHT's peer is closed
             self.dht.peer.submit(self._wake_tracker())
-        try:
-            with self._read:
-                seen = self._reads
-                self._read.wait_for(
-                    lambda: self._reads != seen or self._closed,
-                    timeout=max(0.0, deadline - dht_time()),
-                )
-        finally:
-            self._hurry = False
+
+    def _await_records(self, deadline: float) -> None:
+        """Until the tracker read everyone's records again or ``deadline`` (DHT time)."""
+        with self._read:
+            seen = self._reads
+            self._read.wait_for(
+                lambda: self._reads != seen or self._closed,
+                timeout=max(0.0, deadline - dht_time()),
+            )
 
     # --- the swarm as this peer sees it -------------------------------------------------
 
@@ -521,6 +526,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         deadline = dht_time() + timeout
         self._machine.expect = max(1, num_peers)
         self._publish_now()
+        self._hurry_tracker()
         try:
             while dht_time() < deadline:
                 self._machine.records = self._records
@@ -528,6 +534,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                     break
                 self._await_records(deadline)
         finally:
+            self._hurry = False
             self._machine.expect = 1
         self._machine.records = self._records
         return len(self._machine.live(dht_time()))
