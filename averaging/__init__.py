@@ -2,30 +2,32 @@
 
 - :mod:`averaging.compression`: seven codecs behind one interface.
 - :mod:`averaging.matchmaking`: groups through the DHT, no coordinator.
-- :mod:`averaging.butterfly`: one all-reduce round as a pure state machine (records in
-  :mod:`averaging.butterfly_records`, a part's reduction in :mod:`averaging.reduction`,
-  CenteredClip in :mod:`averaging.robust`); :mod:`averaging.allreduce` runs it over real
-  streams, :mod:`averaging.allreduce_service` routes links to rounds.
+- :mod:`averaging.allreduce`: one butterfly all-reduce round as a pure state machine,
+  its agreement, CenteredClip and replicated reducers, and its network driver.
 - :mod:`averaging.averager`: named tensors averaged with peers on request
   (:class:`BlockingAverager` for plain scripts); :mod:`averaging.gossip`: Moshpit and
   random groups.
-- :mod:`averaging.state_sync`: newcomers download state from several donors.
+- :mod:`averaging.state`: newcomers download state from several donors.
 
 Layering: imports ``peers`` (and torch), never ``swarm``.
 """
 
-from averaging.allreduce import RoundRunner
-from averaging.allreduce_config import (
+from averaging.allreduce.butterfly import DEFERRED_PARTS, MAX_SAMPLE_WEIGHT, ButterflyRound
+from averaging.allreduce.config import (
     AllReduceConfig,
     AllReduceError,
     AllReduceResult,
     TransferStatistics,
 )
-from averaging.allreduce_service import AllReduceService
-from averaging.averager import Averager, AveragerConfig, AveragerError, AveragingStep
-from averaging.blocking import BlockingAverager
-from averaging.butterfly import DEFERRED_PARTS, MAX_SAMPLE_WEIGHT, ButterflyRound
-from averaging.butterfly_records import (
+from averaging.allreduce.network import RoundRunner
+from averaging.allreduce.partition import (
+    PartitionError,
+    chunk_ranges,
+    flatten,
+    split_parts,
+    unflatten,
+)
+from averaging.allreduce.records import (
     MAX_ROUND_ID_BYTES,
     REDUCERS_PER_PART,
     AveragedPart,
@@ -48,6 +50,17 @@ from averaging.butterfly_records import (
     Withdrawn,
     plan_reassignment,
 )
+from averaging.allreduce.reduction import PartReceipt, PartReduction
+from averaging.allreduce.replicated import Folded, fold, replicate
+from averaging.allreduce.robust import (
+    CenteredClipConfig,
+    CenteredClipReduction,
+    centered_clip,
+    spread_radius,
+)
+from averaging.allreduce.service import AllReduceService
+from averaging.averager import Averager, AveragerConfig, AveragerError, AveragingStep
+from averaging.blocking import BlockingAverager
 from averaging.compression import (
     DECODERS,
     MAX_DECODED_ELEMENTS,
@@ -84,33 +97,24 @@ from averaging.gossip import (
     gossip,
     gossip_round,
 )
-from averaging.matchmaking import Matchmaker, MatchmakingStatistics
-from averaging.matchmaking_records import (
+from averaging.matchmaking.matchmaker import Matchmaker, MatchmakingStatistics
+from averaging.matchmaking.records import (
     MAX_GROUP_SIZE,
     MAX_METADATA_BYTES,
     Group,
     MatchmakingConfig,
     MatchmakingError,
 )
-from averaging.partition import PartitionError, chunk_ranges, flatten, split_parts, unflatten
-from averaging.reduction import PartReceipt, PartReduction
-from averaging.replicated import Folded, fold, replicate
-from averaging.robust import (
-    CenteredClipConfig,
-    CenteredClipReduction,
-    centered_clip,
-    spread_radius,
-)
-from averaging.state_donor import StateServer, StateServerConfig, StateServerStatistics, state_key
-from averaging.state_manifest import (
+from averaging.state.donor import StateServer, StateServerConfig, StateServerStatistics, state_key
+from averaging.state.manifest import (
     DonorError,
     Manifest,
     StateRequestError,
     StateSyncError,
     StateSyncTimeout,
 )
-from averaging.state_records import DonorReport, LoadedState, StateSyncConfig, SyncReport
-from averaging.state_sync import load_state_from_peers
+from averaging.state.records import DonorReport, LoadedState, StateSyncConfig, SyncReport
+from averaging.state.sync import load_state_from_peers
 
 __all__ = [
     "DECODERS",

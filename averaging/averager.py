@@ -26,19 +26,19 @@ from typing import Any
 
 import torch
 
-from averaging.allreduce_config import AllReduceConfig, AllReduceResult
-from averaging.allreduce_service import AllReduceService
-from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO, REDUCERS_PER_PART, RoundSpec
-from averaging.matchmaking import Matchmaker
-from averaging.matchmaking_records import Group, MatchmakingConfig
-from averaging.partition import flatten
-from averaging.replicated import fold, replicate
-from averaging.robust import CenteredClipConfig
-from averaging.round_feedback import RoundFeedback
-from averaging.state_donor import StateServer
-from averaging.state_manifest import DTYPES, TensorSpec
-from averaging.state_records import LoadedState, StateSyncConfig
-from averaging.state_sync import StateCheck, load_state_from_peers
+from averaging.allreduce.config import AllReduceConfig, AllReduceResult
+from averaging.allreduce.feedback import RoundFeedback
+from averaging.allreduce.partition import flatten
+from averaging.allreduce.records import DEFAULT_MAX_WEIGHT_RATIO, REDUCERS_PER_PART, RoundSpec
+from averaging.allreduce.replicated import fold, replicate
+from averaging.allreduce.robust import CenteredClipConfig
+from averaging.allreduce.service import AllReduceService
+from averaging.matchmaking.matchmaker import Matchmaker
+from averaging.matchmaking.records import Group, MatchmakingConfig
+from averaging.state.donor import StateServer
+from averaging.state.manifest import DTYPES, TensorSpec
+from averaging.state.records import LoadedState, StateSyncConfig
+from averaging.state.sync import StateCheck, load_state_from_peers
 from peers.dht.node import DHT
 from peers.errors import LocalProtocolError
 from peers.identity import KeyPair, PeerID
@@ -76,18 +76,18 @@ class AveragerConfig:
     """How :meth:`Averager.load_state_from_peers` downloads (and which run keys' signed
     states it trusts: ``trusted_signers``)."""
     state_signer: KeyPair | None = field(default=None, repr=False)
-    """A run key (:mod:`averaging.state_signing`): sign every state this peer serves
+    """A run key (:mod:`averaging.state.signing`): sign every state this peer serves
     with it. Peers whose ``state_sync.trusted_signers`` name it then load its states
     from it alone."""
     error_feedback: bool = False
     """Carry what the lossy codec (``allreduce.codec``) leaves out of each round into
-    the next (:mod:`averaging.round_feedback`), so rounding errors cancel over rounds
+    the next (:mod:`averaging.allreduce.feedback`), so rounding errors cancel over rounds
     instead of adding up. Local to this peer: members need not agree on it. Needs a
     lossy codec; costs two float32 vectors the size of the tensors."""
     reducers_per_part: int = 1
     """How many distinct members reduce each coordinate (1, 3 or 5; part of the schema).
     3: one member that publishes a wrong average of its part moves nothing, at three
-    times the traffic of a round (:mod:`averaging.replicated`). A group with fewer
+    times the traffic of a round (:mod:`averaging.allreduce.replicated`). A group with fewer
     members able to reduce (not client-mode) averages with one reducer per part, and
     says so (:attr:`AveragingStep.reducers_per_part`)."""
 
@@ -118,7 +118,7 @@ class AveragingStep:
     group had fewer members able to reduce."""
     spread: float = 0.0
     """With several reducers per part, the largest difference between two reducers'
-    averages of one coordinate (:class:`~averaging.replicated.Folded`)."""
+    averages of one coordinate (:class:`~averaging.allreduce.replicated.Folded`)."""
 
     @property
     def num_peers(self) -> int:
@@ -201,7 +201,7 @@ class Averager:
         count); the result is written into the tensors in place.
 
         Do not modify the tensors until it returns. Raises
-        :class:`~averaging.matchmaking_records.MatchmakingError` if no group forms
+        :class:`~averaging.matchmaking.records.MatchmakingError` if no group forms
         within the matchmaking timeout (``timeout`` overrides it); the tensors are then
         unchanged. A round that loses members still returns (see the report).
         ``target_group_size`` overrides the matchmaking config's for this step.
@@ -302,12 +302,12 @@ class Averager:
         """Download the newest state peers agree on (in parallel from several donors,
         verified) and copy the averaged tensors into ours; the result also holds the
         ``extra`` tensors and metadata. Raises
-        :class:`~averaging.state_manifest.StateSyncError` if none can be had. A donor
+        :class:`~averaging.state.manifest.StateSyncError` if none can be had. A donor
         whose state does not fit our tensors (or that ``check`` rejects) is dropped
         before anything is downloaded, so ours never change for a state that does not
         fit. With ``apply`` False our tensors are left alone (the caller uses
         ``extra``); ``donors`` restricts the download to those peers; ``max_version``
-        and ``quorum`` are :func:`~averaging.state_sync.load_state_from_peers`'s.
+        and ``quorum`` are :func:`~averaging.state.sync.load_state_from_peers`'s.
         """
 
         def fits(version: int, specs: Sequence[TensorSpec], metadata: dict[str, Any]) -> str | None:

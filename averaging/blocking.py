@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from averaging.averager import Averager, AveragerConfig, AveragingStep
-from averaging.state_records import LoadedState
+from averaging.state.records import LoadedState
 from peers.closing import ClosesOnExit
 from peers.dht import BlockingDHT
 

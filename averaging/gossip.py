@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from averaging.averager import Averager, AveragingStep
-from averaging.matchmaking_records import Group, MatchmakingError
+from averaging.matchmaking.records import Group, MatchmakingError
 from peers.dht import dht_time
 
 

@@ -2,7 +2,7 @@
 the whole group decides (a pure tally: no sockets, no clocks; CONTRIBUTING.md,
 "Protocols are pure state machines").
 
-Each member votes once, for the fingerprint (``butterfly_records.fingerprint_of``) of
+Each member votes once, for the fingerprint (``records.fingerprint_of``) of
 the first complete result it holds, its own or one it copied from a voter. A
 fingerprint voted by more than half of the round's members is *decided*: every member
 that holds it reports agreement, and every other member that can reach one of its
@@ -27,7 +27,8 @@ from types import MappingProxyType
 
 import torch
 
-from averaging.butterfly_records import (
+from averaging.allreduce.partition import chunk_ranges
+from averaging.allreduce.records import (
     PartDigest,
     PartReport,
     RoundError,
@@ -37,7 +38,6 @@ from averaging.butterfly_records import (
     fingerprint_of,
     values_digest,
 )
-from averaging.partition import chunk_ranges
 from peers.identity import KeyPair, PeerID
 
 #: What a vote's signature covers besides its fingerprint: a vote signature can never

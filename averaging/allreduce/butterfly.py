@@ -4,13 +4,13 @@ events come out; no sockets, no clocks. The wire layer moves the chunks and turn
 deadlines into ``on_*_failed`` calls.
 
 Member ``i`` reduces part ``i`` of the flat vector (sized by bandwidth,
-:func:`~averaging.partition.split_parts`) from every member's chunks as they stream in,
+:func:`~averaging.allreduce.partition.split_parts`) from every member's chunks as they stream in,
 then sends the averaged part back (docs/design/averaging.md,
 "Parts sized by bandwidth"). The fault rules (the same page, "Faults"):
 
 1. A peer that dies, stalls (the caller's deadline) or sends garbage is *excluded*: one
    failure set per round, for both roles. Its chunks are dropped from every part I have
-   not finalised yet (exactly: :class:`~averaging.reduction.PartReduction`), and I stop
+   not finalised yet (exactly: :class:`~averaging.allreduce.reduction.PartReduction`), and I stop
    waiting for it. Garbage is whatever :class:`RejectReason` marks ``excludes_peer``.
 2. A part is final once every non-excluded member's whole contribution is in; its
    contributors are then fixed, and only then is it published.
@@ -41,8 +41,9 @@ from types import MappingProxyType
 
 import torch
 
-from averaging.buffers import empty_float32
-from averaging.butterfly_records import (
+from averaging.allreduce.buffers import empty_float32
+from averaging.allreduce.partition import chunk_ranges
+from averaging.allreduce.records import (
     AveragedPart,
     ChunkDeferred,
     Outgoing,
@@ -64,10 +65,9 @@ from averaging.butterfly_records import (
     is_positive_finite,
     plan_reassignment,
 )
+from averaging.allreduce.reduction import PartReceipt, PartReduction
+from averaging.allreduce.robust import CenteredClipReduction
 from averaging.compression.base import all_finite
-from averaging.partition import chunk_ranges
-from averaging.reduction import PartReceipt, PartReduction
-from averaging.robust import CenteredClipReduction
 from peers.identity import PeerID
 
 #: Largest weight (sample count) a sender may claim. A float32 sum that overflows is
@@ -107,7 +107,7 @@ class ButterflyRound:
         self._me = spec.me
         self._members = spec.members
         self._local = local.detach()
-        # The result, filled as parts arrive (a pooled buffer: see averaging.buffers).
+        # The result, filled as parts arrive (a pooled buffer: see averaging.allreduce.buffers).
         self._averaged = empty_float32(self._local.numel(), self._local.device)
         self._handed_out = False  # a RoundResult holds self._averaged: copy before writing
         self._weight = float(local_weight)
@@ -355,7 +355,7 @@ class ButterflyRound:
         return events
 
     def on_accusation(self, accused: PeerID, accuser: PeerID) -> list[RoundEvent]:
-        """An accusation that counts (:mod:`averaging.accusations`: signed by
+        """An accusation that counts (:mod:`averaging.allreduce.accusations`: signed by
         ``accuser``, and its first or a corroborated one): exclude ``accused`` (rule 4),
         or withdraw if it names me (rule 5). Raises :class:`RoundError` for a
         non-member."""

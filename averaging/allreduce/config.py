@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from averaging.butterfly_records import RoundResult
+from averaging.allreduce.records import RoundResult
 from averaging.compression import Codec, NoneCodec
 from peers.errors import LocalProtocolError
 

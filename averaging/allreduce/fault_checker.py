@@ -1,5 +1,5 @@
 """A randomized fault-schedule checker for butterfly rounds, Jepsen-style: real rounds
-(:class:`~averaging.allreduce_service.AllReduceService`) on the in-memory network of
+(:class:`~averaging.allreduce.service.AllReduceService`) on the in-memory network of
 :mod:`peers.memory_network`, on a virtual clock, under a seeded schedule of kills,
 pauses, one-way and two-way cuts, slow links and partitions, each fired at a moment or
 at the k-th frame the group sends. Every schedule is then checked against the round's
@@ -18,9 +18,9 @@ promises (docs/design/agreement.md):
 - P5 (a lying reducer): in every schedule with a member that publishes its parts plus
   1000, each coordinate of an agreed result lies between the honest means of its copies
   (their contributors' weighted means), which holds with three reducers per part
-  (:mod:`averaging.replicated`) and not with one.
+  (:mod:`averaging.allreduce.replicated`) and not with one.
 
-``python -m averaging.fault_checker --schedules 1000`` runs seeds 0..999 and prints a
+``python -m averaging.allreduce.fault_checker --schedules 1000`` runs seeds 0..999 and prints a
 line per violation with its seed; ``--seed S`` runs one and, if it fails, shrinks it to
 the fewest faults that still fail and prints that schedule (the regression tests hold
 such schedules). A schedule is a pure function of its seed.
@@ -39,13 +39,13 @@ from dataclasses import dataclass
 
 import torch
 
-from averaging.accusations import sign_accusation
-from averaging.allreduce_config import AllReduceConfig, AllReduceResult
-from averaging.allreduce_service import AllReduceService
-from averaging.allreduce_wire import notice_of
-from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO, AveragedPart, RoundSpec
-from averaging.reduction import capped_sample_weights
-from averaging.replicated import fold, replicate
+from averaging.allreduce.accusations import sign_accusation
+from averaging.allreduce.config import AllReduceConfig, AllReduceResult
+from averaging.allreduce.records import DEFAULT_MAX_WEIGHT_RATIO, AveragedPart, RoundSpec
+from averaging.allreduce.reduction import capped_sample_weights
+from averaging.allreduce.replicated import fold, replicate
+from averaging.allreduce.service import AllReduceService
+from averaging.allreduce.wire import notice_of
 from peers.identity import PeerID
 from peers.memory_network import MemoryNetwork, MemoryPeer
 from peers.virtual_clock import VirtualClockError, run_virtual
@@ -94,7 +94,7 @@ class Schedule:
     faults: tuple[Fault, ...]
     reducers_per_part: int = 1
     """Copies of the vector (``total_elements`` each), each coordinate's copies reduced
-    by distinct members (:mod:`averaging.replicated`)."""
+    by distinct members (:mod:`averaging.allreduce.replicated`)."""
 
 
 @dataclass(frozen=True)

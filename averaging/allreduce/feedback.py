@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from averaging.butterfly_records import RoundReport
+from averaging.allreduce.records import RoundReport
 from averaging.compression import EncodedTensor, decode_tensor
 
 

@@ -1,8 +1,8 @@
-"""The networked butterfly all-reduce: moves a :class:`~averaging.butterfly.ButterflyRound`'s
-chunks between real peers, turns its deadlines into failures, and ends the round with
-a vote (``averaging.agreement``).
+"""The networked butterfly all-reduce: moves the chunks of a
+:class:`~averaging.allreduce.butterfly.ButterflyRound` between real peers, turns its
+deadlines into failures, and ends the round with a vote (``averaging.allreduce.agreement``).
 
-One stream links each pair of members (``allreduce_wire.link_opener``); every message
+One stream links each pair of members (``wire.link_opener``); every message
 between the two travels on it, both ways. A writer task per link encodes what the round
 has for that member just before it goes out (memory stays at one chunk per link); a
 reader task per link decodes what arrives and feeds the state machine, which reduces
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from averaging.accusations import (
+from averaging.allreduce.accusations import (
     Accusation,
     AccusationBook,
     Added,
@@ -49,15 +49,31 @@ from averaging.accusations import (
     sign_accusation,
     sign_echo,
 )
-from averaging.agreement import Adoption, Ballot, check_vote, sign_vote, vote_signed_by
-from averaging.allreduce_config import (
+from averaging.allreduce.agreement import Adoption, Ballot, check_vote, sign_vote, vote_signed_by
+from averaging.allreduce.butterfly import ButterflyRound
+from averaging.allreduce.config import (
     FLUSH_SECONDS,
     AllReduceConfig,
     AllReduceError,
     AllReduceResult,
     TransferStatistics,
 )
-from averaging.allreduce_wire import (
+from averaging.allreduce.feedback import RoundErrors
+from averaging.allreduce.partition import chunk_ranges
+from averaging.allreduce.records import (
+    Outgoing,
+    PartDigest,
+    PartReady,
+    PartReassigned,
+    PeerExcluded,
+    RoundEvent,
+    RoundResult,
+    RoundSpec,
+    Withdrawn,
+    fingerprint_of,
+    part_digests,
+)
+from averaging.allreduce.wire import (
     ALLREDUCE_PROTOCOL,
     AveragedMessage,
     ChunkMessage,
@@ -79,23 +95,7 @@ from averaging.allreduce_wire import (
     notice_of,
     peer_ids,
 )
-from averaging.butterfly import ButterflyRound
-from averaging.butterfly_records import (
-    Outgoing,
-    PartDigest,
-    PartReady,
-    PartReassigned,
-    PeerExcluded,
-    RoundEvent,
-    RoundResult,
-    RoundSpec,
-    Withdrawn,
-    fingerprint_of,
-    part_digests,
-)
 from averaging.compression import EncodedTensor, EncodeError, NoneCodec, decode_tensor
-from averaging.partition import chunk_ranges
-from averaging.round_feedback import RoundErrors
 from peers.errors import IdentityError, PeersError, RemoteProtocolError
 from peers.identity import PeerID
 from peers.rpc import FramedStream

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import torch
 
-from averaging.buffers import empty_float32
+from averaging.allreduce.buffers import empty_float32
 from peers.errors import LocalProtocolError
 
 

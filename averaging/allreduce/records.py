@@ -1,7 +1,7 @@
 """The records of a butterfly all-reduce round: its spec, who reduces a dead reducer's
-part, the events a :class:`~averaging.butterfly.ButterflyRound` returns, and its result.
+part, the events a :class:`~averaging.allreduce.butterfly.ButterflyRound` returns, and its result.
 
-Kept apart from the state machine (``averaging.butterfly``) so that the wire layer can
+Kept apart from the state machine (``averaging.allreduce.butterfly``) so that the wire layer can
 import the vocabulary without the machine, and so each module stays small
 (CONTRIBUTING.md, "Small modules, one folder per subsystem").
 """
@@ -22,10 +22,10 @@ import numpy as np
 import torch
 import xxhash
 
+from averaging.allreduce.partition import split_parts
+from averaging.allreduce.reduction import cap_at_median
+from averaging.allreduce.robust import CenteredClipConfig
 from averaging.compression import MAX_DECODED_ELEMENTS
-from averaging.partition import split_parts
-from averaging.reduction import cap_at_median
-from averaging.robust import CenteredClipConfig
 from peers.errors import LocalProtocolError
 from peers.identity import PeerID
 
@@ -69,7 +69,7 @@ class RoundSpec:
     """The peer whose point of view a round takes; one of ``members``."""
     aggregation: CenteredClipConfig | None = None
     """How reducers combine a part: None for the weighted mean; a
-    :class:`~averaging.robust.CenteredClipConfig` for CenteredClip over whole parts."""
+    :class:`~averaging.allreduce.robust.CenteredClipConfig` for CenteredClip over whole parts."""
     max_weight_ratio: float | None = DEFAULT_MAX_WEIGHT_RATIO
     """Largest sample weight a reducer counts, as a multiple of the median weight of
     the part's contributors: a weight is each sender's own claim, and one of 2**64
@@ -81,7 +81,7 @@ class RoundSpec:
     their total length), no member's share exceeds one copy's length, so the copies of
     each coordinate fall to distinct reducers; shares are cut into cells (:meth:`parts`)
     and a dead reducer's cells go to members that reduce no other copy of them
-    (:mod:`averaging.replicated`). The caller takes the median of the copies: one lying
+    (:mod:`averaging.allreduce.replicated`). The caller takes the median of the copies: one lying
     reducer cannot move it. Needs at least that many members with a positive weight."""
 
     def __post_init__(self) -> None:
@@ -514,7 +514,7 @@ def is_positive_finite(value: object, limit: float) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class PartDigest:
-    """What a voter holds for one part (the agreement of ``averaging.agreement``): who
+    """What a voter holds for one part (the agreement of ``averaging.allreduce.agreement``): who
     reduced it, over whom, and a 128-bit XXH3 of its float32 values. A part the voter
     left at its own value is named as reduced by the voter over itself alone, so that a
     digest covers every coordinate: peers holding the same digests hold the same tensor

@@ -1,5 +1,5 @@
 """The two halves of a part's life in a butterfly round, as plain data structures (no
-events, no policy: ``averaging.butterfly`` decides who is in and when a part is final).
+events, no policy: ``averaging.allreduce.butterfly`` decides who is in and when a part is final).
 
 - :class:`PartReduction`: the reducer's side. Chunks are added as they arrive into
   running weighted sums (docs/design/averaging.md, "Reduction overlaps transfer"), and
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from averaging.buffers import empty_float32
+from averaging.allreduce.buffers import empty_float32
 from averaging.compression.base import all_finite
 from peers.identity import PeerID
 

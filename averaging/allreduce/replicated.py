@@ -3,7 +3,7 @@
 In a butterfly round each part is reduced by one member, who publishes it as it likes:
 the others cannot check a mean without the inputs. With ``reducers_per_part`` r > 1
 (odd), the round averages r copies of the vector instead of one
-(:func:`replicate`). :meth:`RoundSpec.parts <averaging.butterfly_records.RoundSpec.parts>`
+(:func:`replicate`). :meth:`RoundSpec.parts <averaging.allreduce.records.RoundSpec.parts>`
 gives no member a share longer than one copy, so the r copies of any coordinate lie in
 r different members' shares (two positions one copy apart cannot share a contiguous
 range that short). Shares are cut into cells where another share begins or ends in any

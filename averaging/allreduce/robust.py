@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from averaging.reduction import capped_sample_weights
+from averaging.allreduce.reduction import capped_sample_weights
 from peers.identity import PeerID
 
 #: Elements of the ``[n, columns]`` float64 temporaries that :func:`centered_clip` works
@@ -250,7 +250,7 @@ def _clip_step(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor, tau: float) ->
 
 class CenteredClipReduction:
     """CenteredClip of one part over the senders whose chunks arrived: the interface of
-    :class:`~averaging.reduction.PartReduction`, but every sender's chunks are kept until
+    :class:`~averaging.allreduce.reduction.PartReduction`, but every sender's chunks are kept until
     :meth:`finalize`, which clips over whole parts. Holds at most members x part size
     values, as ``PartReduction`` does to make dropping exact."""
 

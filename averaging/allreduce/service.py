@@ -16,11 +16,11 @@ from types import TracebackType
 
 import torch
 
-from averaging.allreduce import RoundRunner
-from averaging.allreduce_config import AllReduceConfig, AllReduceError, AllReduceResult
-from averaging.allreduce_wire import ALLREDUCE_PROTOCOL, decode_hello
-from averaging.butterfly_records import RoundSpec
-from averaging.round_feedback import RoundErrors
+from averaging.allreduce.config import AllReduceConfig, AllReduceError, AllReduceResult
+from averaging.allreduce.feedback import RoundErrors
+from averaging.allreduce.network import RoundRunner
+from averaging.allreduce.records import RoundSpec
+from averaging.allreduce.wire import ALLREDUCE_PROTOCOL, decode_hello
 from peers.errors import PeersError
 from peers.rpc import FramedStream
 from peers.stream_api import StreamHost, StreamLike
@@ -81,10 +81,10 @@ class AllReduceService:
         and never raises for their faults; the result says who failed, what fraction
         was averaged, and whether this peer holds the result a majority agreed on. Raises
         :class:`AllReduceError` for a round id already running here, and
-        :class:`~averaging.butterfly_records.RoundError` for a tensor or weight that does
+        :class:`~averaging.allreduce.records.RoundError` for a tensor or weight that does
         not fit ``spec``. Cancellation closes every link of the round.
 
-        ``errors`` (from :meth:`~averaging.round_feedback.RoundFeedback.round`) records
+        ``errors`` (from :meth:`~averaging.allreduce.feedback.RoundFeedback.round`) records
         what a lossy codec leaves out of this round and applies it when the round ends;
         ``local`` should then be the compensated vector.
         """

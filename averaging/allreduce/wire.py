@@ -8,11 +8,11 @@ both sides send any of the other messages, each frame a msgpack array ``[tag, bo
 - :class:`ChunkMessage` a sender's encoded chunk of a part the receiver reduces;
 - :class:`AveragedMessage` a reducer's encoded, averaged chunk, with its contributors;
 - :class:`NoticeMessage` signed accusations: members excluded, each accusation by its
-  author (``averaging.accusations``); every member relays each one it has not seen
+  author (``averaging.allreduce.accusations``); every member relays each one it has not seen
   (the flood of butterfly rule 4), so a relayer cannot accuse in another's name;
 - :class:`EchoMessage` a member's signed echo of an accuser's first accusation, relayed
   like accusations (a first accusation counts alone once a quorum echoed it);
-- :class:`VoteMessage` a member's one vote (``averaging.agreement``): the fingerprint
+- :class:`VoteMessage` a member's one vote (``averaging.allreduce.agreement``): the fingerprint
   and part digests of the result it holds, signed by the voter; every member relays
   each vote it has not seen to its other links, so votes cross cut links and reach
   client-mode members, and checks the signature first (a relayer cannot forge one);
@@ -34,8 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from averaging.accusations import Accusation, Echo
-from averaging.butterfly_records import PartDigest, RoundSpec
+from averaging.allreduce.accusations import Accusation, Echo
+from averaging.allreduce.records import PartDigest, RoundSpec
 from averaging.compression import EncodedTensor
 from peers.errors import IdentityError, RemoteProtocolError
 from peers.identity import PeerID

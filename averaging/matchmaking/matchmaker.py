@@ -2,7 +2,7 @@
 groups, with no coordinator.
 
 :class:`Matchmaker` is the asyncio edge around the pure
-:class:`~averaging.matchmaking_search.GroupSearch` (the protocol is described there and
+:class:`~averaging.matchmaking.search.GroupSearch` (the protocol is described there and
 in docs/averaging-matchmaking.md): it stores the declaration, reads the key, makes and
 serves the join calls, and enforces the deadline. Use it as ``async with
 Matchmaker(dht, config) as matchmaker`` and call :meth:`Matchmaker.look_for_group`.
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from averaging.matchmaking_records import (
+from averaging.matchmaking.records import (
     DHT_KEY_PREFIX,
     JOIN_PROTOCOL,
     MAX_BANDWIDTH,
@@ -45,7 +45,7 @@ from averaging.matchmaking_records import (
     member_to_wire,
     peer_id_from_wire,
 )
-from averaging.matchmaking_search import (
+from averaging.matchmaking.search import (
     Failed,
     Formed,
     GroupSearch,

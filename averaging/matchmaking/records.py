@@ -1,8 +1,8 @@
 """The vocabulary of matchmaking: its config, bounds, error, the :class:`Group` it
 returns, and its wire messages (the DHT declaration and the join RPC).
 
-Kept apart from the search (``averaging.matchmaking_search``, pure) and the networked
-driver (``averaging.matchmaking``) so each stays small, and so the all-reduce can import
+Kept apart from the search (``averaging.matchmaking.search``, pure) and the networked
+driver (``averaging.matchmaking.matchmaker``) so each stays small, and so the all-reduce can import
 :class:`Group` without the machinery that forms it
 (CONTRIBUTING.md, "Small modules, one folder per subsystem").
 """
@@ -62,7 +62,7 @@ class MatchmakingError(PeersError):
 
 @dataclass(frozen=True, kw_only=True)
 class MatchmakingConfig:
-    """How a :class:`~averaging.matchmaking.Matchmaker` forms groups. Peers searching
+    """How a :class:`~averaging.matchmaking.matchmaker.Matchmaker` forms groups. Peers searching
     under one key should use the same sizes (a member checks only its own minimum)."""
 
     target_group_size: int = 16

@@ -32,7 +32,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from averaging.matchmaking_records import (
+from averaging.matchmaking.records import (
     MAX_GROUP_SIZE,
     MAX_PENDING_JOINS,
     ROUND_ID_BYTES,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from averaging.state_manifest import (
+from averaging.state.manifest import (
     CHUNKS_PROTOCOL,
     DEFAULT_CHUNK_BYTES,
     MANIFEST_PROTOCOL,
@@ -35,7 +35,7 @@ from averaging.state_manifest import (
     StateRequestError,
     build_snapshot,
 )
-from averaging.state_signing import sign_manifest
+from averaging.state.signing import sign_manifest
 from peers.dht import DHT, dht_time, owner_marker
 from peers.errors import PeersError
 from peers.host import Peer
@@ -97,7 +97,7 @@ class StateServer:
     """Serve a state to newcomers. Use ``async with StateServer(peer, ...) as server``.
 
     ``dht`` and ``prefix`` (together) make it announce itself so newcomers can find it.
-    With ``signer`` (a run key, :mod:`averaging.state_signing`), every manifest served
+    With ``signer`` (a run key, :mod:`averaging.state.signing`), every manifest served
     is signed with it for ``prefix``.
     """
 

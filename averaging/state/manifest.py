@@ -109,8 +109,8 @@ class Manifest:
     chunk_bytes: int
     chunk_digests: bytes  # DIGEST_BYTES per chunk, in order
     state_checksum: bytes  # state_checksum() of the whole state
-    signer: bytes = b""  # a run key's PeerID bytes, if one signed it (state_signing)
-    signature: bytes = b""  # its Ed25519 signature (averaging.state_signing)
+    signer: bytes = b""  # a run key's PeerID bytes, if one signed it (averaging.state.signing)
+    signature: bytes = b""  # its Ed25519 signature (averaging.state.signing)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ class StateSyncConfig:
     max_state_bytes: int = 1 << 36
     """Largest state we agree to allocate (64 GiB): a manifest over it is refused."""
     trusted_signers: frozenset[PeerID] = frozenset()
-    """Run keys (:mod:`averaging.state_signing`): when any are given, a state is loaded
+    """Run keys (:mod:`averaging.state.signing`): when any are given, a state is loaded
     only if one of them signed its manifest, and then one donor suffices (no quorum of
     networks is asked for). Empty: any state offered by a quorum of networks."""
 

@@ -2,7 +2,7 @@
 strangers can substitute another state.
 
 Without a run key a newcomer loads a state only when donors on enough distinct networks
-offer identical manifests (:mod:`averaging.state_sync`); identities on many networks can
+offer identical manifests (:mod:`averaging.state.sync`); identities on many networks can
 still meet that. With one, the operator's peers (those holding the key) sign every
 manifest they serve, and peers that trust the key load only manifests it signed: from
 one donor, whoever relays it, and nothing else. The signature is Ed25519 over a domain
@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import replace
 
-from averaging.state_manifest import DonorError, Manifest
+from averaging.state.manifest import DonorError, Manifest
 from peers.errors import IdentityError
 from peers.identity import KeyPair, PeerID
 from peers.serialization import pack

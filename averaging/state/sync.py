@@ -9,7 +9,7 @@
    within it the group with the most.
 3. Allocate the state's tensors once and fetch chunks from every donor of the group at
    once, one stream per donor with a few requests in flight, each donor pulling the next
-   pending chunk (:class:`averaging.state_schedule.ChunkSchedule`). Each chunk's sha256
+   pending chunk (:class:`averaging.state.schedule.ChunkSchedule`). Each chunk's sha256
    is checked before it is written in place. A donor that dies, stalls for
    ``chunk_timeout`` or sends a bad chunk is dropped and its chunks go to the others.
 4. If every donor of the group is lost, find donors again and resume with the chunks
@@ -31,8 +31,8 @@ from typing import Any, TypeAlias
 import torch
 from multiaddr import Multiaddr
 
-from averaging.state_donor import state_key
-from averaging.state_manifest import (
+from averaging.state.donor import state_key
+from averaging.state.manifest import (
     CHUNKS_PROTOCOL,
     DTYPES,
     MANIFEST_PROTOCOL,
@@ -51,9 +51,9 @@ from averaging.state_manifest import (
     layout_from_manifest,
     state_checksum,
 )
-from averaging.state_records import DonorReport, LoadedState, StateSyncConfig, SyncReport
-from averaging.state_schedule import ChunkSchedule
-from averaging.state_signing import check_signed
+from averaging.state.records import DonorReport, LoadedState, StateSyncConfig, SyncReport
+from averaging.state.schedule import ChunkSchedule
+from averaging.state.signing import check_signed
 from peers.dht import DHT, owner_of
 from peers.errors import PeersError
 from peers.host import Peer

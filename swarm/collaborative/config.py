@@ -119,7 +119,7 @@ class CollaborativeConfig:
     to this peer; needs a lossy codec."""
 
     run_key: KeyPair | None = field(default=None, repr=False)
-    """The run's operator key (:mod:`averaging.state_signing`): this peer signs every
+    """The run's operator key (:mod:`averaging.state.signing`): this peer signs every
     state it serves with it, and trusts states signed with it. Give it to the
     operator's own peers only."""
     trusted_run_keys: frozenset[PeerID] = frozenset()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
-from averaging.accusations import (
+from averaging.allreduce.accusations import (
     Accusation,
     AccusationBook,
     Added,
@@ -25,7 +25,7 @@ from averaging.accusations import (
     sign_accusation,
     sign_echo,
 )
-from averaging.allreduce_wire import ALLREDUCE_PROTOCOL, encode_hello, encode_message, notice_of
+from averaging.allreduce.wire import ALLREDUCE_PROTOCOL, encode_hello, encode_message, notice_of
 from peers import KeyPair, Peer
 from peers.rpc import FramedStream
 

@@ -1,4 +1,4 @@
-"""The end-of-round vote (``averaging.agreement``): one vote per member, a strict
+"""The end-of-round vote (``averaging.allreduce.agreement``): one vote per member, a strict
 majority of the whole group decides, split votes are hopeless; copying a voted result
 takes held parts that match and checks fetched ones against their digests."""
 
@@ -9,11 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from averaging.agreement import Adoption, Ballot, check_vote
-from averaging.allreduce_config import AllReduceConfig, AllReduceResult
-from averaging.allreduce_service import AllReduceService
-from averaging.butterfly import ButterflyRound
-from averaging.butterfly_records import (
+from averaging.allreduce.agreement import Adoption, Ballot, check_vote
+from averaging.allreduce.butterfly import ButterflyRound
+from averaging.allreduce.config import AllReduceConfig, AllReduceResult
+from averaging.allreduce.records import (
     MAX_SHARE_RATIO,
     PartDigest,
     RoundSpec,
@@ -22,6 +21,7 @@ from averaging.butterfly_records import (
     part_digests,
     values_digest,
 )
+from averaging.allreduce.service import AllReduceService
 from peers.identity import KeyPair, PeerID
 from peers.memory_network import MemoryNetwork
 from peers.virtual_clock import run_virtual

@@ -7,7 +7,7 @@ Every round must keep the vote's promises (docs/design/agreement.md): P1, member
 that report agreement hold the same tensor (SHA-256 of its bytes); P3, the cut costs
 at most one of the pair and nobody else (lost: alive and not agreed); P4, every member
 returns within ``AllReduceConfig.return_bound`` without raising. The in-memory version,
-on a virtual clock and with many more fault kinds, is ``averaging.fault_checker``.
+on a virtual clock and with many more fault kinds, is ``averaging.allreduce.fault_checker``.
 """
 
 from __future__ import annotations

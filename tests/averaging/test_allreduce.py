@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
-from averaging.agreement import sign_vote, vote_signed_by
-from averaging.allreduce import RoundRunner, _Link
-from averaging.allreduce_config import AllReduceError
-from averaging.allreduce_wire import (
+from averaging.allreduce.agreement import sign_vote, vote_signed_by
+from averaging.allreduce.config import AllReduceError
+from averaging.allreduce.network import RoundRunner, _Link
+from averaging.allreduce.records import PartDigest, fingerprint_of
+from averaging.allreduce.wire import (
     ALLREDUCE_PROTOCOL,
     AccusationWire,
     ChunkMessage,
@@ -28,7 +29,6 @@ from averaging.allreduce_wire import (
     encode_hello,
     encode_message,
 )
-from averaging.butterfly_records import PartDigest, fingerprint_of
 from averaging.compression import (
     Codec,
     EncodedTensor,

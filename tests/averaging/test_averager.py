@@ -184,8 +184,8 @@ def test_a_round_leaves_no_reference_cycles_holding_its_tensors(arun: Run) -> No
     1.5 GB when rounds were kept in cycles; the one found, a stream's kept closing error
     raised again in each reader, is covered in tests/peers/test_hostile.py, since in one
     process the links close in an order that does not raise it.)"""
-    from averaging.allreduce import RoundRunner
-    from averaging.butterfly import ButterflyRound
+    from averaging.allreduce.butterfly import ButterflyRound
+    from averaging.allreduce.network import RoundRunner
 
     def alive() -> int:
         return sum(type(o) in (RoundRunner, ButterflyRound) for o in gc.get_objects())

@@ -1,4 +1,4 @@
-"""averaging.buffers: large float32 buffers come back to a pool when their last view dies
+"""averaging.allreduce.buffers: large float32 buffers come back to a pool when their last view dies
 and are reused from there, never while anything still views them."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import averaging.buffers as buffers
-from averaging.buffers import clear_pool, empty_float32, pooled_bytes
+import averaging.allreduce.buffers as buffers
+from averaging.allreduce.buffers import clear_pool, empty_float32, pooled_bytes
 
 MIB = 1024 * 1024
 LARGE = 3 * MIB // 4  # elements: 3 MiB, pooled

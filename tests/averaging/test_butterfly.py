@@ -39,7 +39,7 @@ from averaging import (
     Withdrawn,
     plan_reassignment,
 )
-from averaging.reduction import capped_sample_weights
+from averaging.allreduce.reduction import capped_sample_weights
 from peers.identity import KeyPair, PeerID
 
 ROUND_ID = b"round-0001"

@@ -1,5 +1,5 @@
 """Real butterfly rounds under seeded fault schedules on the in-memory network
-(``averaging.fault_checker``): the promises P1-P4 hold in every schedule, and the
+(``averaging.allreduce.fault_checker``): the promises P1-P4 hold in every schedule, and the
 schedules of the agreement issue's findings end as they should."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from averaging.fault_checker import (
+from averaging.allreduce.fault_checker import (
     CONFIG,
     Fault,
     Schedule,
@@ -157,7 +157,7 @@ def test_a_check_a_nanosecond_ahead_does_not_livelock_the_round() -> None:
     resolution of now, so its timer fired at once, again and again, and the virtual
     clock never moved. A livelock is now reported as a P4 violation naming its seed,
     and the round sleeps at least MIN_WAKE_SECONDS."""
-    code = "from averaging.fault_checker import check_seed; print(check_seed(1076))"
+    code = "from averaging.allreduce.fault_checker import check_seed; print(check_seed(1076))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

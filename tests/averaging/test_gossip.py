@@ -19,7 +19,7 @@ from averaging import (
     RandomGroups,
     gossip,
 )
-from averaging.matchmaking_records import Group
+from averaging.matchmaking.records import Group
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from averaging.matchmaking import Matchmaker, check_key
-from averaging.matchmaking_records import (
+from averaging.matchmaking.matchmaker import Matchmaker, check_key
+from averaging.matchmaking.records import (
     JOIN_PROTOCOL,
     MAX_METADATA_BYTES,
     Candidate,
@@ -27,7 +27,7 @@ from averaging.matchmaking_records import (
     MemberInfo,
     rank,
 )
-from averaging.matchmaking_search import (
+from averaging.matchmaking.search import (
     Failed,
     Formed,
     GroupSearch,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from averaging.matchmaking_records import rank
+from averaging.matchmaking.records import rank
 from peers.identity import PeerID
 from peers.testing import LocalSwarm, PeerProcess
 

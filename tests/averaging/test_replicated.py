@@ -29,8 +29,8 @@ from averaging import (
     replicate,
     split_parts,
 )
-from averaging.butterfly_records import copies_overlap
-from averaging.fault_checker import Fault, Schedule, check, random_schedule, run_schedule
+from averaging.allreduce.fault_checker import Fault, Schedule, check, random_schedule, run_schedule
+from averaging.allreduce.records import copies_overlap
 from peers.identity import KeyPair, PeerID
 from tests.averaging.test_averager import CONFIG, Run, averagers
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import averaging.robust
+import averaging.allreduce.robust
 from averaging import (
     MAX_SAMPLE_WEIGHT,
     ButterflyRound,
@@ -36,8 +36,8 @@ from averaging import (
     centered_clip,
     spread_radius,
 )
-from averaging.butterfly_records import DEFAULT_MAX_WEIGHT_RATIO
-from averaging.reduction import capped_sample_weights
+from averaging.allreduce.records import DEFAULT_MAX_WEIGHT_RATIO
+from averaging.allreduce.reduction import capped_sample_weights
 from peers.identity import KeyPair, PeerID
 
 ROUND_ID = b"robust-round"
@@ -138,7 +138,7 @@ def test_column_blocks_do_not_change_the_result(seed: int, monkeypatch: pytest.M
     x[3] *= -50
     w = torch.rand(7, generator=g, dtype=torch.float64) + 0.5
     whole = centered_clip(x, w, tau=5.0, num_iterations=10)
-    monkeypatch.setattr(averaging.robust, "BLOCK_ELEMENTS", 7 * 13)
+    monkeypatch.setattr(averaging.allreduce.robust, "BLOCK_ELEMENTS", 7 * 13)
     torch.testing.assert_close(
         centered_clip(x, w, tau=5.0, num_iterations=10), whole, rtol=0, atol=1e-12
     )
@@ -226,7 +226,7 @@ def test_a_minority_cannot_inflate_the_spread_radius(hostile: int, seed: int) ->
     x[:hostile] = x[:hostile] * -1e6
     weights = torch.ones(16, dtype=torch.float64)
     radius = spread_radius(x, weights)
-    median = averaging.robust._weighted_median(x, weights / 16)
+    median = averaging.allreduce.robust._weighted_median(x, weights / 16)
     farthest_honest = float((honest - median).norm(dim=1).max())
     assert 0 < radius <= farthest_honest * (1 + 1e-12)  # equal at 7 of 16: the 9th distance
     tau = 2.0 * radius

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
+from averaging.allreduce.feedback import RoundFeedback
+from averaging.allreduce.records import PartReport, RoundReport
 from averaging.averager import AveragerConfig, AveragerError
-from averaging.butterfly_records import PartReport, RoundReport
 from averaging.compression import Uniform8BitCodec
-from averaging.round_feedback import RoundFeedback
 from peers import KeyPair, Peer
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]

@@ -1,4 +1,4 @@
-"""A run key (:mod:`averaging.state_signing`): a newcomer that trusts the run's operator
+"""A run key (:mod:`averaging.state.signing`): a newcomer that trusts the run's operator
 key loads the state the operator's peer signed, from that one donor, and nothing a
 quorum of other donors offers; tampered, replayed and foreign signatures are refused
 and cost only their donor. Real peers on loopback, in one loop."""
@@ -11,17 +11,17 @@ import dataclasses
 import pytest
 import torch
 
-from averaging.state_donor import StateServer, StateServerConfig
-from averaging.state_manifest import (
+from averaging.state.donor import StateServer, StateServerConfig
+from averaging.state.manifest import (
     MANIFEST_PROTOCOL,
     Manifest,
     ManifestRequest,
     StateSyncError,
     build_snapshot,
 )
-from averaging.state_records import StateSyncConfig
-from averaging.state_signing import check_signed, sign_manifest
-from averaging.state_sync import load_state_from_peers
+from averaging.state.records import StateSyncConfig
+from averaging.state.signing import check_signed, sign_manifest
+from averaging.state.sync import load_state_from_peers
 from peers.dht import DHT, DHTConfig
 from peers.host import Peer
 from peers.identity import KeyPair

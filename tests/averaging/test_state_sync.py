@@ -21,8 +21,8 @@ import pytest
 import torch
 from multiaddr import Multiaddr
 
-from averaging.state_donor import StateServer, StateServerConfig
-from averaging.state_manifest import (
+from averaging.state.donor import StateServer, StateServerConfig
+from averaging.state.manifest import (
     CHUNKS_PROTOCOL,
     DIGEST_BYTES,
     MANIFEST_PROTOCOL,
@@ -40,9 +40,9 @@ from averaging.state_manifest import (
     layout_from_manifest,
     state_checksum,
 )
-from averaging.state_records import StateSyncConfig
-from averaging.state_schedule import ChunkSchedule
-from averaging.state_sync import load_state_from_peers
+from averaging.state.records import StateSyncConfig
+from averaging.state.schedule import ChunkSchedule
+from averaging.state.sync import load_state_from_peers
 from peers.dht import DHT, DHTConfig
 from peers.errors import RemoteError
 from peers.host import Peer
@@ -669,7 +669,7 @@ def test_a_state_that_does_not_fit_costs_only_its_donor() -> None:
 def test_support_counts_networks_not_identities() -> None:
     """Three identities behind one public /24 support a state once; two LAN hosts and
     two loopback processes count twice."""
-    from averaging.state_sync import _choose_group, _Offer
+    from averaging.state.sync import _choose_group, _Offer
     from peers import KeyPair
     from peers.subnets import source_group
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from averaging import Float16Codec, NoneCodec
-from averaging.allreduce_config import AllReduceConfig
+from averaging.allreduce.config import AllReduceConfig
 from peers.dht import BlockingDHT
 from swarm.collaborative.config import CollaborativeConfig, DiLoCoConfig, OptimizerError
 from swarm.collaborative.optimizer import CollaborativeOptimizer

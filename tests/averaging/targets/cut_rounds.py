@@ -1,7 +1,7 @@
 """Butterfly rounds among four peer processes behind one router, in each round one
 link cut at a random moment: what a single cut costs (the promises P1, P3 and P4 of
-``averaging.allreduce``'s vote, checked on a virtual clock by ``averaging.fault_checker``;
-here with real processes, TCP, Noise and yamux).
+``averaging.allreduce.network``'s vote, checked on a virtual clock by
+``averaging.allreduce.fault_checker``; here with real processes, TCP, Noise and yamux).
 
 Topology: the namespace lab (docs/netlab.md), one home router and four LAN hosts on its
 LAN bridge, one peer process each. A cut is an nftables drop rule in the router's

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from averaging.matchmaking import Matchmaker
-from averaging.matchmaking_records import MatchmakingConfig, MatchmakingError
+from averaging.matchmaking.matchmaker import Matchmaker
+from averaging.matchmaking.records import MatchmakingConfig, MatchmakingError
 from peers.dht.node import DHT, DHTConfig
 from peers.testing import Node
 

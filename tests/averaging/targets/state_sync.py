@@ -11,8 +11,8 @@ import signal
 
 import torch
 
-from averaging.state_donor import StateServer
-from averaging.state_sync import load_state_from_peers
+from averaging.state.donor import StateServer
+from averaging.state.sync import load_state_from_peers
 from peers.testing import Node
 
 
