@@ -69,7 +69,7 @@ from swarm.collaborative.machine import (
     Train,
     Wait,
 )
-from swarm.collaborative.progress import PeerProgress, SwarmProgress
+from swarm.collaborative.progress import MAX_FINGERPRINT_BYTES, PeerProgress, SwarmProgress
 from swarm.collaborative.state import pack_state, state_problem, unpack_state
 from swarm.collaborative.updates import DiLoCoUpdates, GradientUpdates, Updates, zero_grads
 from swarm.errors import SwarmError
@@ -441,9 +441,10 @@ class CollaborativeOptimizer(TorchOptimizerFace):
     # --- state ------------------------------------------------------------------------
 
     def _share_state(self) -> None:
-        tensors, metadata = pack_state(
-            self.params, self._updates.optimizers(), {"epoch": self.epoch}
-        )
+        # The fingerprint of the round that ended the epoch goes with the state: a peer
+        # that loads it is on that round's branch, and split detection sees it so.
+        counters = {"epoch": self.epoch, "fingerprint": self._machine.fingerprint}
+        tensors, metadata = pack_state(self.params, self._updates.optimizers(), counters)
         try:
             self.dht.peer.run(
                 self._averager.share_state(
@@ -493,7 +494,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             return False
         self._machine.loaded(
             int(counters["epoch"]),
-            fingerprint if fingerprint is not None else bytes(counters.get("fingerprint", b"")),
+            fingerprint if fingerprint is not None else counters.get("fingerprint", b""),
         )
         self._follow_epoch()
         self._updates.restart()
@@ -510,9 +511,15 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                 return f"it has an unexpected tensor {spec.name!r}"
             tensors[spec.name.removeprefix("extra/")] = (DTYPES[spec.dtype], tuple(spec.shape))
         problem = state_problem(tensors, metadata, self.params, self._updates.optimizers())
-        if problem is None and metadata.get("counters", {}).get("epoch") != version:
+        if problem is not None:
+            return problem
+        counters = metadata["counters"]
+        if counters.get("epoch") != version:
             return f"its epoch counter is not its version {version}"
-        return problem
+        fingerprint = counters.get("fingerprint", b"")
+        if not isinstance(fingerprint, bytes) or len(fingerprint) > MAX_FINGERPRINT_BYTES:
+            return "its round fingerprint is not a short byte string"
+        return None
 
     def wait_for_peers(self, num_peers: int, timeout: float) -> int:
         """Wait until ``num_peers`` peers (this one included) publish progress, or

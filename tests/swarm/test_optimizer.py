@@ -9,11 +9,13 @@ import time
 import pytest
 import torch
 
-from peers import KeyPair
+from averaging.state.manifest import TensorSpec
+from peers import KeyPair, PeerConfig
 from peers.dht import BlockingDHT
 from peers.dht.ids import Contact
 from swarm.collaborative.config import CollaborativeConfig
 from swarm.collaborative.optimizer import CollaborativeOptimizer
+from swarm.collaborative.state import pack_state
 
 
 def _wait_until_closed(conn: socket.socket, timeout: float) -> bool:
@@ -114,3 +116,38 @@ def test_a_nan_update_is_dropped_and_training_goes_on() -> None:
             opt.step(8)
             assert opt.epoch == 1
             assert torch.equal(param.detach(), torch.zeros(4))  # 1 - 0.5 * 2
+
+
+def test_a_loaded_state_carries_its_rounds_fingerprint_and_a_malformed_one_is_refused() -> None:
+    """A late joiner that loads the swarm's state is on the branch of the round that made
+    it (before, it came with no fingerprint, saw itself split from everyone and loaded a
+    second time); a donor's fingerprint that is not a short byte string (``10**12`` would
+    have become a terabyte of zeros) is refused before any download."""
+    loopback = PeerConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",))
+    config = CollaborativeConfig(run_id="fingerprint", target_batch_size=8, state_timeout=10.0)
+    with BlockingDHT(peer_config=loopback) as first:
+        address = str(first.peer.listen_addrs[0])
+        with BlockingDHT([address], peer_config=loopback) as second:
+            old, new = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+            with CollaborativeOptimizer(torch.optim.SGD([old], lr=0.5), first, config) as donor:
+                for _ in range(3):  # alone: each step has a fingerprint of its own
+                    old.grad = torch.ones(4)
+                    donor.step(8)
+                assert donor.epoch == 3
+                with CollaborativeOptimizer(
+                    torch.optim.SGD([new], lr=0.5), second, config
+                ) as joiner:
+                    for _ in range(200):  # bounded: 0.05 s each
+                        if joiner.swarm_progress().epoch == 3:
+                            break
+                        time.sleep(0.05)
+                    assert joiner.load_state_from_peers()
+                    assert joiner.epoch == 3 and torch.equal(new.detach(), old.detach())
+                    assert joiner._mine().fingerprint == donor._mine().fingerprint != b""
+                    specs = [TensorSpec("extra/param/0", "float32", [4])]
+                    for bad in (10**12, b"x" * 33, "text"):
+                        _, metadata = pack_state(
+                            [new], {"inner": joiner.optimizer}, {"epoch": 3, "fingerprint": bad}
+                        )
+                        problem = joiner._state_problem(3, specs, metadata)
+                        assert problem is not None and "fingerprint" in problem, problem
