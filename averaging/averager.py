@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -34,7 +34,7 @@ from averaging.allreduce.replicated import fold, replicate
 from averaging.allreduce.robust import CenteredClipConfig
 from averaging.allreduce.service import AllReduceService
 from averaging.matchmaking.matchmaker import Matchmaker
-from averaging.matchmaking.records import Group, MatchmakingConfig
+from averaging.matchmaking.records import Group, MatchmakingConfig, MatchmakingError
 from averaging.state.donor import StateServer
 from averaging.state.manifest import DTYPES, TensorSpec
 from averaging.state.records import LoadedState, StateSyncConfig
@@ -87,9 +87,10 @@ class AveragerConfig:
     reducers_per_part: int = 1
     """How many distinct members reduce each coordinate (1, 3 or 5; part of the schema).
     3: one member that publishes a wrong average of its part moves nothing, at three
-    times the traffic of a round (:mod:`averaging.allreduce.replicated`). A group with fewer
-    members able to reduce (not client-mode) averages with one reducer per part, and
-    says so (:attr:`AveragingStep.reducers_per_part`)."""
+    times the traffic of a round (:mod:`averaging.allreduce.replicated`). Matchmaking
+    then forms groups of at least that many members, and a group with fewer members able
+    to reduce (not client-mode) does not average: falling back to one reducer per part
+    would hand a liar in a small group the whole of its part."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix or "/" in self.prefix:
@@ -154,7 +155,7 @@ class Averager:
     async def __aenter__(self) -> Averager:
         async with AsyncExitStack() as stack:
             self._matchmaker = await stack.enter_async_context(
-                Matchmaker(self.dht, self.config.matchmaking)
+                Matchmaker(self.dht, _matchmaking(self.config))
             )
             self._service = await stack.enter_async_context(
                 AllReduceService(self.peer, self.config.allreduce)
@@ -202,28 +203,28 @@ class Averager:
 
         Do not modify the tensors until it returns. Raises
         :class:`~averaging.matchmaking.records.MatchmakingError` if no group forms
-        within the matchmaking timeout (``timeout`` overrides it); the tensors are then
+        within the matchmaking timeout (``timeout`` overrides it), or the group formed has
+        fewer members able to reduce than ``reducers_per_part``; the tensors are then
         unchanged. A round that loses members still returns (see the report).
         ``target_group_size`` overrides the matchmaking config's for this step.
         """
         if self._matchmaker is None or self._service is None:
             raise AveragerError("use the Averager inside `async with`")
         started = time.monotonic()
+        copies = self.config.reducers_per_part
         group = await self._matchmaker.look_for_group(
             self.key(round_key),
             bandwidth=self.bandwidth,
             timeout=timeout,
-            target_group_size=target_group_size,
+            target_group_size=None if target_group_size is None else max(target_group_size, copies),
         )
         matched = time.monotonic()
-        copies = self.config.reducers_per_part
-        if sum(1 for w in group.weights if w > 0) < copies:
-            logger.warning(
-                "a group of %d with %d members able to reduce: one reducer per part this round",
-                len(group.members),
-                sum(1 for w in group.weights if w > 0),
+        reducers = sum(1 for w in group.weights if w > 0)
+        if reducers < copies:
+            raise MatchmakingError(
+                f"a group of {len(group.members)} with {reducers} members able to reduce: "
+                f"{copies} reducers per part need {copies}; not averaged"
             )
-            copies = 1
         flat = flatten([t.detach() for t in self.tensors.values()]).to(torch.float32)
         flat = replicate(flat, copies)
         errors = None
@@ -362,3 +363,17 @@ def _schema(tensors: Mapping[str, torch.Tensor], config: AveragerConfig) -> str:
     if config.reducers_per_part != 1:  # (schemas of runs with one stay what they were)
         digest.update(f"reducers per part {config.reducers_per_part}\0".encode())
     return digest.hexdigest()
+
+
+def _matchmaking(config: AveragerConfig) -> MatchmakingConfig:
+    """The matchmaking config, its group sizes raised to ``reducers_per_part``: a smaller
+    group cannot give each coordinate that many reducers."""
+    copies = config.reducers_per_part
+    matchmaking = config.matchmaking
+    if matchmaking.min_group_size >= copies:
+        return matchmaking
+    return replace(
+        matchmaking,
+        min_group_size=copies,
+        target_group_size=max(matchmaking.target_group_size, copies),
+    )

@@ -372,11 +372,22 @@ class StepMachine:
 
     def expected_group(self, now: float) -> int:
         """Peers expected in this epoch's round, me included: the live ones in this epoch
-        that added samples to it or started averaging. A member that delivered nothing
-        has no part in the round (its slot was filled by others) and does not come:
-        counting it would make every round wait out the gather window for it."""
+        that added samples to it or started averaging, and those whose last record shows
+        them averaging the previous epoch's round (a record read before they published
+        their step: they come). A member that delivered nothing has no part in the round
+        (its slot was filled by others) and does not come: counting it would make every
+        round wait out the gather window for it. Counting too few is worse: the first
+        members to meet form a group of that size and the round splits."""
         live = self.live(now).values()
-        return max(1, sum(1 for r in live if r.epoch == self.epoch and (r.samples or r.averaging)))
+        return max(
+            1,
+            sum(
+                1
+                for r in live
+                if (r.epoch == self.epoch and (r.samples or r.averaging))
+                or (r.epoch == self.epoch - 1 and r.averaging)
+            ),
+        )
 
     def everyone_present(self, now: float) -> bool:
         """Before the run's first step: as many live peers as any of them waits for, or

@@ -21,6 +21,7 @@ from averaging import (
     AveragerConfig,
     AveragerError,
     ButterflyRound,
+    MatchmakingError,
     PartitionError,
     RoundError,
     RoundSpec,
@@ -270,12 +271,21 @@ def test_averagers_outvote_a_lying_reducer_with_three_per_part(
     arun(main())
 
 
-def test_a_group_without_three_reducers_averages_with_one_and_says_so(arun: Run) -> None:
+def test_two_peers_asked_for_three_reducers_per_part_do_not_average(arun: Run) -> None:
+    """Falling back to one reducer per part would give a liar in a pair its whole part:
+    the step raises instead, and the tensors stay what they were, even when a caller
+    asks for a group of two."""
     config = dataclasses.replace(CONFIG, reducers_per_part=3)
 
     async def main() -> None:
         async with averagers(2, config) as avgs:
-            steps = await asyncio.gather(*(a.step(0) for a in avgs))
-            assert all(s.outcome.transfer.agreed and s.reducers_per_part == 1 for s in steps)
+            before = [{k: v.clone() for k, v in a.tensors.items()} for a in avgs]
+            steps = await asyncio.gather(
+                *(a.step(0, timeout=3.0, target_group_size=2) for a in avgs),
+                return_exceptions=True,
+            )
+            assert all(isinstance(s, MatchmakingError) for s in steps), steps
+            for a, b in zip(avgs, before, strict=True):
+                assert all(torch.equal(a.tensors[k], v) for k, v in b.items())
 
     arun(main())

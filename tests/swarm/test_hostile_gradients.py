@@ -59,7 +59,9 @@ def trained_together(honest: list[PeerProcess], steps: int, accuracy: float) -> 
     """The honest peers trained every step, averaging (the attacker included), reached
     ``accuracy`` and hold one model."""
     results: list[dict[str, Any]] = [p.wait_report("trained", 240) for p in honest]
-    print("honest peers:", [r["metrics"] for r in results])
+    print("honest peers:", [(r["metrics"], r["statistics"]) for r in results])
+    for p in honest:  # their logs, for a failure's report
+        print("".join(p._stderr_tail[-40:]))
     for r in results:
         assert r["epochs"] == steps
         assert r["statistics"]["num_rounds"] >= 0.9 * steps

@@ -72,6 +72,21 @@ def test_a_peer_trains_until_its_share_then_waits_then_averages_with_who_deliver
     assert (m.counts.rounds, m.counts.bytes_sent, m.counts.round_seconds) == (1, 100, 0.5)
 
 
+def test_a_peer_still_averaging_the_last_epoch_is_expected_in_this_round() -> None:
+    """Its record was read before it published its step: it steps, trains and comes, so
+    the round must not form without it."""
+    m = _machine()
+    m.restarted(3)
+    late, idle, gone = _ids(3)
+    m.records = {
+        late: _record(2, 16, averaging=True),
+        idle: _record(2, 16),  # behind, not averaging: it resyncs rather than comes
+        gone: _record(3, 16, at=T0 - 2 * EXPIRATION, averaging=True),
+    }
+    m.records[_ids(1)[0]] = _record(3, 48, averaging=True)
+    assert m.batch(16, T0) == Average(epoch=3, weight=16.0, group_size=3, alone=False)
+
+
 def test_past_the_deadline_a_peer_goes_on_and_its_extra_samples_count() -> None:
     m = _machine()
     (a,) = _ids(1)
