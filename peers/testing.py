@@ -9,7 +9,9 @@ resumes or terminates processes by PID. Leaving the ``with`` block stops every p
 it started and waits for it, so nothing is left behind.
 
 A target is ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``. Run a node by hand as
-``python -m peers.testing --target TARGET --options JSON``.
+``python -m peers.testing --target TARGET --options JSON``; the option ``log_level``
+(e.g. ``"INFO"``) sends the process's logs to its stderr, whose last lines
+``PeerProcess.log_tail`` returns.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import queue
 import signal
@@ -100,6 +103,10 @@ class PeerProcess:
                 + "".join(self._stderr_tail[-20:])
             )
         return line
+
+    def log_tail(self, lines: int = 200) -> str:
+        """The last ``lines`` lines the process wrote to its stderr (at most 400 kept)."""
+        return "".join(self._stderr_tail[-lines:])
 
     def send(self, message: dict[str, Any]) -> None:
         """Send one JSON object to the node's ``receive()``."""
@@ -253,7 +260,7 @@ def _pump_stderr(proc: PeerProcess) -> None:
     with contextlib.suppress(ValueError, OSError):
         for line in proc.popen.stderr:
             proc._stderr_tail.append(line)
-            del proc._stderr_tail[:-200]
+            del proc._stderr_tail[:-400]
 
 
 # --- the child side ---------------------------------------------------------------
@@ -337,10 +344,16 @@ def _main() -> None:
     parser.add_argument("--target", default="peers.testing:serve_forever")
     parser.add_argument("--options", default="{}")
     args = parser.parse_args()
+    options = json.loads(args.options)
+    if "log_level" in options:  # e.g. "INFO": the lines a failing test prints
+        logging.basicConfig(
+            level=options["log_level"],
+            format="%(relativeCreated)d %(name)s %(levelname)s %(message)s",
+        )
     target = load_target(args.target)
     from peers.runtime import run
 
-    run(_child_main(target, json.loads(args.options)))
+    run(_child_main(target, options))
 
 
 if __name__ == "__main__":

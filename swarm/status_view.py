@@ -20,6 +20,10 @@ from peers.dht.status import PeerStatus, RunStatus
 from peers.identity import PeerID
 from peers.printable import printable
 
+#: How the text view names a reachability (the JSON keeps the record's word), as the
+#: dashboard does.
+REACHABILITY_WORDS = {"private": "behind NAT"}
+
 
 @dataclass(frozen=True, slots=True)
 class PeerRow:
@@ -107,14 +111,15 @@ class SwarmView:
             f"{len(self.peers)} peers, {len(self.runs)} runs, {len(self.experts)} experts, "
             f"{len(self.pipelines)} pipelines"
         ]
-        out += ["", f"{'PEER ID':54}  {'REACH':8}  {'SEEN':>8}  {'AGENT':20}  ROLES"]
+        out += ["", f"{'PEER ID':54}  {'REACH':10}  {'SEEN':>8}  {'AGENT':20}  ROLES"]
         for peer in self.peers:
             seen = "now" if peer.seconds_ago is None else f"{peer.seconds_ago:.0f} s ago"
             roles = [f"run {p(r, 64)}" for r in peer.runs]
             if peer.num_served:
                 roles.append(f"serves {peer.num_served}")
             addrs = " ".join(p(a, 200) for a in peer.addrs)
-            line = f"{peer.peer_id:54}  {peer.reachability:8}  {seen:>8}  {p(peer.agent, 20):20}"
+            reach = REACHABILITY_WORDS.get(peer.reachability, peer.reachability)
+            line = f"{peer.peer_id:54}  {reach:10}  {seen:>8}  {p(peer.agent, 20):20}"
             out.append(f"{line}  {', '.join(roles) or '-'}  {addrs}".rstrip())
         if self.runs:
             out += [

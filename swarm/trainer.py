@@ -325,20 +325,21 @@ def train(
             use_relays=config.relay,
         ),
     )
-    if metrics is not None:
-        on_step = _export_metrics(metrics, dht, on_step)
-    on_step, publisher = _publish_status(dht, config, on_step)
-    collaborative = CollaborativeConfig(
-        run_id=config.run_id,
-        target_batch_size=target,
-        diloco=config.diloco,
-        run_key=KeyPair.load_or_create(config.run_key) if config.run_key else None,
-        trusted_run_keys=config.trusted_run_keys,
-        **_aggregation(config),
-        **config.collaborative,
-    )
     started = time.monotonic()
-    try:
+    publisher: concurrent.futures.Future[None] | None = None
+    try:  # (from here on, whatever fails leaves nothing running)
+        collaborative = CollaborativeConfig(
+            run_id=config.run_id,
+            target_batch_size=target,
+            diloco=config.diloco,
+            run_key=KeyPair.load_or_create(config.run_key) if config.run_key else None,
+            trusted_run_keys=config.trusted_run_keys,
+            **_aggregation(config),
+            **config.collaborative,
+        )
+        if metrics is not None:
+            on_step = _export_metrics(metrics, dht, on_step)
+        on_step, publisher = _publish_status(dht, config, on_step)
         _wait_for_reachability(dht)
         with CollaborativeOptimizer(inner, dht, collaborative) as opt:
             opt.epoch = start_epoch
@@ -381,11 +382,14 @@ def train(
                         "interrupted: saved %s at epoch %d", config.checkpoint, opt.epoch
                     )
                 raise
-            stats = opt.statistics()
             train_seconds = time.monotonic() - first_step
+            if opt.epoch >= total_epochs:
+                opt.finish()  # a peer whose last round failed can still load the end
+            stats = opt.statistics()
             _save(config.checkpoint, params, inner, opt.epoch)
     finally:
-        publisher.cancel()
+        if publisher is not None:
+            publisher.cancel()
         dht.close()
     return TrainResult(
         metrics=task.evaluate(model),

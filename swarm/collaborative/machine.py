@@ -254,21 +254,9 @@ class StepMachine:
         view = self.view(now)
         if view.epoch > self.epoch:
             return Resync(f"the swarm is at epoch {view.epoch}")
-        branch = split_winner(
-            self.records,
-            self.me,
-            self.mine(now),
-            now=now,
-            expiration_seconds=self.progress_expiration,
-        )
-        if branch is not None and branch[0] not in self.refused_branches:
-            self.counts.splits += 1
-            return Resync(
-                "the swarm split; following the majority",
-                donors=tuple(branch[1]),
-                fingerprint=branch[0],
-                unusual=True,
-            )
+        split = self._follow_majority(now, "the swarm split")
+        if split is not None:
+            return split
         return self.policy.after_batch(self, samples, now)
 
     def poll(self, wait: Wait, now: float) -> Decision:
@@ -300,6 +288,29 @@ class StepMachine:
         # A diverged model or a bad batch: sending it would poison (or, the round
         # refusing it, stall) everyone. Dropped; the swarm's state is taken instead.
         return self._drop_update("this peer's update holds NaN or infinity", unusual=True)
+
+    def settled(self, now: float) -> Resync | Wait | None:
+        """At the end of a run (this peer took its last step): ``None`` once every live
+        peer of the run is at this epoch on this branch; a :class:`Resync` to the
+        majority when the last epoch split (as after a batch); else a :class:`Wait` for
+        the others, whose last round may have failed: a laggard loads the state of a
+        peer still serving it instead of stepping alone into a model of its own."""
+        split = self._follow_majority(now, "the last epoch split")
+        if split is not None:
+            return split
+        live = self.live(now)
+        behind = [r for p, r in live.items() if p != self.me and r.epoch < self.epoch]
+        elsewhere = [
+            r
+            for p, r in live.items()
+            if p != self.me
+            and r.epoch == self.epoch
+            and r.fingerprint not in (self.fingerprint, b"")  # (b"": no round yet, no branch)
+            and r.fingerprint not in self.refused_branches
+        ]
+        if behind or elsewhere:
+            return Wait(now + self.max_wait_seconds, "the others to finish")
+        return None
 
     def finish_epoch(self) -> None:
         """The update was applied: the epoch is over."""
@@ -417,6 +428,26 @@ class StepMachine:
         digest.update(self.epoch.to_bytes(8, "big"))
         self.fingerprint = digest.digest()[:16]
         return Step()
+
+    def _follow_majority(self, now: float, what: str) -> Resync | None:
+        """A resync to the majority's branch if peers of my epoch are on another one
+        (whose state was not refused already)."""
+        branch = split_winner(
+            self.records,
+            self.me,
+            self.mine(now),
+            now=now,
+            expiration_seconds=self.progress_expiration,
+        )
+        if branch is None or branch[0] in self.refused_branches:
+            return None
+        self.counts.splits += 1
+        return Resync(
+            f"{what}; following the majority",
+            donors=tuple(branch[1]),
+            fingerprint=branch[0],
+            unusual=True,
+        )
 
     def _drop_update(self, reason: str, *, unusual: bool = False) -> Resync:
         self.samples = 0

@@ -213,6 +213,39 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         in DiLoCo mode it returns at once."""
         self._step(0)
 
+    def finish(self, timeout: float | None = None) -> bool:
+        """Call after the run's last step: until every live peer of the run reached this
+        epoch on one branch, keep publishing progress and serving this peer's state, so
+        that a peer whose last round failed loads the final state instead of stepping
+        alone, and follow the majority if the last epoch split. At most ``timeout``
+        seconds (default: a search, a round and a state download). True when the
+        swarm settled on this peer's state, False at the timeout."""
+        if self._closed:
+            raise OptimizerError("the optimizer is closed")
+        if timeout is None:
+            timeout = (
+                self.config.matchmaking.search_timeout
+                + self.config.allreduce.round_timeout
+                + self.config.state_timeout
+            )
+        deadline = dht_time() + timeout
+        self._publish_now()
+        self._hurry_tracker()  # (once: it then reads every progress_interval)
+        try:
+            while True:
+                self._await_records(deadline)
+                self._machine.records = self._records
+                decision = self._machine.settled(dht_time())
+                if decision is None:
+                    return True
+                if dht_time() >= deadline:
+                    logger.warning("epoch %d: the run ended with %s", self.epoch, decision.reason)
+                    return False
+                if isinstance(decision, Resync):
+                    self._resync(decision)
+        finally:
+            self._hurry = False
+
     def _step(self, batch_size: int) -> None:
         """Carry out the machine's decisions for one batch until it says train on."""
         if self._closed:

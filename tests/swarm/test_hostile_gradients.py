@@ -36,6 +36,7 @@ def _start(
         "collaborative": FAST,
         "centered_clip": centered_clip,
         "report_every": 1,
+        "log_level": "INFO",
         **extra,
     }
     honest = [swarm.start(1, target=HONEST, options=options)[0] for _ in range(3)]
@@ -60,13 +61,16 @@ def trained_together(honest: list[PeerProcess], steps: int, accuracy: float) -> 
     ``accuracy`` and hold one model."""
     results: list[dict[str, Any]] = [p.wait_report("trained", 240) for p in honest]
     print("honest peers:", [(r["metrics"], r["statistics"]) for r in results])
-    for p in honest:  # their logs, for a failure's report
-        print("".join(p._stderr_tail[-40:]))
-    for r in results:
-        assert r["epochs"] == steps
-        assert r["statistics"]["num_rounds"] >= 0.9 * steps
-        assert r["metrics"]["accuracy"] >= accuracy, r["metrics"]
-    assert len({round(r["metrics"]["loss"], 6) for r in results}) == 1  # one model
+    try:
+        for r in results:
+            assert r["epochs"] == steps
+            assert r["statistics"]["num_rounds"] >= 0.9 * steps
+            assert r["metrics"]["accuracy"] >= accuracy, r["metrics"]
+        assert len({round(r["metrics"]["loss"], 6) for r in results}) == 1  # one model
+    except AssertionError:
+        for p in honest:  # what they logged, for the report
+            print(f"--- honest peer {p.index}:\n{p.log_tail(400)}")
+        raise
 
 
 def test_one_poisoning_peer_ruins_the_mean_but_not_centered_clip() -> None:

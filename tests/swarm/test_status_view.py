@@ -65,6 +65,7 @@ def test_pipelines_show_coverage_and_the_stages_nobody_serves() -> None:
     ]
     text = "\n".join(view.lines())
     assert "lm" in text and "50%" in text and "no server for stage 1, 3" in text
+    assert "behind NAT" in text and "private" not in text  # as the dashboard says it
     as_json = json.loads(json.dumps(view.to_json()))
     assert as_json["pipelines"][0]["missing"] == [1, 3]
     assert {p["reachability"] for p in as_json["peers"]} == {"private", "relayed"}

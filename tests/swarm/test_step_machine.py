@@ -249,3 +249,44 @@ def test_a_restart_from_a_state_dict_starts_the_epoch_afresh() -> None:
     m.batch(4, T0)
     m.restarted(5)
     assert (m.epoch, m.samples, m.inner_steps, m.averaging) == (5, 0, 0, False)
+
+
+def test_at_the_end_a_peer_waits_for_one_behind_until_it_catches_up_or_leaves() -> None:
+    m = _machine()
+    m.restarted(30)
+    m.fingerprint = b"f" * 16
+    assert m.settled(T0) is None  # alone: nothing to wait for
+    late, done, rider = _ids(3)
+    m.records = {rider: _record(30)}  # claims the epoch, never averaged: no branch
+    assert m.settled(T0) is None
+    m.records = {late: _record(29, 16), done: _record(30, fingerprint=b"f" * 16)}
+    wait = m.settled(T0)
+    assert isinstance(wait, Wait) and wait.reason == "the others to finish"
+    m.records[late] = _record(30, at=T0 + 1, fingerprint=b"f" * 16)  # it loaded our state
+    assert m.settled(T0 + 1) is None
+    m.records[late] = _record(29, 16, at=T0 + 1)
+    assert m.settled(T0 + 1 + 2 * EXPIRATION) is None  # it left: nothing to wait for
+
+
+def test_a_split_last_epoch_ends_on_the_majority_branch() -> None:
+    m = _machine()
+    m.restarted(30)
+    m.fingerprint = b"m" * 16
+    a, b, c = _ids(3)
+    m.records = {
+        a: _record(30, fingerprint=b"a" * 16),
+        b: _record(30, fingerprint=b"a" * 16),
+        c: _record(30, fingerprint=b"m" * 16),
+    }
+    resync = m.settled(T0)
+    assert isinstance(resync, Resync) and resync.fingerprint == b"a" * 16
+    assert set(resync.donors or ()) == {a, b} and not resync.drop_update
+    assert m.counts.splits == 1
+    m.load_failed(resync)  # the majority could not give its state: ours stands
+    assert m.settled(T0) is None
+    # on the majority branch, a peer waits for the minority to follow before it leaves
+    m.records = {a: _record(30, fingerprint=b"m" * 16), b: _record(30, fingerprint=b"z" * 16)}
+    m.refused_branches.clear()
+    assert isinstance(m.settled(T0), Wait)
+    m.records[b] = _record(30, at=T0 + 1, fingerprint=b"m" * 16)
+    assert m.settled(T0 + 1) is None
