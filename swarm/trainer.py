@@ -14,6 +14,8 @@ import concurrent.futures
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -356,32 +358,36 @@ def train(
             network = _NetworkReport(dht, on_network)
             saved = opt.epoch
             first_step = time.monotonic()
-            try:
-                while opt.epoch < total_epochs:
-                    network.maybe_report()
-                    slot = dealer.next_slot()
-                    if slot is None:  # our part is done: the others are still on theirs
-                        opt.wait()
-                        if on_step is not None:  # the epoch may have moved on meanwhile
+            with _Interrupts() as interrupts:
+                try:
+                    while opt.epoch < total_epochs:
+                        interrupts.check()
+                        network.maybe_report()
+                        slot = dealer.next_slot()
+                        if slot is None:  # our part is done: the others are still on theirs
+                            opt.wait()
+                            if on_step is not None:  # the epoch may have moved on meanwhile
+                                on_step(opt.statistics(), loss_value)
+                            continue
+                        loss = task.loss(
+                            model, task.examples(stream.indices(slot.start, slot.stop))
+                        )
+                        loss.backward()  # type: ignore[no-untyped-call]
+                        loss_value = loss.item()
+                        opt.step(slot.size)
+                        if on_step is not None:
                             on_step(opt.statistics(), loss_value)
-                        continue
-                    loss = task.loss(model, task.examples(stream.indices(slot.start, slot.stop)))
-                    loss.backward()  # type: ignore[no-untyped-call]
-                    loss_value = loss.item()
-                    opt.step(slot.size)
-                    if on_step is not None:
-                        on_step(opt.statistics(), loss_value)
-                    every = config.checkpoint_every
-                    if every and opt.epoch != saved and opt.epoch % every == 0:
-                        _save(config.checkpoint, params, inner, opt.epoch)
-                        saved = opt.epoch
-            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what was trained
-                _save(config.checkpoint, params, inner, opt.epoch)
-                if config.checkpoint is not None:
-                    logger.warning(
-                        "interrupted: saved %s at epoch %d", config.checkpoint, opt.epoch
-                    )
-                raise
+                        every = config.checkpoint_every
+                        if every and opt.epoch != saved and opt.epoch % every == 0:
+                            _save(config.checkpoint, params, inner, opt.epoch)
+                            saved = opt.epoch
+                except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what was trained
+                    _save(config.checkpoint, params, inner, opt.epoch)
+                    if config.checkpoint is not None:
+                        logger.warning(
+                            "interrupted: saved %s at epoch %d", config.checkpoint, opt.epoch
+                        )
+                    raise
             train_seconds = time.monotonic() - first_step
             if opt.epoch >= total_epochs:
                 opt.finish()  # a peer whose last round failed can still load the end
@@ -550,3 +556,35 @@ def _save(
         return
     tensors, metadata = pack_state(params, {"inner": inner}, {"epoch": epoch})
     write_state(path, {"tensors": tensors, "metadata": metadata})
+
+
+class _Interrupts:
+    """Ctrl-C and SIGTERM during the training loop (in the main thread): the first stops
+    it at the next batch, so that a step is never cut in half and the checkpoint holds
+    whole epochs (an interrupt between applying an update and counting its epoch saved
+    one epoch's parameters under the epoch before); a second raises at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if an interrupt was asked for."""
+        if self.requested:
+            raise KeyboardInterrupt
