@@ -15,7 +15,6 @@ it measured in its last rounds: bytes received per second, smoothed.
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -42,8 +41,6 @@ from averaging.state.sync import StateCheck, load_state_from_peers
 from peers.dht.node import DHT
 from peers.errors import LocalProtocolError
 from peers.identity import KeyPair, PeerID
-
-logger = logging.getLogger(__name__)
 
 #: Bandwidth (bytes/s) a peer announces before it has measured its own: a common
 #: broadband figure, so a newcomer takes an ordinary share of the first round.

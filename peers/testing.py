@@ -100,7 +100,7 @@ class PeerProcess:
         if line is None:
             raise SwarmError(
                 f"peer {self.index} (pid {self.pid}) exited with {self.popen.poll()}: "
-                + "".join(self._stderr_tail[-20:])
+                + self.log_tail(20)
             )
         return line
 
@@ -125,7 +125,7 @@ class PeerProcess:
             if report.get("event") == "error":
                 raise SwarmError(
                     f"peer {self.index} (pid {self.pid}) failed: {report.get('error')}; "
-                    + "".join(self._stderr_tail[-20:])
+                    + self.log_tail(20)
                 )
 
     @property

@@ -239,7 +239,9 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                 if decision is None:
                     return True
                 if dht_time() >= deadline:
-                    logger.warning("epoch %d: the run ended with %s", self.epoch, decision.reason)
+                    logger.warning(
+                        "epoch %d: the run ended unsettled (%s)", self.epoch, decision.reason
+                    )
                     return False
                 if isinstance(decision, Resync):
                     self._resync(decision)
