@@ -259,3 +259,19 @@ def check_vote(spec: RoundSpec, fingerprint: bytes, digests: Sequence[PartDigest
     if fingerprint_of(spec.round_id, digests) != fingerprint:
         return "a vote's fingerprint does not match its digests"
     return None
+
+
+def contradiction(mine: Sequence[PartDigest], theirs: Sequence[PartDigest]) -> int | None:
+    """The first part that ``theirs`` holds with other values than ``mine`` from the same
+    reducer over the same contributors, or None. Results legitimately differ where faults
+    gave members different reducers or contributors for a part (which a member that has
+    not voted resolves by copying the leading vote rather than splitting the round); a
+    part with the same origin and other values means that someone lied: its reducer sent
+    different values to different members, or the voter reports something else than it
+    received. A member then votes for what it holds instead of copying (a single lying
+    reducer that votes first cannot draw honest members away from one another)."""
+    for a, b in zip(mine, theirs, strict=True):
+        same_origin = a.reducer == b.reducer and set(a.contributors) == set(b.contributors)
+        if same_origin and a.values != b.values:
+            return a.part_index
+    return None

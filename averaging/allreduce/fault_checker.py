@@ -95,6 +95,10 @@ class Schedule:
     reducers_per_part: int = 1
     """Copies of the vector (``total_elements`` each), each coordinate's copies reduced
     by distinct members (:mod:`averaging.allreduce.replicated`)."""
+    link_latency: tuple[tuple[int, int, float], ...] = ()
+    """``(a, b, seconds)``: the one-way latency from member ``a`` to member ``b`` where it
+    is not ``latency``, set before the round starts (for orders of arrival that one
+    latency for every link never produces)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,8 @@ async def _run(schedule: Schedule) -> list[MemberOutcome]:
     loop = asyncio.get_running_loop()
     network = MemoryNetwork(schedule.seed, latency_seconds=schedule.latency)
     peers = [network.add_peer() for _ in range(schedule.num_members)]
+    for a, b, seconds in schedule.link_latency:
+        network.set_latency(peers[a], peers[b], seconds, one_way=True)
     members = tuple(p.peer_id for p in peers)
     vectors, weights = _vectors(schedule)
     services = [AllReduceService(p, CONFIG) for p in peers]

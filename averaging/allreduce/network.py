@@ -49,7 +49,14 @@ from averaging.allreduce.accusations import (
     sign_accusation,
     sign_echo,
 )
-from averaging.allreduce.agreement import Adoption, Ballot, check_vote, sign_vote, vote_signed_by
+from averaging.allreduce.agreement import (
+    Adoption,
+    Ballot,
+    check_vote,
+    contradiction,
+    sign_vote,
+    vote_signed_by,
+)
 from averaging.allreduce.butterfly import ButterflyRound
 from averaging.allreduce.config import (
     FLUSH_SECONDS,
@@ -446,6 +453,15 @@ class RoundRunner:
             if self.round.is_done() and not withdrawn:
                 own = self._hold_own()
                 if leading is None or leading == own.fingerprint:
+                    self._vote(own)
+                elif (part := contradiction(own.digests, self._votes[leading].parts)) is not None:
+                    logger.warning(
+                        "round %s: the leading vote %s holds other values for part %d than "
+                        "mine from the same reducer over the same members; votes for mine",
+                        self._tag,
+                        leading.hex()[:8],
+                        part,
+                    )
                     self._vote(own)
                 else:  # another member finished first: join its result, not split
                     self._adopt(leading, "mine differs from the vote already cast")

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from averaging.allreduce.agreement import Adoption, Ballot, check_vote
+from averaging.allreduce.agreement import Adoption, Ballot, check_vote, contradiction
 from averaging.allreduce.butterfly import ButterflyRound
 from averaging.allreduce.config import AllReduceConfig, AllReduceResult
 from averaging.allreduce.records import (
@@ -78,6 +78,20 @@ def test_leading_prefers_most_votes_then_the_smallest_fingerprint() -> None:
     assert ballot.leading() == F  # a tie: the smaller fingerprint
     ballot.cast(_IDS[2], G)
     assert ballot.leading() == G
+
+
+def test_a_vote_contradicts_mine_only_where_one_origin_gave_other_values() -> None:
+    a, b, c = (m.to_bytes() for m in _IDS[:3])
+    mine = [PartDigest(0, a, [a, b, c], b"x" * 16), PartDigest(1, b, [a, b, c], b"y" * 16)]
+    # Another reducer or other contributors (a fault's work): no contradiction.
+    other_reducer = [mine[0], PartDigest(1, c, [a, b, c], b"z" * 16)]
+    fewer = [mine[0], PartDigest(1, b, [a, b], b"z" * 16)]
+    assert contradiction(mine, other_reducer) is None
+    assert contradiction(mine, fewer) is None
+    assert contradiction(mine, mine) is None
+    # The same reducer over the same members with other values: part 1 (in any order).
+    lied = [mine[0], PartDigest(1, b, [c, b, a], b"z" * 16)]
+    assert contradiction(mine, lied) == 1
 
 
 def _spec(me: PeerID, total: int = 40, chunk: int = 4) -> RoundSpec:

@@ -202,6 +202,24 @@ def test_one_reducer_per_part_lets_a_liar_move_its_part_three_do_not() -> None:
         assert min(spreads) >= 999.0  # the liar's copies stand out
 
 
+def test_a_liars_vote_that_arrives_first_does_not_split_the_honest_members() -> None:
+    """Link latencies (found by a search over random ones) under which member 3, the
+    liar, votes before member 1 has heard any honest vote. Member 1 used to copy the
+    leading vote, as it should when results differ through faults, and the round split
+    two against two: nobody agreed. The liar's vote holds its parts with other values
+    than it sent member 1 (from the same reducer over the same members), so member 1 now
+    votes for what it holds."""
+    latency = (
+        (0, 1, 0.3), (0, 2, 0.1), (1, 0, 0.2), (1, 2, 0.05), (2, 0, 0.2),
+        (2, 1, 0.1), (2, 3, 0.2), (3, 0, 0.05), (3, 1, 0.1), (3, 2, 0.3),
+    )  # fmt: skip
+    schedule = dataclasses.replace(_lie(3, 3), latency=0.001, link_latency=latency)
+    outcomes = run_schedule(schedule)
+    assert not check(schedule, outcomes)
+    assert all(o.agreed for o in outcomes)
+    assert all(fold(o.averaged, 3).spread >= 999.0 for o in outcomes if o.averaged is not None)
+
+
 def test_a_liar_with_a_dead_reducer_beside_it() -> None:
     """Six members: the dead one's part goes to a member free of its coordinates, so
     the liar still holds one copy of each, whoever dies."""
