@@ -11,6 +11,15 @@ from peers.noise import NOISE_CIPHERS
 from peers.relay.resources import RelayResourceConfig
 from peers.traffic import TrafficSnapshot
 
+#: Where a peer that joins a swarm listens unless told: every IPv4 interface, any free
+#: port, as libp2p's own daemons do; so peers on other machines can dial it and TCP
+#: hole punching can start from its listen port. ``swarm.trainer.TrainerConfig`` and
+#: every ``swarm`` command take it.
+SWARM_LISTEN_ADDRS: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+#: Where a bare :class:`PeerConfig` listens: loopback only, so that a peer built in a
+#: test, a notebook or another program is not open to the network unless asked.
+LOOPBACK_LISTEN_ADDRS: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+
 
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
@@ -18,8 +27,9 @@ class PeerConfig:
 
     identity: KeyPair | None = None
     """The peer's key pair; a fresh one if ``None``."""
-    listen_addrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    """Multiaddrs to listen on (``/ip4|ip6/HOST/tcp/PORT``; port 0 picks a free one)."""
+    listen_addrs: tuple[str, ...] = LOOPBACK_LISTEN_ADDRS
+    """Multiaddrs to listen on (``/ip4|ip6/HOST/tcp/PORT``; port 0 picks a free one).
+    Loopback unless given (:data:`SWARM_LISTEN_ADDRS` reaches other machines)."""
     announce_addrs: tuple[str, ...] = ()
     """Addresses to tell others instead of the bound ones (e.g. a public IP behind NAT)."""
     reuse_port: bool = True

@@ -23,8 +23,7 @@ import logging
 import math
 import signal
 import sys
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from peers import (
@@ -37,6 +36,7 @@ from peers import (
     run,
     with_peer_id,
 )
+from peers.config import SWARM_LISTEN_ADDRS
 from peers.dht import DHT, DHTConfig
 from peers.dht.presence import announce_forever
 from peers.dht.status import MIN_STATUS_INTERVAL_SECONDS, ServedStatus
@@ -44,6 +44,7 @@ from peers.echo import install_echo
 from peers.pnet import SwarmKeyError, missing_key_hint, new_swarm_key, write_swarm_key
 from peers.printable import printable
 from peers.runtime import keep_freed_memory
+from swarm.cli_fields import Flag, add_flags, flag_values
 from swarm.cli_usage import (
     OneLineParser,
     UsageError,
@@ -58,15 +59,18 @@ from swarm.cli_usage import (
     require_torch,
     swarm_key_arg,
 )
-from swarm.dashboard.command import DASHBOARD_EXAMPLES, add_dashboard_parser, dashboard_command
+from swarm.dashboard.command import (
+    DASHBOARD_EXAMPLES,
+    DASHBOARD_HELP,
+    add_dashboard_flags,
+    dashboard_command,
+)
 from swarm.status import STATUS_INTERVAL_SECONDS, StatusSources, publishing_status
 
 if TYPE_CHECKING:
     from swarm.experts.server import ExpertServer
     from swarm.metrics import MetricsServer
     from swarm.trainer import TrainerConfig
-
-DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 
 
 async def _bootstrap(args: argparse.Namespace) -> int:
@@ -238,6 +242,9 @@ def _add_metrics_option(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST: 127.0.0.1 unless "
         "given; 0.0.0.0 for all interfaces); off by default",
     )
+
+
+def _add_status_interval_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--status-interval",
         type=_status_interval,
@@ -271,6 +278,10 @@ def _add_swarm_key_option(parser: argparse.ArgumentParser) -> None:
 
 def _add_private_swarm_options(parser: argparse.ArgumentParser) -> None:
     _add_swarm_key_option(parser)
+    _add_allow_options(parser)
+
+
+def _add_allow_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow",
         action="append",
@@ -291,7 +302,7 @@ def _server_peer_config(args: argparse.Namespace) -> tuple[PeerConfig, DHTConfig
         identity=identity,
         allowed_peers=allowed_peers(args.allow, args.allow_file),
         swarm_key=swarm_key_arg(args.swarm_key),
-        listen_addrs=tuple(args.listen or [DEFAULT_LISTEN]),
+        listen_addrs=tuple(args.listen or SWARM_LISTEN_ADDRS),
         announce_addrs=tuple(args.announce or []),
         reachability=args.reachability,
         relay_service=not args.no_relay,
@@ -451,41 +462,18 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
     from swarm.collaborative.config import DiLoCoConfig
     from swarm.trainer import TrainerConfig
 
-    if args.identity:
-        load_identity(args.identity)  # a bad path is a usage error now, not mid-start
-    swarm_key_arg(args.swarm_key)  # so is a bad key file
-    if args.run_key:
-        load_identity(args.run_key, option="--run-key")
+    values = flag_values(args, TrainerConfig, _train_flags(args.command))
+    if values["identity"] is not None:
+        load_identity(str(values["identity"]))  # a bad path is a usage error now, not mid-start
+    if values["swarm_key"] is not None:
+        swarm_key_arg(str(values["swarm_key"]))  # so is a bad key file
+    if values["run_key"] is not None:
+        load_identity(str(values["run_key"]), option="--run-key")
     diloco = None
-    if args.diloco:
-        diloco = DiLoCoConfig(
-            inner_steps=args.diloco, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum
-        )
-    return TrainerConfig(
-        task=args.task,
-        run_id=args.run_id,
-        initial_peers=tuple(args.initial_peers or ()),
-        listen=tuple(args.listen or [DEFAULT_LISTEN]),
-        announce=tuple(args.announce or ()),
-        reachability=args.reachability,
-        relay=not args.no_relay,
-        identity=Path(args.identity) if args.identity else None,
-        allowed_peers=allowed_peers(args.allow, args.allow_file),
-        swarm_key=Path(args.swarm_key) if args.swarm_key else None,
-        run_key=Path(args.run_key) if args.run_key else None,
-        trusted_run_keys=frozenset(map(PeerID.from_base58, args.trust_run_key or ())),
-        num_peers=args.num_peers,
-        local_batch_size=args.local_batch_size,
-        target_batch_size=args.target_batch_size,
-        num_samples=args.num_samples,
-        seed=args.seed,
-        diloco=diloco,
-        centered_clip=args.centered_clip,
-        reducers_per_part=args.reducers_per_part,
-        checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-        checkpoint_every=args.checkpoint_every,
-        status_interval=args.status_interval,
-    )
+    if args.inner_steps is not None:
+        diloco = DiLoCoConfig(**flag_values(args, DiLoCoConfig, _diloco_flags()))
+    allowed = allowed_peers(args.allow, args.allow_file)
+    return TrainerConfig(**values, allowed_peers=allowed, diloco=diloco)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -528,19 +516,15 @@ def _demo(args: argparse.Namespace) -> int:
     from swarm.train_command import sigterm_as_interrupt
 
     try:
-        sizes = {} if args.num_peers is None else {"num_peers": args.num_peers}
         if args.speed:
             config = speed_config(args.num_peers, args.seed, args.timeout)
             if args.num_samples:
                 config = dataclasses.replace(config, num_samples=args.num_samples)
         else:
-            config = DemoConfig(
-                **sizes,
-                task=args.task,
-                num_samples=args.num_samples,
-                seed=args.seed,
-                timeout=args.timeout,
-            )
+            values = flag_values(args, DemoConfig, _demo_flags())
+            if values["num_peers"] is None:
+                del values["num_peers"]  # the config's own default
+            config = DemoConfig(**values)
         get_task(config.task)  # a factory of the user's that fails is a usage error too
     except SwarmError as e:
         raise UsageError(str(e)) from e
@@ -563,169 +547,105 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _add_train_parsers(sub: argparse._SubParsersAction[OneLineParser]) -> None:
-    for name, help_text in (
-        (
-            "train",
-            "train a task (built in or your own) with a swarm; with no --initial-peers, start one",
+def _peer_id(text: str) -> PeerID:
+    return PeerID.from_base58(peer_id_arg(text))
+
+
+def _train_flags(command: str) -> tuple[Flag, ...]:
+    """The flags of ``swarm train`` and ``swarm join``: :class:`swarm.trainer.TrainerConfig`
+    fields (their defaults and help are the config's)."""
+    join = command == "join"
+    peers_help = "peers of the swarm to join through" + (
+        "" if join else " (none: host a new swarm's bootstrap peer here)"
+    )
+    return (
+        Flag("initial_peers", multiaddr_arg, "MADDR", nargs=True, required=join, help=peers_help),
+        Flag("task"),
+        Flag("run_id"),
+        Flag("num_peers", _positive_int),
+        Flag("local_batch_size", _non_negative_int),
+        Flag("target_batch_size", _non_negative_int),
+        Flag("num_samples", _non_negative_int),
+        Flag("seed", _non_negative_int),
+        Flag("centered_clip"),
+        Flag("reducers_per_part", int, choices=(1, 3, 5)),
+        Flag("checkpoint", metavar="PATH"),
+        Flag("checkpoint_every", _non_negative_int, "N"),
+        Flag("listen", listen_arg, "MADDR"),
+        Flag("announce", announce_arg, "MADDR"),
+        Flag("reachability", choices=("auto", "public", "private")),
+        Flag("relay", help="neither serve as a circuit relay for peers behind NAT nor use relays"),
+        Flag("identity", metavar="PATH"),
+        Flag("swarm_key", metavar="PATH"),
+        Flag("run_key", metavar="PATH"),
+        Flag("trusted_run_keys", _peer_id, "PEERID", name="--trust-run-key"),
+        Flag("status_interval", _status_interval, "SECONDS"),
+    )
+
+
+def _diloco_flags() -> tuple[Flag, ...]:
+    """``--diloco H`` turns DiLoCo on (:class:`DiLoCoConfig`); the outer optimizer's
+    flags apply then."""
+    return (
+        Flag(
+            "inner_steps",
+            _positive_int,
+            "H",
+            name="--diloco",
+            optional=True,
+            help="DiLoCo: H local steps between synchronisations (default: average "
+            "gradients every global batch)",
         ),
-        ("join", "join a running swarm through --initial-peers and train with it"),
-    ):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument(
-            "--initial-peers",
-            nargs="+",
-            type=multiaddr_arg,
-            metavar="MADDR",
-            required=name == "join",
-            help="peers of the swarm to join through"
-            + ("" if name == "join" else " (none: host a new swarm's bootstrap peer here)"),
-        )
-        p.add_argument(
-            "--task",
-            default="digits",
-            help="built-in task (digits, charlm) or your own as MODULE:FACTORY, a Task "
-            "subclass or a function returning a swarm.tasks.Task (digits)",
-        )
-        p.add_argument("--run-id", default="demo", help="the training run to join (demo)")
-        p.add_argument(
-            "--num-peers",
-            type=_positive_int,
-            default=1,
-            help="before the first step, wait (up to 60 s) until this many peers are in the "
-            "run; those who join then wait with them (1: start at once)",
-        )
-        p.add_argument(
-            "--local-batch-size",
-            type=_non_negative_int,
-            default=0,
-            help="at most this many samples per local step (default: this peer's whole "
-            "part of each global batch)",
-        )
-        p.add_argument(
-            "--target-batch-size",
-            type=_non_negative_int,
-            default=0,
-            help="the swarm's global batch (default: the task's recipe)",
-        )
-        p.add_argument(
-            "--num-samples",
-            type=_non_negative_int,
-            default=0,
-            help="global samples to train for (default: the task's recipe)",
-        )
-        p.add_argument("--seed", type=_non_negative_int, default=0, help="init and data order (0)")
-        p.add_argument(
-            "--diloco",
-            type=_positive_int,
-            metavar="H",
-            help="DiLoCo: H local steps between synchronisations (default: average gradients "
-            "every global batch)",
-        )
-        p.add_argument(
-            "--outer-lr", type=_positive_float, default=0.7, help="DiLoCo outer lr (0.7)"
-        )
-        p.add_argument(
-            "--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum (0.9)"
-        )
-        p.add_argument(
-            "--centered-clip",
-            action="store_true",
-            help="average with CenteredClip, so one peer's update moves a step by a bounded "
-            "amount whatever it sends (every peer of the run must give it)",
-        )
-        p.add_argument(
-            "--reducers-per-part",
-            type=int,
-            choices=(1, 3, 5),
-            default=1,
-            help="peers that reduce each coordinate of a round: 3 outvotes one that "
-            "publishes a wrong average, at 3x the traffic (every peer must give the same; 1)",
-        )
-        p.add_argument(
-            "--checkpoint",
-            metavar="PATH",
-            help="resume from it if present; save to it at the end and when interrupted",
-        )
-        p.add_argument(
-            "--checkpoint-every",
-            type=_non_negative_int,
-            default=0,
-            metavar="N",
-            help="also save the checkpoint every N epochs (needs --checkpoint)",
-        )
-        p.add_argument(
-            "--listen",
-            action="append",
-            type=listen_arg,
-            metavar="MADDR",
-            help=f"listen address (default {DEFAULT_LISTEN}); repeatable",
-        )
-        p.add_argument(
-            "--announce",
-            action="append",
-            type=announce_arg,
-            metavar="MADDR",
-            help="address to announce instead of the bound ones (port forwarding); repeatable",
-        )
-        _add_reachability_options(p)
-        p.add_argument("--identity", metavar="PATH", help="key file; created if missing")
-        _add_private_swarm_options(p)
-        _add_metrics_option(p)
-        p.add_argument(
-            "--run-key",
-            metavar="PATH",
-            help="the run operator's key (created if missing): sign the states this peer "
-            "serves, and load only states it signed; for the operator's peers",
-        )
-        p.add_argument(
-            "--trust-run-key",
-            action="append",
-            type=peer_id_arg,
-            metavar="PEERID",
-            help="load only states signed by this run key (the operator's --run-key, by "
-            "its peer ID), from any one peer; repeatable",
-        )
-        p.add_argument(
-            "--progress",
-            choices=["auto", "bar", "lines", "json", "none"],
-            default="auto",
-            help="bar on a terminal, plain lines otherwise (auto); json for programs",
-        )
-        p.add_argument(
-            "--num-threads", type=_positive_int, default=0, help="torch threads (torch's default)"
-        )
-        p.add_argument("--stop-when-stdin-closes", action="store_true", help=argparse.SUPPRESS)
+        Flag("outer_lr", _positive_float),
+        Flag("outer_momentum", float),
+    )
 
 
-def _add_demo_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
-    demo = sub.add_parser(
-        "demo", help="a local swarm trains a small model, then meets one process (the default)"
+def _add_train_parser(parser: argparse.ArgumentParser, command: str) -> None:
+    from swarm.collaborative.config import DiLoCoConfig
+    from swarm.trainer import TrainerConfig
+
+    add_flags(parser, TrainerConfig, _train_flags(command))
+    add_flags(parser, DiLoCoConfig, _diloco_flags())
+    _add_allow_options(parser)
+    _add_metrics_option(parser)
+    parser.add_argument(
+        "--progress",
+        choices=["auto", "bar", "lines", "json", "none"],
+        default="auto",
+        help="bar on a terminal, plain lines otherwise (auto); json for programs",
     )
-    demo.add_argument(
-        "--num-peers",
-        type=_positive_int,
-        help="trainer processes (default: two per CPU core, from 2 to 4)",
+    parser.add_argument(
+        "--num-threads", type=_positive_int, default=0, help="torch threads (torch's default)"
     )
-    demo.add_argument("--task", default="digits", help="built-in task: digits, charlm (digits)")
+    parser.add_argument("--stop-when-stdin-closes", action="store_true", help=argparse.SUPPRESS)
+
+
+def _demo_flags() -> tuple[Flag, ...]:
+    """``swarm demo``'s flags: :class:`swarm.demo.DemoConfig` fields."""
+    return (
+        Flag(
+            "num_peers",
+            _positive_int,
+            optional=True,  # the config's default counts this machine's cores
+            help="trainer processes (default: two per CPU core, from 2 to 4)",
+        ),
+        Flag("task"),
+        Flag("num_samples", _non_negative_int),
+        Flag("seed", _non_negative_int),
+        Flag("timeout", _positive_float),
+    )
+
+
+def _add_demo_flags(demo: argparse.ArgumentParser) -> None:
+    from swarm.demo import DemoConfig
+
+    add_flags(demo, DemoConfig, _demo_flags())
     demo.add_argument(
         "--speed",
         action="store_true",
         help="show a speed-up instead: the charlm transformer with a global batch of 1024, "
         "one trainer per core against one process, one thread each (--task is ignored)",
-    )
-    demo.add_argument(
-        "--num-samples",
-        type=_non_negative_int,
-        default=0,
-        help="global samples to train for (default: the task's recipe)",
-    )
-    demo.add_argument("--seed", type=_non_negative_int, default=0, help="init and data order (0)")
-    demo.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=600.0,
-        help="seconds the swarm may train before the demo gives up (600)",
     )
 
 
@@ -805,7 +725,11 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         help="seconds between DHT announcements; they live 3x this (default 30)",
     )
     parser.add_argument(
-        "--listen", action="append", type=listen_arg, metavar="MADDR", help="listen address"
+        "--listen",
+        action="append",
+        type=listen_arg,
+        metavar="MADDR",
+        help=f"listen address (default {' '.join(SWARM_LISTEN_ADDRS)}); repeatable",
     )
     parser.add_argument(
         "--announce",
@@ -825,10 +749,10 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     _add_reachability_options(parser)
     _add_private_swarm_options(parser)
     _add_metrics_option(parser)
+    _add_status_interval_option(parser)
 
 
-def _add_serve_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
-    serve = sub.add_parser("serve", help="host experts (torch modules) for others to call")
+def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--uids", nargs="+", metavar="UID", help="uids to host, e.g. ffn.0.3")
     serve.add_argument(
         "--expert-pattern",
@@ -856,10 +780,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     _add_server_options(serve)
 
 
-def _add_serve_stage_parser(sub: argparse._SubParsersAction[OneLineParser]) -> None:
-    stage = sub.add_parser(
-        "serve-stage", help="serve one stage of a pipeline (SWARM parallelism) for others"
-    )
+def _add_serve_stage_flags(stage: argparse.ArgumentParser) -> None:
     stage.add_argument(
         "--model",
         default="digits",
@@ -891,18 +812,13 @@ def _add_serve_stage_parser(sub: argparse._SubParsersAction[OneLineParser]) -> N
     _add_server_options(stage)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="swarm", description="swarmtrain: train together, peer to peer.")
-    parser.add_argument("--version", action="version", version=f"swarm {package_version()}")
-    sub = parser.add_subparsers(dest="command")
-
-    boot = sub.add_parser("bootstrap", help="host a bootstrap peer and print its multiaddrs")
+def _add_bootstrap_flags(boot: argparse.ArgumentParser) -> None:
     boot.add_argument(
         "--listen",
         action="append",
         type=listen_arg,
         metavar="MADDR",
-        help=f"listen address (default {DEFAULT_LISTEN}); repeatable",
+        help=f"listen address (default {' '.join(SWARM_LISTEN_ADDRS)}); repeatable",
     )
     boot.add_argument(
         "--announce",
@@ -926,8 +842,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reachability_options(boot)
     _add_private_swarm_options(boot)
     _add_metrics_option(boot)
+    _add_status_interval_option(boot)
 
-    ping = sub.add_parser("ping", help="dial a peer, identify it and ping it")
+
+def _add_ping_flags(ping: argparse.ArgumentParser) -> None:
     ping.add_argument(
         "maddr",
         type=multiaddr_arg,
@@ -943,11 +861,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_swarm_key_option(ping)
 
-    status = sub.add_parser(
-        "status",
-        help="join as a client and show the swarm: peers and their reachability, runs, "
-        "experts and pipeline stages",
-    )
+
+def _add_status_flags(status: argparse.ArgumentParser) -> None:
     status.add_argument(
         "--initial-peers", nargs="+", type=multiaddr_arg, metavar="MADDR", required=True
     )
@@ -959,22 +874,98 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_swarm_key_option(status)
 
-    add_dashboard_parser(sub)
 
-    key = sub.add_parser(
-        "swarm-key", help="make a new key for a private network (give it to every peer)"
-    )
+def _add_swarm_key_flags(key: argparse.ArgumentParser) -> None:
     key.add_argument("path", metavar="PATH", help="file to create (never overwritten)")
 
-    _add_serve_parser(sub)
-    _add_serve_stage_parser(sub)
-    _add_train_parsers(sub)
-    _add_demo_parser(sub)
-    for name, command in sub.choices.items():
-        summary = next(a.help for a in sub._choices_actions if a.dest == name)
-        command.description = f"{summary}."
-        command.epilog = "example:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
-        command.formatter_class = argparse.RawDescriptionHelpFormatter
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One ``swarm`` subcommand."""
+
+    summary: str
+    add_flags: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    needs_torch: bool = False
+    """Imports torch to build its flags and to run (checked for first, with the install
+    command in the error)."""
+
+
+def _train_command(command: str) -> Command:
+    summaries = {
+        "train": "train a task (built in or your own) with a swarm; with no --initial-peers, "
+        "start one",
+        "join": "join a running swarm through --initial-peers and train with it",
+    }
+    return Command(
+        summaries[command], lambda p: _add_train_parser(p, command), _train, needs_torch=True
+    )
+
+
+COMMANDS: dict[str, Command] = {
+    "bootstrap": Command(
+        "host a bootstrap peer and print its multiaddrs",
+        _add_bootstrap_flags,
+        lambda args: run(_bootstrap(args)),
+    ),
+    "ping": Command(
+        "dial a peer, identify it and ping it", _add_ping_flags, lambda args: run(_ping(args))
+    ),
+    "status": Command(
+        "join as a client and show the swarm: peers and their reachability, runs, experts "
+        "and pipeline stages",
+        _add_status_flags,
+        lambda args: run(_status(args)),
+    ),
+    "dashboard": Command(
+        DASHBOARD_HELP, add_dashboard_flags, lambda args: run(dashboard_command(args))
+    ),
+    "swarm-key": Command(
+        "make a new key for a private network (give it to every peer)",
+        _add_swarm_key_flags,
+        _swarm_key,
+    ),
+    "serve": Command(
+        "host experts (torch modules) for others to call",
+        _add_serve_flags,
+        lambda args: run(_serve(args)),
+        needs_torch=True,
+    ),
+    "serve-stage": Command(
+        "serve one stage of a pipeline (SWARM parallelism) for others",
+        _add_serve_stage_flags,
+        lambda args: run(_serve_stage(args)),
+        needs_torch=True,
+    ),
+    "train": _train_command("train"),
+    "join": _train_command("join"),
+    "demo": Command(
+        "a local swarm trains a small model, then meets one process (the default)",
+        _add_demo_flags,
+        _demo,
+        needs_torch=True,
+    ),
+}
+
+
+def build_parser(flags_of: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """``swarm``'s parser. Every command is listed; only those in ``flags_of`` (None:
+    all) get their flags, so that ``swarm ping`` or ``swarm --help`` builds no torch
+    command's flags (their configs import torch)."""
+    parser = OneLineParser(prog="swarm", description="swarmtrain: train together, peer to peer.")
+    parser.add_argument("--version", action="version", version=f"swarm {package_version()}")
+    sub = parser.add_subparsers(dest="command")
+    for name, command in COMMANDS.items():
+        examples = DASHBOARD_EXAMPLES if name == "dashboard" else EXAMPLES[name]
+        p = sub.add_parser(
+            name,
+            help=command.summary,
+            description=f"{command.summary}.",
+            epilog="example:\n" + "\n".join(f"  {line}" for line in examples),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if flags_of is None or name in flags_of:
+            command.add_flags(p)
     return parser
 
 
@@ -1009,53 +1000,31 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
 }
 
 
-TORCH_COMMANDS = frozenset({"serve", "serve-stage", "train", "join", "demo"})
-"""The commands that import torch when they run; checked for it before they start."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command ``argv`` names; returns its exit code: 0, 1 for a failure while
     it ran, 2 for a bad command line (one line on stderr, before anything else), 130
     after Ctrl-C."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:  # plain `swarm`: the demo
+    words = list(sys.argv[1:] if argv is None else argv)
+    if not words:  # plain `swarm`: the demo
         print(
             "swarm: no command given, so running the demo (swarm demo); "
             "swarm --help lists the commands",
             file=sys.stderr,
             flush=True,
         )
-        args = parser.parse_args(["demo"])
+        words = ["demo"]
+    name = words[0] if words[0] in COMMANDS else None
+    if name is not None and COMMANDS[name].needs_torch:
+        try:
+            require_torch(name)
+        except UsageError as e:
+            return exit_usage(e, name)
+    args = build_parser(() if name is None else (name,)).parse_args(words)
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     try:
-        return _run_command(args)
+        return COMMANDS[args.command].run(args)
     except UsageError as e:
         return exit_usage(e, args.command)
-
-
-def _run_command(args: argparse.Namespace) -> int:
-    command = args.command
-    if command in TORCH_COMMANDS:
-        require_torch(command)
-    try:
-        if command == "bootstrap":
-            return run(_bootstrap(args))
-        if command == "ping":
-            return run(_ping(args))
-        if command == "status":
-            return run(_status(args))
-        if command == "dashboard":
-            return run(dashboard_command(args))
-        if command == "swarm-key":
-            return _swarm_key(args)
-        if command == "serve":
-            return run(_serve(args))
-        if command == "serve-stage":
-            return run(_serve_stage(args))
-        if command in ("train", "join"):
-            return _train(args)
-        return _demo(args)
     except PeersError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import torch
 
-from peers.config import PeerConfig
+from peers.config import LOOPBACK_LISTEN_ADDRS, PeerConfig
 from peers.dht import BlockingDHT
 from swarm.baseline import BaselineConfig, BaselineResult, run_baseline
 from swarm.errors import SwarmError, TaskError
@@ -86,7 +86,8 @@ class DemoConfig:
     num_peers: int = field(default_factory=default_num_peers)
     """Trainer processes (each on its own shard of the data)."""
     task: str = "digits"
-    """The built-in task the swarm trains."""
+    """The task the swarm trains: built in (``digits``, ``charlm``) or your own as
+    ``module:factory``."""
     num_samples: int = 0
     """Global samples to train for; 0: the task's recipe."""
     target_batch_size: int = 0
@@ -111,6 +112,7 @@ class DemoConfig:
             task=self.task,
             run_id=self.run_id,
             initial_peers=initial_peers,
+            listen=LOOPBACK_LISTEN_ADDRS,  # the demo's swarm lives on this machine
             num_peers=self.num_peers,
             num_samples=self.num_samples,
             target_batch_size=self.target_batch_size,
@@ -241,7 +243,7 @@ def run_demo(config: DemoConfig, out: TextIO | None = None) -> None:
         "result meets one process "
         "trained on the same examples.",
     )
-    bootstrap = BlockingDHT(peer_config=PeerConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",)))
+    bootstrap = BlockingDHT(peer_config=PeerConfig(listen_addrs=LOOPBACK_LISTEN_ADDRS))
     try:
         children = _Children()
         try:

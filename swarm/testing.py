@@ -7,7 +7,7 @@ JSON lines. Two targets ship for training runs:
   ``joined``;
 - ``swarm.testing:trainer_node``: one collaborative trainer, as ``swarm train`` runs it
   (:func:`swarm.trainer.train`). Its options are :class:`~swarm.trainer.TrainerConfig`'s
-  fields (``initial_peers`` as a list, ``diloco`` as a dict of
+  fields (``initial_peers`` as a list, ``listen`` loopback unless given, ``diloco`` as a dict of
   :class:`~swarm.collaborative.config.DiLoCoConfig` fields, ``task`` a built-in name or
   your own ``MODULE:FACTORY``), and ``report_every``: every that many epochs it reports
   ``{"event": "progress", "epoch", "loss"}`` (default 50). At the end it reports
@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
+from peers.config import LOOPBACK_LISTEN_ADDRS
 from peers.testing import Node
 
 
@@ -35,6 +36,7 @@ def trainer_config_from_options(options: dict[str, Any]) -> Any:
     fields = {f.name for f in dataclasses.fields(TrainerConfig)}
     kwargs = {k: v for k, v in options.items() if k in fields}
     kwargs["initial_peers"] = tuple(kwargs.get("initial_peers", ()))
+    kwargs["listen"] = tuple(kwargs.get("listen", LOOPBACK_LISTEN_ADDRS))  # a local swarm
     if kwargs.get("diloco") is not None:
         kwargs["diloco"] = DiLoCoConfig(**kwargs["diloco"])
     return TrainerConfig(**kwargs)

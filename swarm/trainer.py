@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from averaging import REDUCERS_PER_PART, CenteredClipConfig
-from peers.config import PeerConfig
+from peers.config import SWARM_LISTEN_ADDRS, PeerConfig
 from peers.dht import BlockingDHT, DHTConfig
 from peers.identity import KeyPair, PeerID
 from peers.pnet import SwarmKeyError, load_swarm_key
@@ -67,43 +67,47 @@ class TrainerConfig:
     """What one peer trains and how it joins."""
 
     task: str = "digits"
-    """A built-in task (``swarm.tasks.TASKS``) or ``package.module:factory`` naming your
-    own :class:`swarm.tasks.Task` (:func:`swarm.tasks.get_task`); every peer of a run
-    must be able to import it."""
+    """A built-in task (``digits``, ``charlm``) or your own as ``module:factory``, a
+    :class:`swarm.tasks.Task` subclass or a function returning one; every peer of a run
+    must be able to import it (:func:`swarm.tasks.get_task`)."""
     run_id: str = "demo"
     """Peers with the same run id (and task) train one model together."""
     initial_peers: tuple[str, ...] = ()
     """Multiaddrs of peers already in the swarm; empty: this peer starts the swarm."""
-    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    """Where this peer listens (empty: client mode, dials out only)."""
+    listen: tuple[str, ...] = SWARM_LISTEN_ADDRS
+    """Where this peer listens: every interface unless given, so that peers on other
+    machines reach it and hole punching can start (``peers.config.SWARM_LISTEN_ADDRS``).
+    Empty: client mode, it dials out only."""
     announce: tuple[str, ...] = ()
     """Addresses to announce instead of the bound ones (a port-forwarded machine)."""
     reachability: str = "auto"
-    """``auto`` (find out with AutoNAT), ``public`` or ``private``: see peers.PeerConfig."""
+    """Whether others can dial this peer: ``auto`` finds out with AutoNAT, ``public`` and
+    ``private`` say so (``peers.PeerConfig.reachability``)."""
     relay: bool = True
     """Serve as a relay while public and use relays while private (``--no-relay``: no)."""
     identity: Path | None = None
-    """Key file of this peer's PeerID (created if missing); None: a fresh one each run."""
+    """Key file of this peer's PeerID, created if missing (without one, a new PeerID
+    each run)."""
     allowed_peers: frozenset[PeerID] | None = None
     """A private swarm: talk only to these peers (``PeerConfig.allowed_peers``); it needs
     ``initial_peers`` (a peer the list names) and, for others to list this peer, an
     ``identity``. None: anyone."""
     swarm_key: Path | None = None
-    """Key file of a private network (``PeerConfig.swarm_key``, :mod:`peers.pnet`): every
-    connection encrypted with it, so peers without it cannot connect. Read when the
-    config is made. None: an open swarm."""
+    """Key file of a private network: every connection is encrypted with it, so peers
+    without it cannot connect (``swarm swarm-key PATH`` makes one). Read when the config
+    is made (``PeerConfig.swarm_key``, :mod:`peers.pnet`). None: an open swarm."""
     run_key: Path | None = None
-    """The run operator's key file (a libp2p key, created if missing): this peer signs
-    the states it serves with it and trusts states signed with it
-    (``CollaborativeConfig.run_key``). For the operator's own peers."""
+    """The run operator's key file, created if missing: this peer signs the states it
+    serves with it and loads only states signed with it; for the operator's own peers
+    (``CollaborativeConfig.run_key``)."""
     trusted_run_keys: frozenset[PeerID] = frozenset()
-    """Run keys by PeerID whose signed states this peer loads, and no others
-    (``CollaborativeConfig.trusted_run_keys``). Empty: states a quorum of networks
-    offers."""
+    """Load only states signed by these run keys (the operator's run key, by its
+    PeerID), from any one peer. Empty: states a quorum of networks offers
+    (``CollaborativeConfig.trusted_run_keys``)."""
     num_peers: int = 1
-    """Peers to wait for (at most :data:`STARTUP_WAIT_SECONDS`) before the run's first
-    step, for peers started together; 1: start at once. Peers joining before the first
-    step wait for as many as any peer of the run asks for."""
+    """Before the run's first step, wait (up to :data:`STARTUP_WAIT_SECONDS` s) until
+    this many peers are in the run, for peers started together; 1: start at once. Peers
+    joining before the first step wait for as many as any peer of the run asks for."""
     local_batch_size: int = 0
     """At most this many samples per local step (a memory cap); 0: this peer's whole
     slot of each global batch at once."""
@@ -118,11 +122,14 @@ class TrainerConfig:
     diloco: DiLoCoConfig | None = None
     """DiLoCo mode instead of gradient averaging."""
     centered_clip: bool = False
-    """Average with CenteredClip under the spread rule (``CollaborativeConfig.aggregation``)
-    instead of the mean: robust to a minority of peers sending poisoned updates."""
+    """Average with CenteredClip instead of the mean, so that one peer's update moves a
+    step by a bounded amount whatever it sends (every peer of the run must set it). The
+    spread rule's CenteredClip (``CollaborativeConfig.aggregation``): robust to a
+    minority of peers sending poisoned updates."""
     reducers_per_part: int = 1
-    """Distinct peers reducing each coordinate (``CollaborativeConfig.reducers_per_part``):
-    3 outvotes a peer that publishes a wrong average of its part."""
+    """Peers that reduce each coordinate of a round: 3 outvotes one that publishes a
+    wrong average of its part, at 3x the traffic (every peer of the run must give the
+    same; ``CollaborativeConfig.reducers_per_part``)."""
     checkpoint: Path | None = None
     """Resume from this file if it exists, and save to it after training, when
     interrupted (Ctrl-C, SIGTERM) and every ``checkpoint_every`` epochs."""
@@ -136,8 +143,9 @@ class TrainerConfig:
     until it delivers again: a peer that holds a slot and never trains costs the swarm
     one wait, not one per step."""
     status_interval: float = STATUS_INTERVAL_SECONDS
-    """Seconds between this peer's status records (:mod:`swarm.status`: what ``swarm
-    status`` and ``swarm dashboard`` show); at least ``MIN_STATUS_INTERVAL_SECONDS``."""
+    """Seconds between this peer's signed status records, what ``swarm status`` and
+    ``swarm dashboard`` show (at least
+    :data:`~peers.dht.status.MIN_STATUS_INTERVAL_SECONDS` s; :mod:`swarm.status`)."""
     collaborative: dict[str, Any] = field(default_factory=dict)
     """Overrides of :class:`CollaborativeConfig` fields (e.g. timeouts, in tests)."""
 

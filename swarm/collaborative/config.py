@@ -32,7 +32,7 @@ class DiLoCoConfig:
     outer_lr: float = 0.7
     """The outer optimizer's learning rate (the paper's 0.7)."""
     outer_momentum: float = 0.9
-    """Nesterov momentum of the outer optimizer (the paper's 0.9)."""
+    """The outer optimizer's Nesterov momentum (the paper's 0.9)."""
     codec: str = "float16"
     """How the parameter change travels: "none", "float16" or "uint8"."""
 

@@ -1,6 +1,6 @@
 """``swarm dashboard``: join as a client, read the swarm every few seconds, serve the page.
 
-:func:`add_dashboard_parser` adds the command to ``swarm``'s parser, and
+:func:`add_dashboard_flags` gives the command its flags in ``swarm``'s parser, and
 :func:`dashboard_command` runs it: it serves the page (:mod:`.server`), joins the swarm
 as a DHT client (no open port on the swarm's side), and :func:`follow_swarm` reads
 every status record each refresh, keeps their history (:mod:`.history`) and hands the
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from peers import Peer, PeerConfig, PeersError
 from peers.dht import DHT, DHTConfig
-from swarm.cli_usage import OneLineParser, UsageError, multiaddr_arg, swarm_key_arg
+from swarm.cli_usage import UsageError, multiaddr_arg, swarm_key_arg
 from swarm.dashboard.history import History
 from swarm.dashboard.server import DEFAULT_DASHBOARD_HOST, DashboardServer, is_loopback
 from swarm.status import gather_view
@@ -90,15 +90,8 @@ def _timeout(text: str) -> float:
     return value
 
 
-def add_dashboard_parser(sub: argparse._SubParsersAction[OneLineParser]) -> OneLineParser:
-    """Add ``swarm dashboard`` to ``swarm``'s subcommands; returns its parser."""
-    parser = sub.add_parser(
-        "dashboard",
-        help=DASHBOARD_HELP,
-        description=f"{DASHBOARD_HELP}.",
-        epilog="example:\n" + "\n".join(f"  {line}" for line in DASHBOARD_EXAMPLES),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_dashboard_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``swarm dashboard``."""
     parser.add_argument(
         "--initial-peers",
         nargs="+",
@@ -139,7 +132,6 @@ def add_dashboard_parser(sub: argparse._SubParsersAction[OneLineParser]) -> OneL
         help="a private network: encrypt every connection with this shared key (libp2p "
         "pnet); peers without it cannot connect (`swarm swarm-key PATH` makes one)",
     )
-    return parser
 
 
 async def dashboard_command(args: argparse.Namespace) -> int:

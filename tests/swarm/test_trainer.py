@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peers.config import LOOPBACK_LISTEN_ADDRS as LOCAL
 from swarm.checkpoint import read_state
 from swarm.errors import CheckpointError, TaskError
 from swarm.trainer import TrainerConfig, train
@@ -50,10 +51,10 @@ def test_centered_clip_becomes_the_optimizer_aggregation() -> None:
 def test_a_lone_peer_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     path = tmp_path / "digits.ckpt"
-    first = train(TrainerConfig(task="digits", num_samples=64 * 20, checkpoint=path))
+    first = train(TrainerConfig(task="digits", num_samples=64 * 20, checkpoint=path, listen=LOCAL))
     assert first.epochs == 20 and first.statistics.num_rounds_alone == 20
     assert read_state(path)["metadata"]["counters"]["epoch"] == 20
-    second = train(TrainerConfig(task="digits", num_samples=64 * 60, checkpoint=path))
+    second = train(TrainerConfig(task="digits", num_samples=64 * 60, checkpoint=path, listen=LOCAL))
     assert second.epochs == 60
     assert second.statistics.local_steps == 40  # it went on from step 20
     assert second.metrics["accuracy"] > first.metrics["accuracy"]
@@ -63,7 +64,7 @@ def test_a_corrupt_checkpoint_is_refused_with_a_clear_error(tmp_path: Path) -> N
     path = tmp_path / "bad.ckpt"
     path.write_bytes(b"not a checkpoint at all")
     with pytest.raises(CheckpointError):
-        train(TrainerConfig(task="digits", num_samples=64, checkpoint=path))
+        train(TrainerConfig(task="digits", num_samples=64, checkpoint=path, listen=LOCAL))
 
 
 def test_json_progress_carries_the_lines_people_read() -> None:
