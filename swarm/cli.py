@@ -36,7 +36,6 @@ from peers import (
     run,
     with_peer_id,
 )
-from peers.config import SWARM_LISTEN_ADDRS
 from peers.dht import DHT, DHTConfig
 from peers.dht.presence import announce_forever
 from peers.dht.status import MIN_STATUS_INTERVAL_SECONDS, ServedStatus
@@ -65,11 +64,16 @@ from swarm.dashboard.command import (
     add_dashboard_flags,
     dashboard_command,
 )
+from swarm.errors import SwarmError
 from swarm.status import STATUS_INTERVAL_SECONDS, StatusSources, publishing_status
 
 if TYPE_CHECKING:
+    from swarm.experts.serve import ServeConfig
     from swarm.experts.server import ExpertServer
+    from swarm.experts.server_config import ServerConfig
     from swarm.metrics import MetricsServer
+    from swarm.optim_spec import OptimizerSpec
+    from swarm.pipeline import StageServerConfig
     from swarm.trainer import TrainerConfig
 
 
@@ -127,39 +131,33 @@ def _start_metrics(address: tuple[str, int] | None) -> MetricsServer | None:
     return server
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    """Host experts: build the modules a ServeConfig names, announce them, serve."""
-    from swarm.experts.errors import ModuleFactoryError
-    from swarm.experts.serve import ServeConfig, serve
-    from swarm.experts.server_config import ServerConfig
+def _serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig the flags of ``swarm serve`` describe."""
+    from swarm.experts.serve import ServeConfig
     from swarm.experts.uids import grid_uids
-    from swarm.optim_spec import OptimizerSpec
 
     try:
         uids = [*(args.uids or ()), *(u for p in args.expert_pattern or () for u in grid_uids(p))]
-        optimizer = None
-        if args.optimizer != "none":
-            optimizer = OptimizerSpec(kind=args.optimizer, lr=args.lr)
         trainers = allowed_peers(
             args.allow_trainer, args.allow_trainer_file, file_option="--allow-trainer-file"
         )
-        config = ServeConfig(
+        return ServeConfig(
             uids=tuple(uids),
-            module=args.module,
-            hidden_dim=args.hidden_dim,
-            max_batch_size=args.max_batch_size,
-            optimizer=optimizer,
-            clip_grad_norm=args.clip_grad_norm,
-            seed=args.seed,
-            server=ServerConfig(
-                allowed_trainers=trainers,
-                announce_interval=args.announce_interval,
-                announce_ttl=3 * args.announce_interval,
-                linear_kernels=args.linear_kernels,
-            ),
+            **flag_values(args, ServeConfig, (*_serve_flags(), *_server_flags())),
+            optimizer=_optimizer(args),
+            server=_server_config(args, allowed_trainers=trainers),
         )
     except ValueError as e:
         raise UsageError(str(e)) from e
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    """Host experts: build the modules a ServeConfig names, announce them, serve."""
+    from swarm.experts.errors import ModuleFactoryError
+    from swarm.experts.serve import serve
+
+    config = _serve_config(args)
+    uids = config.uids
     peer_config, dht_config = _server_peer_config(args)
     stop = _stop_on_signals()
 
@@ -296,20 +294,28 @@ def _add_allow_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _join_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The JoinConfig fields ``args`` give, key files checked now, so that a bad path is
+    a usage error before anything starts."""
+    from swarm.join_config import JoinConfig
+
+    values = flag_values(args, JoinConfig, _join_flags())
+    if values.get("identity") is not None:
+        load_identity(str(values["identity"]))
+    if values.get("swarm_key") is not None:
+        swarm_key_arg(str(values["swarm_key"]))
+    values["allowed_peers"] = allowed_peers(args.allow, args.allow_file)
+    return values
+
+
 def _server_peer_config(args: argparse.Namespace) -> tuple[PeerConfig, DHTConfig]:
-    identity = load_identity(args.identity) if args.identity else None
-    peer_config = PeerConfig(
-        identity=identity,
-        allowed_peers=allowed_peers(args.allow, args.allow_file),
-        swarm_key=swarm_key_arg(args.swarm_key),
-        listen_addrs=tuple(args.listen or SWARM_LISTEN_ADDRS),
-        announce_addrs=tuple(args.announce or []),
-        reachability=args.reachability,
-        relay_service=not args.no_relay,
-        use_relays=not args.no_relay,
-    )
-    dht_config = DHTConfig(initial_peers=tuple(args.initial_peers or ()), client_mode=False)
-    return peer_config, dht_config
+    from swarm.join_config import JoinConfig
+
+    try:
+        join = JoinConfig(**_join_config(args))
+    except SwarmError as e:
+        raise UsageError(str(e)) from e
+    return join.peer_config(), DHTConfig(initial_peers=join.initial_peers, client_mode=False)
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -320,34 +326,28 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-async def _serve_stage(args: argparse.Namespace) -> int:
-    """Host one stage of a pipeline (chosen, or the most under-served one) until stopped."""
-    from swarm.experts.server_config import ServerConfig
-    from swarm.optim_spec import OptimizerSpec
-    from swarm.pipeline import ReplicaConfig, StageServer, StageServerConfig, pipeline_model
+def _stage_config(args: argparse.Namespace) -> StageServerConfig:
+    """The StageServerConfig the flags of ``swarm serve-stage`` describe."""
+    from swarm.pipeline import ReplicaConfig, StageServerConfig, pipeline_model
 
     try:
-        model = pipeline_model(args.model)
-        optimizer = None
-        if args.optimizer != "none":
-            optimizer = OptimizerSpec(kind=args.optimizer, lr=args.lr)
-        config = StageServerConfig(
-            model=model,
-            stage=args.stage,
-            uid_prefix=args.uid_prefix,
-            optimizer=optimizer,
-            clip_grad_norm=args.clip_grad_norm,
-            max_batch_size=args.max_batch_size,
-            server=ServerConfig(
-                announce_interval=args.announce_interval,
-                announce_ttl=3 * args.announce_interval,
-                linear_kernels=args.linear_kernels,
-            ),
-            replicas=ReplicaConfig(run_id=args.run_id, interval_seconds=args.average_interval),
-            rebalance_interval_seconds=args.rebalance_interval,
+        return StageServerConfig(
+            model=pipeline_model(args.model),
+            **flag_values(args, StageServerConfig, (*_stage_flags(), *_server_flags())),
+            optimizer=_optimizer(args),
+            server=_server_config(args),
+            replicas=ReplicaConfig(**flag_values(args, ReplicaConfig, REPLICA_FLAGS)),
         )
     except ValueError as e:
         raise UsageError(str(e)) from e
+
+
+async def _serve_stage(args: argparse.Namespace) -> int:
+    """Host one stage of a pipeline (chosen, or the most under-served one) until stopped."""
+    from swarm.pipeline import StageServer
+
+    config = _stage_config(args)
+    model = config.model
     peer_config, dht_config = _server_peer_config(args)
     stop = _stop_on_signals()
     metrics = _start_metrics(args.metrics)
@@ -462,23 +462,18 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
     from swarm.collaborative.config import DiLoCoConfig
     from swarm.trainer import TrainerConfig
 
-    values = flag_values(args, TrainerConfig, _train_flags(args.command))
-    if values["identity"] is not None:
-        load_identity(str(values["identity"]))  # a bad path is a usage error now, not mid-start
-    if values["swarm_key"] is not None:
-        swarm_key_arg(str(values["swarm_key"]))  # so is a bad key file
+    flags = _train_flags(args.command)
+    values = {**flag_values(args, TrainerConfig, flags), **_join_config(args)}
     if values["run_key"] is not None:
         load_identity(str(values["run_key"]), option="--run-key")
     diloco = None
     if args.inner_steps is not None:
         diloco = DiLoCoConfig(**flag_values(args, DiLoCoConfig, _diloco_flags()))
-    allowed = allowed_peers(args.allow, args.allow_file)
-    return TrainerConfig(**values, allowed_peers=allowed, diloco=diloco)
+    return TrainerConfig(**values, diloco=diloco)
 
 
 def _train(args: argparse.Namespace) -> int:
     """Join a swarm (or start one) and train a built-in task or the user's own."""
-    from swarm.errors import SwarmError
     from swarm.tasks import get_task
     from swarm.train_command import run_train, sigterm_as_interrupt, stop_when_stdin_closes
 
@@ -511,7 +506,6 @@ def _train(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     """A whole local swarm trains a small model, then meets the single-process baseline."""
     from swarm.demo import DemoConfig, DemoError, run_demo, speed_config
-    from swarm.errors import SwarmError
     from swarm.tasks import get_task
     from swarm.train_command import sigterm_as_interrupt
 
@@ -553,13 +547,15 @@ def _peer_id(text: str) -> PeerID:
 
 def _train_flags(command: str) -> tuple[Flag, ...]:
     """The flags of ``swarm train`` and ``swarm join``: :class:`swarm.trainer.TrainerConfig`
-    fields (their defaults and help are the config's)."""
+    fields (their defaults and help are the config's), how it joins included."""
     join = command == "join"
     peers_help = "peers of the swarm to join through" + (
         "" if join else " (none: host a new swarm's bootstrap peer here)"
     )
+    initial, *joining = _join_flags()
+    initial = dataclasses.replace(initial, required=join, help=peers_help)
     return (
-        Flag("initial_peers", multiaddr_arg, "MADDR", nargs=True, required=join, help=peers_help),
+        initial,
         Flag("task"),
         Flag("run_id"),
         Flag("num_peers", _positive_int),
@@ -571,15 +567,9 @@ def _train_flags(command: str) -> tuple[Flag, ...]:
         Flag("reducers_per_part", int, choices=(1, 3, 5)),
         Flag("checkpoint", metavar="PATH"),
         Flag("checkpoint_every", _non_negative_int, "N"),
-        Flag("listen", listen_arg, "MADDR"),
-        Flag("announce", announce_arg, "MADDR"),
-        Flag("reachability", choices=("auto", "public", "private")),
-        Flag("relay", help="neither serve as a circuit relay for peers behind NAT nor use relays"),
-        Flag("identity", metavar="PATH"),
-        Flag("swarm_key", metavar="PATH"),
+        *joining,
         Flag("run_key", metavar="PATH"),
         Flag("trusted_run_keys", _peer_id, "PEERID", name="--trust-run-key"),
-        Flag("status_interval", _status_interval, "SECONDS"),
     )
 
 
@@ -668,12 +658,6 @@ def _stage(text: str) -> int | None:
     return value
 
 
-#: ``ServeConfig.clip_grad_norm``'s default, ``swarm.experts.backend.DEFAULT_CLIP_GRAD_NORM``
-#: (why 1.0 is said there). Not imported: that would import torch when the command starts;
-#: tests/swarm/test_experts_trust.py checks that the two agree.
-DEFAULT_CLIP_GRAD_NORM = 1.0
-
-
 def _clip_grad_norm(text: str) -> float | None:
     if text.lower() == "none":
         return None
@@ -695,64 +679,72 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _add_server_options(parser: argparse.ArgumentParser) -> None:
-    """What every hosting command takes: batching, training, announcing, addresses."""
+def _server_flags() -> tuple[Flag, ...]:
+    """What ``swarm serve`` and ``swarm serve-stage`` share: fields of ``ServeConfig`` and
+    ``StageServerConfig`` alike."""
+    return (
+        Flag("clip_grad_norm", _clip_grad_norm, "NORM"),
+        Flag("max_batch_size", _positive_int),
+    )
+
+
+#: ``ServerConfig``'s fields the hosting commands take.
+SERVER_CONFIG_FLAGS = (
+    Flag("linear_kernels"),
+    Flag("announce_interval", help="seconds between DHT announcements; they live 3x this"),
+)
+
+
+def _add_server_options(parser: argparse.ArgumentParser, config: type) -> None:
+    """What every hosting command takes: batching, training, announcing, addresses;
+    ``config`` is the command's config (``ServeConfig`` or ``StageServerConfig``)."""
+    from swarm.experts.server_config import ServerConfig
+    from swarm.optim_spec import default_optimizer
+
+    add_flags(parser, config, _server_flags())
+    default = default_optimizer()
     parser.add_argument(
-        "--clip-grad-norm",
-        type=_clip_grad_norm,
-        default=DEFAULT_CLIP_GRAD_NORM,
-        metavar="NORM",
-        help="bound each caller's gradient norm, and each step's, to NORM; none: do not clip "
-        f"(only for callers you trust) ({DEFAULT_CLIP_GRAD_NORM})",
+        "--optimizer",
+        choices=["adam", "adamw", "sgd", "none"],
+        default=default.kind,
+        help=f"how the hosted modules train on their backward passes (default {default.kind})",
     )
     parser.add_argument(
-        "--max-batch-size", type=_positive_int, default=1024, help="samples per request (1024)"
-    )
-    parser.add_argument(
-        "--optimizer", choices=["adam", "adamw", "sgd", "none"], default="adam", help="(adam)"
-    )
-    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (1e-3)")
-    parser.add_argument(
-        "--linear-kernels",
-        choices=["auto", "torch", "onednn"],
-        default="auto",
-        help="CPU kernels for Linear layers: oneDNN where a probe finds it faster (auto)",
-    )
-    parser.add_argument(
-        "--announce-interval",
+        "--lr",
         type=_positive_float,
-        default=30.0,
-        help="seconds between DHT announcements; they live 3x this (default 30)",
+        default=default.lr,
+        help=f"learning rate (default {default.lr:g})",
     )
-    parser.add_argument(
-        "--listen",
-        action="append",
-        type=listen_arg,
-        metavar="MADDR",
-        help=f"listen address (default {' '.join(SWARM_LISTEN_ADDRS)}); repeatable",
+    add_flags(parser, ServerConfig, SERVER_CONFIG_FLAGS)
+    _add_join_options(parser)
+
+
+def _optimizer(args: argparse.Namespace) -> OptimizerSpec | None:
+    from swarm.optim_spec import OptimizerSpec
+
+    return None if args.optimizer == "none" else OptimizerSpec(kind=args.optimizer, lr=args.lr)
+
+
+def _server_config(args: argparse.Namespace, **fields: Any) -> ServerConfig:
+    from swarm.experts.server_config import ServerConfig
+
+    values = flag_values(args, ServerConfig, SERVER_CONFIG_FLAGS)
+    announce_ttl = 3 * values["announce_interval"]
+    return ServerConfig(**values, announce_ttl=announce_ttl, **fields)
+
+
+#: ``ServeConfig``'s fields ``swarm serve`` takes (besides the shared server flags).
+def _serve_flags() -> tuple[Flag, ...]:
+    return (
+        Flag("module"),
+        Flag("hidden_dim", _positive_int),
+        Flag("seed", int),
     )
-    parser.add_argument(
-        "--announce",
-        action="append",
-        type=announce_arg,
-        metavar="MADDR",
-        help="address to announce",
-    )
-    parser.add_argument(
-        "--initial-peers",
-        nargs="+",
-        type=multiaddr_arg,
-        metavar="MADDR",
-        help="peers to join through",
-    )
-    parser.add_argument("--identity", metavar="PATH", help="key file; created if missing")
-    _add_reachability_options(parser)
-    _add_private_swarm_options(parser)
-    _add_metrics_option(parser)
-    _add_status_interval_option(parser)
 
 
 def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    from swarm.experts.serve import ServeConfig
+
     serve.add_argument("--uids", nargs="+", metavar="UID", help="uids to host, e.g. ffn.0.3")
     serve.add_argument(
         "--expert-pattern",
@@ -760,11 +752,7 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         metavar="PATTERN",
         help="host every uid of a grid pattern, e.g. 'ffn.[0:4].[0:4]'; repeatable",
     )
-    serve.add_argument(
-        "--module", default="ffn", help="built-in module (ffn, linear) or package.module:function"
-    )
-    serve.add_argument("--hidden-dim", type=_positive_int, default=1024, help="(default 1024)")
-    serve.add_argument("--seed", type=int, help="seed module initialisation")
+    add_flags(serve, ServeConfig, _serve_flags())
     serve.add_argument(
         "--allow-trainer",
         action="append",
@@ -777,72 +765,69 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="trainers' peer IDs, one per line (# comments); with --allow-trainer, both",
     )
-    _add_server_options(serve)
+    _add_server_options(serve, ServeConfig)
+
+
+def _stage_flags() -> tuple[Flag, ...]:
+    """``StageServerConfig``'s fields ``swarm serve-stage`` takes."""
+    return (
+        Flag("stage", _stage, help="stage index, or auto: the most under-served stage at start"),
+        Flag("uid_prefix"),
+        Flag("rebalance_interval_seconds", _positive_float, "SECONDS", name="--rebalance-interval"),
+    )
+
+
+#: ``ReplicaConfig``'s fields ``swarm serve-stage`` takes.
+REPLICA_FLAGS = (
+    Flag("run_id"),
+    Flag(
+        "interval_seconds",
+        _positive_float,
+        "SECONDS",
+        name="--average-interval",
+        help="seconds between averaging rounds with the stage's other servers",
+    ),
+)
 
 
 def _add_serve_stage_flags(stage: argparse.ArgumentParser) -> None:
+    from swarm.pipeline import ReplicaConfig, StageServerConfig
+
     stage.add_argument(
         "--model",
         default="digits",
         help="built-in pipeline model (digits) or package.module:attribute (default digits)",
     )
-    stage.add_argument(
-        "--stage",
-        type=_stage,
-        default=None,
-        help="stage index, or auto: the most under-served stage when it starts (auto)",
+    add_flags(stage, StageServerConfig, _stage_flags())
+    add_flags(stage, ReplicaConfig, REPLICA_FLAGS)
+    _add_server_options(stage, StageServerConfig)
+
+
+def _join_flags() -> tuple[Flag, ...]:
+    """How a long-running peer joins (:class:`swarm.join_config.JoinConfig`): the flags
+    of ``bootstrap``, ``serve``, ``serve-stage``, ``train`` and ``join``."""
+    return (
+        Flag("initial_peers", multiaddr_arg, "MADDR", nargs=True),
+        Flag("listen", listen_arg, "MADDR"),
+        Flag("announce", announce_arg, "MADDR"),
+        Flag("reachability", choices=("auto", "public", "private")),
+        Flag("relay", help="neither serve as a circuit relay for peers behind NAT nor use relays"),
+        Flag("identity", metavar="PATH"),
+        Flag("swarm_key", metavar="PATH"),
+        Flag("status_interval", _status_interval, "SECONDS"),
     )
-    stage.add_argument(
-        "--rebalance-interval",
-        type=_positive_float,
-        help="seconds between checks whether to move to a more under-served stage (never)",
-    )
-    stage.add_argument(
-        "--average-interval",
-        type=_positive_float,
-        default=30.0,
-        help="seconds between parameter averaging rounds with the stage's other servers (30)",
-    )
-    stage.add_argument(
-        "--run-id",
-        default="pipeline",
-        help="names the training run; replicas of other runs never average together (pipeline)",
-    )
-    stage.add_argument("--uid-prefix", default="stage", help="stage uids are PREFIX.i (stage)")
-    _add_server_options(stage)
+
+
+def _add_join_options(parser: argparse.ArgumentParser) -> None:
+    from swarm.join_config import JoinConfig
+
+    add_flags(parser, JoinConfig, _join_flags())
+    _add_allow_options(parser)
+    _add_metrics_option(parser)
 
 
 def _add_bootstrap_flags(boot: argparse.ArgumentParser) -> None:
-    boot.add_argument(
-        "--listen",
-        action="append",
-        type=listen_arg,
-        metavar="MADDR",
-        help=f"listen address (default {' '.join(SWARM_LISTEN_ADDRS)}); repeatable",
-    )
-    boot.add_argument(
-        "--announce",
-        action="append",
-        type=announce_arg,
-        metavar="MADDR",
-        help="address to announce instead of the bound ones; repeatable",
-    )
-    boot.add_argument(
-        "--initial-peers",
-        nargs="+",
-        type=multiaddr_arg,
-        metavar="MADDR",
-        help="join an existing swarm through these peers (any one that answers suffices)",
-    )
-    boot.add_argument(
-        "--identity",
-        metavar="PATH",
-        help="key file (libp2p protobuf); created with mode 0600 if missing",
-    )
-    _add_reachability_options(boot)
-    _add_private_swarm_options(boot)
-    _add_metrics_option(boot)
-    _add_status_interval_option(boot)
+    _add_join_options(boot)
 
 
 def _add_ping_flags(ping: argparse.ArgumentParser) -> None:

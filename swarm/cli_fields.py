@@ -10,8 +10,8 @@ named after the flag), a metavar, choices, or another name.
 Field types map to argparse as follows: ``bool`` with default False is a switch
 (``--centered-clip``), with default True a ``--no-...`` switch; ``tuple[X, ...]`` and
 ``frozenset[X]`` are repeatable (``--listen A --listen B``) or, with ``nargs``, take
-several values at once; ``X | None`` is optional; anything else takes one value parsed
-by ``parse`` (default: the type itself).
+several values at once; ``X | None`` is optional; a ``Literal`` offers its values as
+choices; anything else takes one value parsed by ``parse`` (default: the type itself).
 """
 
 from __future__ import annotations
@@ -68,9 +68,18 @@ class Flag:
 
 @functools.cache
 def field_docs(cls: type) -> Mapping[str, str]:
-    """Each field's docstring (the string literal that follows it in the class body),
-    as plain text on one line; fields without one are absent."""
-    module = sys.modules[cls.__module__]
+    """Each field's docstring (the string literal that follows it in the class body, or
+    in the body of the dataclass it inherits it from), as plain text on one line;
+    fields without one are absent."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is not object and dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    namespace = vars(sys.modules[cls.__module__])
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0]
     assert isinstance(body, ast.ClassDef)
@@ -83,7 +92,7 @@ def field_docs(cls: type) -> Mapping[str, str]:
             and isinstance(following.value, ast.Constant)
             and isinstance(following.value.value, str)
         ):
-            docs[statement.target.id] = plain(following.value.value, vars(module))
+            docs[statement.target.id] = plain(following.value.value, namespace)
     return docs
 
 
@@ -153,7 +162,8 @@ def add_flags(
             parser.add_argument(option, action=action, default=default, **common)
             continue
         parse = flag.parse or item
-        common.update(type=parse, metavar=flag.metavar, choices=flag.choices)
+        literal = typing.get_args(hints[flag.field]) if _is_literal(hints[flag.field]) else None
+        common.update(type=parse, metavar=flag.metavar, choices=flag.choices or literal)
         if flag.required:
             common["required"] = True
         if kind in (tuple, frozenset):
@@ -188,11 +198,17 @@ def _kind(hint: Any) -> tuple[type, Callable[[str], Any]]:
             raise TypeError(f"{hint} is not one type or None")
         return _kind(args[0])
     origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return type(args[0]), type(args[0])
     if origin in (tuple, frozenset):
         return origin, args[0]
     if origin is not None:
         raise TypeError(f"no flag for a field of type {hint}")
     return hint, hint
+
+
+def _is_literal(hint: Any) -> bool:
+    return typing.get_origin(hint) is typing.Literal
 
 
 def _shown_default(default: Any, kind: type) -> str:

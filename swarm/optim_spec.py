@@ -112,6 +112,11 @@ class OptimizerSpec:
             raise TaskError(f"invalid optimizer spec {dict(data)!r}: {e}") from e
 
 
+def default_optimizer() -> OptimizerSpec:
+    """How a hosted expert or pipeline stage trains unless told: Adam at lr 1e-3."""
+    return OptimizerSpec(kind="adam", lr=1e-3)
+
+
 def _fused_supported(params: list[torch.nn.Parameter]) -> bool:
     """Whether torch's fused Adam takes ``params``: real floating point, on one kind of
     device that has the kernels (torch itself would only fail at the first step)."""

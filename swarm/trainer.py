@@ -25,16 +25,15 @@ from typing import Any
 import torch
 
 from averaging import REDUCERS_PER_PART, CenteredClipConfig
-from peers.config import SWARM_LISTEN_ADDRS, PeerConfig
 from peers.dht import BlockingDHT, DHTConfig
 from peers.identity import KeyPair, PeerID
-from peers.pnet import SwarmKeyError, load_swarm_key
 from swarm.checkpoint import read_state, write_state
 from swarm.collaborative.config import CollaborativeConfig, DiLoCoConfig, OptimizerStatistics
 from swarm.collaborative.optimizer import CollaborativeOptimizer
 from swarm.collaborative.progress import MAX_EXPECTED_PEERS
 from swarm.collaborative.state import pack_state, unpack_state
 from swarm.errors import CheckpointError, TaskError
+from swarm.join_config import JoinConfig
 from swarm.metrics import (
     SCRAPE_TIMEOUT,
     MetricsServer,
@@ -46,10 +45,8 @@ from swarm.metrics import (
 from swarm.optim_spec import OptimizerSpec
 from swarm.shares import Slot, my_slot, share_order, takeover_slots
 from swarm.status import (
-    STATUS_INTERVAL_SECONDS,
     RunBoard,
     StatusSources,
-    check_status_interval,
     publish_status_forever,
 )
 from swarm.tasks import check_task_name, get_task
@@ -63,8 +60,8 @@ STARTUP_WAIT_SECONDS = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    """What one peer trains and how it joins."""
+class TrainerConfig(JoinConfig):
+    """What one peer trains, and (the fields of :class:`JoinConfig`) how it joins."""
 
     task: str = "digits"
     """A built-in task (``digits``, ``charlm``) or your own as ``module:factory``, a
@@ -72,30 +69,6 @@ class TrainerConfig:
     must be able to import it (:func:`swarm.tasks.get_task`)."""
     run_id: str = "demo"
     """Peers with the same run id (and task) train one model together."""
-    initial_peers: tuple[str, ...] = ()
-    """Multiaddrs of peers already in the swarm; empty: this peer starts the swarm."""
-    listen: tuple[str, ...] = SWARM_LISTEN_ADDRS
-    """Where this peer listens: every interface unless given, so that peers on other
-    machines reach it and hole punching can start (``peers.config.SWARM_LISTEN_ADDRS``).
-    Empty: client mode, it dials out only."""
-    announce: tuple[str, ...] = ()
-    """Addresses to announce instead of the bound ones (a port-forwarded machine)."""
-    reachability: str = "auto"
-    """Whether others can dial this peer: ``auto`` finds out with AutoNAT, ``public`` and
-    ``private`` say so (``peers.PeerConfig.reachability``)."""
-    relay: bool = True
-    """Serve as a relay while public and use relays while private (``--no-relay``: no)."""
-    identity: Path | None = None
-    """Key file of this peer's PeerID, created if missing (without one, a new PeerID
-    each run)."""
-    allowed_peers: frozenset[PeerID] | None = None
-    """A private swarm: talk only to these peers (``PeerConfig.allowed_peers``); it needs
-    ``initial_peers`` (a peer the list names) and, for others to list this peer, an
-    ``identity``. None: anyone."""
-    swarm_key: Path | None = None
-    """Key file of a private network: every connection is encrypted with it, so peers
-    without it cannot connect (``swarm swarm-key PATH`` makes one). Read when the config
-    is made (``PeerConfig.swarm_key``, :mod:`peers.pnet`). None: an open swarm."""
     run_key: Path | None = None
     """The run operator's key file, created if missing: this peer signs the states it
     serves with it and loads only states signed with it; for the operator's own peers
@@ -142,19 +115,12 @@ class TrainerConfig:
     such a member's slot only after this long. A member that used it up once gets none
     until it delivers again: a peer that holds a slot and never trains costs the swarm
     one wait, not one per step."""
-    status_interval: float = STATUS_INTERVAL_SECONDS
-    """Seconds between this peer's signed status records, what ``swarm status`` and
-    ``swarm dashboard`` show (at least
-    :data:`~peers.dht.status.MIN_STATUS_INTERVAL_SECONDS` s; :mod:`swarm.status`)."""
     collaborative: dict[str, Any] = field(default_factory=dict)
     """Overrides of :class:`CollaborativeConfig` fields (e.g. timeouts, in tests)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_task_name(self.task)
-        try:
-            check_status_interval(self.status_interval)
-        except ValueError as e:
-            raise TaskError(str(e)) from e
         if not isinstance(self.num_peers, int) or self.num_peers < 1:
             raise TaskError(f"num_peers must be >= 1, got {self.num_peers!r}")
         if self.num_peers > MAX_EXPECTED_PEERS:
@@ -170,11 +136,6 @@ class TrainerConfig:
             raise TaskError("checkpoint_every needs a checkpoint path")
         if self.checkpoint is not None:
             _check_checkpoint_path(self.checkpoint)
-        if self.swarm_key is not None:
-            try:
-                load_swarm_key(self.swarm_key)
-            except SwarmKeyError as e:
-                raise TaskError(str(e)) from e
         if self.allowed_peers is not None and not self.initial_peers:
             raise TaskError(
                 "a private swarm cannot start from a bootstrap peer hosted here (its PeerID "
@@ -324,16 +285,7 @@ def train(
         on_network(f"resumed from {config.checkpoint} at epoch {start_epoch}")
     dht = BlockingDHT(
         config=DHTConfig(initial_peers=config.initial_peers),
-        peer_config=PeerConfig(
-            identity=KeyPair.load_or_create(config.identity) if config.identity else None,
-            allowed_peers=config.allowed_peers,
-            swarm_key=load_swarm_key(config.swarm_key) if config.swarm_key else None,
-            listen_addrs=config.listen,
-            announce_addrs=config.announce,
-            reachability=config.reachability,
-            relay_service=config.relay,
-            use_relays=config.relay,
-        ),
+        peer_config=config.peer_config(),
     )
     started = time.monotonic()
     publisher: concurrent.futures.Future[None] | None = None

@@ -24,11 +24,7 @@ from swarm.experts.schema import MAX_BATCH_SIZE, TensorSpec
 from swarm.experts.server import ExpertServer
 from swarm.experts.server_config import ServerConfig
 from swarm.experts.uids import check_uid
-from swarm.optim_spec import OptimizerSpec
-
-
-def _default_optimizer() -> OptimizerSpec:
-    return OptimizerSpec(kind="adam", lr=1e-3)
+from swarm.optim_spec import OptimizerSpec, default_optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,15 +39,16 @@ class ServeConfig:
     """The module's width (``ffn``: 1024 -> 4096 -> 1024, as hivemind's default)."""
     max_batch_size: int = 1024
     """Most samples one batch (and one request) may hold."""
-    optimizer: OptimizerSpec | None = field(default_factory=_default_optimizer)
+    optimizer: OptimizerSpec | None = field(default_factory=default_optimizer)
     """How each module is trained on its backward passes; ``None``: not trained."""
     clip_grad_norm: float | None = DEFAULT_CLIP_GRAD_NORM
-    """Bound on the gradient norm of each caller's contribution to an optimizer step,
-    and of the step's whole gradient (:data:`swarm.experts.backend.DEFAULT_CLIP_GRAD_NORM`,
-    1.0: an SGD step then moves the parameters by at most ``lr * 1.0``, whatever a
-    caller sends). ``None`` turns clipping off: only for callers you trust."""
+    """Bound each caller's gradient contribution to an optimizer step, and the step's
+    whole gradient, to this norm; none (``None``): do not clip, only for callers you
+    trust. At the default (:data:`swarm.experts.backend.DEFAULT_CLIP_GRAD_NORM`, 1.0) an
+    SGD step moves the parameters by at most ``lr``, whatever a caller sends."""
     seed: int | None = None
-    """Seeds module initialisation (module i gets ``seed + i``); ``None``: random."""
+    """Seeds module initialisation (module i gets ``seed + i``); unset (``None``):
+    random."""
     server: ServerConfig = field(default_factory=ServerConfig)
     """Batching, per-caller queue shares, who may train, announcing."""
 

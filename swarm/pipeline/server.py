@@ -33,7 +33,7 @@ from swarm.experts.server import ExpertServer, ServerStatistics
 from swarm.experts.server_config import ServerConfig
 from swarm.experts.uids import check_name
 from swarm.experts.worker import ModuleWorker
-from swarm.optim_spec import OptimizerSpec
+from swarm.optim_spec import OptimizerSpec, default_optimizer
 from swarm.pipeline.rebalance import StageLoad, stage_to_join, stage_to_move
 from swarm.pipeline.replicas import ReplicaConfig, ReplicaStatistics, StageReplica
 from swarm.pipeline.stages import PipelineModel
@@ -42,10 +42,6 @@ logger = logging.getLogger(__name__)
 
 #: Announced servers probed at once when judging the stages' loads.
 MAX_CONCURRENT_PROBES = 32
-
-
-def _default_optimizer() -> OptimizerSpec:
-    return OptimizerSpec(kind="adam", lr=1e-3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,12 +54,12 @@ class StageServerConfig:
     """The stage to serve; ``None``: the most under-served one at start."""
     uid_prefix: str = "stage"
     """Name part of the stages' uids (``stage.0``, ``stage.1``, ...)."""
-    optimizer: OptimizerSpec | None = field(default_factory=_default_optimizer)
+    optimizer: OptimizerSpec | None = field(default_factory=default_optimizer)
     """How the stage trains on every backward it serves; ``None``: not trained."""
     clip_grad_norm: float | None = DEFAULT_CLIP_GRAD_NORM
     """Bound each caller's gradient contribution, and each optimizer step's gradient,
-    to this norm (as an expert server does: docs/experts-trust.md); ``None``: do not
-    clip, for callers you trust."""
+    to this norm (as an expert server does: docs/experts-trust.md); none (``None``): do
+    not clip, for callers you trust."""
     max_batch_size: int = 1024
     """Most samples one request (one micro-batch) may hold."""
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -71,7 +67,8 @@ class StageServerConfig:
     replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
     """Averaging with the stage's other servers, and state sharing."""
     rebalance_interval_seconds: float | None = None
-    """Seconds between checks whether to move to another stage; ``None``: never move."""
+    """Seconds between checks whether to move to another stage; unset (``None``): never
+    move."""
     rebalance_hysteresis: float = 0.2
     """A move must lower the bottleneck stage's pressure by more than this fraction."""
     probe_timeout: float = 3.0

@@ -90,6 +90,22 @@ def test_the_trainer_listens_where_the_bootstrap_command_does() -> None:
     assert PeerConfig().listen_addrs == LOOPBACK_LISTEN_ADDRS
 
 
+def test_the_hosting_commands_default_to_their_configs() -> None:
+    from swarm.experts.serve import ServeConfig
+    from swarm.join_config import JoinConfig
+    from swarm.pipeline import StageServerConfig, pipeline_model
+
+    parser = cli.build_parser(("bootstrap", "serve", "serve-stage"))
+    for command in ("bootstrap", "serve", "serve-stage"):
+        words = [command, "--uids", "ffn.0"] if command == "serve" else [command]
+        peer_config, _ = cli._server_peer_config(parser.parse_args(words))
+        assert peer_config == JoinConfig().peer_config(), command
+    served = cli._serve_config(parser.parse_args(["serve", "--uids", "ffn.0"]))
+    assert served == ServeConfig(uids=("ffn.0",))
+    stage = cli._stage_config(parser.parse_args(["serve-stage"]))
+    assert stage == StageServerConfig(model=pipeline_model("digits"))
+
+
 def test_diloco_flags_make_a_diloco_config_only_when_asked() -> None:
     from swarm.collaborative.config import DiLoCoConfig
 

@@ -270,7 +270,7 @@ def test_the_cli_builds_the_trust_fields_from_its_flags() -> None:
 
     parser = cli.build_parser()
     args = parser.parse_args(["serve", "--uids", "lin.0"])
-    assert args.clip_grad_norm == DEFAULT_CLIP_GRAD_NORM == cli.DEFAULT_CLIP_GRAD_NORM
+    assert args.clip_grad_norm == DEFAULT_CLIP_GRAD_NORM  # the config's own default
     assert args.allow_trainer is None and args.allow_trainer_file is None
     args = parser.parse_args(["serve", "--uids", "lin.0", "--clip-grad-norm", "none"])
     assert args.clip_grad_norm is None
