@@ -27,6 +27,7 @@ from typing import TypeVar
 from peers.closing import ClosesOnExit
 from peers.netlab import namespaces, teardown
 from peers.netlab.commands import DEFAULT_COMMAND_TIMEOUT, NetlabError, run_checked
+from peers.netlab.delay_line import DelayLine, LineSettings
 from peers.netlab.hosts import LanHost, Node, PublicHost, Router
 from peers.netlab.nat import NAT_TYPES, NatType, cut_ruleset, cut_table, router_ruleset
 from peers.netlab.processes import TERMINATE_GRACE_SECONDS, OwnedProcesses
@@ -71,6 +72,7 @@ class Lab(ClosesOnExit):
         self._namespaces: list[str] = []
         self._nodes: dict[str, Node] = {}
         self._cut: set[str] = set()
+        self._lines: dict[str, DelayLine] = {}
         self._public_addresses: Iterator[ipaddress.IPv4Address] = INTERNET_NETWORK.hosts()
         self._internet_ports = itertools.count(1)
         self._lan_hosts: dict[str, Iterator[int]] = {}
@@ -169,16 +171,63 @@ class Lab(ClosesOnExit):
 
     # --- changing links -------------------------------------------------------------
 
-    def shape(self, node: Node, *, rate_mbit: float) -> None:
-        """Cap ``node``'s link at ``rate_mbit`` megabits per second in each direction:
-        its uplink's egress, and the egress of the bridge port facing it upstream.
-        Replaces an earlier cap. Raises ``ValueError`` for a rate that is not positive."""
+    def shape(
+        self,
+        node: Node,
+        *,
+        rate_mbit: float | None = None,
+        up_mbit: float | None = None,
+        down_mbit: float | None = None,
+    ) -> None:
+        """Cap ``node``'s link: ``rate_mbit`` megabits per second in each direction, or
+        ``up_mbit`` from it and ``down_mbit`` to it (an asymmetric home line); a
+        direction not given keeps its cap. Up is its uplink's egress, down the egress
+        of the port facing it upstream. Replaces an earlier cap. Raises ``ValueError``
+        for a rate that is not positive, or for both kinds of argument at once."""
         self._check_node(node)
-        for namespace, interface in (
-            (node.namespace, node.uplink),
-            (node.upstream_namespace, node.upstream_port),
+        if rate_mbit is not None:
+            if up_mbit is not None or down_mbit is not None:
+                raise ValueError("give rate_mbit, or up_mbit and down_mbit, not both")
+            up_mbit = down_mbit = rate_mbit
+        for namespace, interface, rate in (
+            (node.namespace, node.uplink, up_mbit),
+            (node.upstream_namespace, node.upstream_port, down_mbit),
         ):
-            self._run(["tc", "-n", namespace, *tbf_args(interface, rate_mbit)])
+            if rate is not None:
+                self._run(["tc", "-n", namespace, *tbf_args(interface, rate)])
+
+    def delay(
+        self,
+        node: Node,
+        *,
+        one_way_ms: float = 0.0,
+        up_ms: float | None = None,
+        down_ms: float | None = None,
+        jitter_ms: float = 0.0,
+        loss: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        """Give ``node``'s link latency and loss: frames from it wait ``up_ms`` (default
+        ``one_way_ms``), frames to it ``down_ms`` (the same), each plus a uniform
+        jitter of up to ``jitter_ms`` (never reordered), and a ``loss`` share of them
+        is dropped in each direction. A round trip between two delayed nodes costs
+        both their delays, both ways. The first call puts a delay line
+        (:mod:`peers.netlab.delay_line`, one process) into the link; later calls change
+        its settings; all zeros leaves it in, passing frames at once. Raises
+        ``ValueError`` for settings out of range, :class:`NetlabError` if the line
+        does not start or stops."""
+        self._check_node(node)
+        settings = LineSettings(
+            a_to_b_ms=one_way_ms if up_ms is None else up_ms,
+            b_to_a_ms=one_way_ms if down_ms is None else down_ms,
+            jitter_ms=jitter_ms,
+            loss=loss,
+            seed=seed,
+        )
+        line = self._lines.get(node.name)
+        if line is None:
+            line = self._lines[node.name] = self._start_line(node)
+        line.apply(settings)
 
     def cut(self, node: Node) -> None:
         """Silently drop everything to and from ``node`` on its link, as a pulled cable
@@ -186,7 +235,7 @@ class Lab(ClosesOnExit):
         self._check_node(node)
         if node.name in self._cut:
             return
-        self._nft(node.upstream_namespace, cut_ruleset(node.upstream_port))
+        self._nft(node.upstream_namespace, cut_ruleset(self._bridge_port(node)))
         self._cut.add(node.name)
 
     def restore(self, node: Node) -> None:
@@ -194,7 +243,7 @@ class Lab(ClosesOnExit):
         self._check_node(node)
         if node.name not in self._cut:
             return
-        family, table = cut_table(node.upstream_port).split()
+        family, table = cut_table(self._bridge_port(node)).split()
         self._run(["nft", "delete", "table", family, table], namespace=node.upstream_namespace)
         self._cut.discard(node.name)
 
@@ -236,6 +285,28 @@ class Lab(ClosesOnExit):
             raise NetlabError("lab teardown incomplete: " + "; ".join(failures))
 
     # --- internals ------------------------------------------------------------------
+
+    def _bridge_port(self, node: Node) -> str:
+        """The bridge port ``node``'s frames enter its upstream bridge by: its veth's
+        far end, or the delay line's once :meth:`delay` put one in."""
+        line = self._lines.get(node.name)
+        return node.upstream_port if line is None else line.bridge_port
+
+    def _start_line(self, node: Node) -> DelayLine:
+        """Put a delay line into ``node``'s link, upstream: its veth's far end leaves
+        the bridge, a second veth pair takes its place, and the line copies frames
+        between the two."""
+        namespace, port = node.upstream_namespace, node.upstream_port
+        inner, bridge_port = f"d{port}", f"q{port}"
+        bridge = INTERNET_BRIDGE if namespace == self.internet_namespace else LAN_BRIDGE
+        self._ip(namespace, "link", "add", inner, "type", "veth", "peer", "name", bridge_port)
+        self._ip(namespace, "link", "set", bridge_port, "master", bridge, "up")
+        self._ip(namespace, "link", "set", inner, "up")
+        self._ip(namespace, "link", "set", port, "nomaster")
+        if node.name in self._cut:  # the cut moves to the new bridge port with the link
+            self._run(["nft", "delete", "table", *cut_table(port).split()], namespace=namespace)
+            self._nft(namespace, cut_ruleset(bridge_port))
+        return DelayLine.start(self._processes, namespace, port, inner, bridge_port)
 
     def _check_new_name(self, name: str) -> None:
         if self._closed:
