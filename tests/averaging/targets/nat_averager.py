@@ -6,8 +6,8 @@ answered by one report:
 - ``{"op": "wait_nat", "timeout": S}``: until we know our reachability and, if private,
   hold a relay reservation; reports ``nat`` (reachability, mapping, punchable).
 - ``{"op": "step", "round_key": K, "timeout": S}``: one averaging step; reports
-  ``stepped``: the result's fingerprint, the elements each reducer reduced, and how we
-  are connected to each other member (direct or relayed).
+  ``stepped``: the result's fingerprint and first values (``head``), the elements each
+  reducer reduced, and how we are connected to each other member (direct or relayed).
 """
 
 from __future__ import annotations
@@ -103,4 +103,5 @@ async def _step(
         "failed": {str(m): reason for m, reason in report.failed.items()},
         "agreed": step.outcome.transfer.agreed,
         "connections": connections,
+        "head": tensor[:4].tolist(),
     }
