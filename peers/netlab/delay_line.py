@@ -2,7 +2,9 @@
 every Ethernet frame that arrives on interface ``IF_A`` to ``IF_B`` and back, each
 direction after its own one-way delay (with jitter, never reordering), dropping a
 random share of them. Its settings are JSON lines on stdin (:class:`LineSettings`
-fields); it prints ``ready`` once both sockets are open, and runs until stdin closes.
+fields); it prints ``ready`` once both sockets are open, ``applied`` for each settings
+line it takes and ``refused: REASON`` for one it cannot (keeping its settings), and
+runs until stdin closes.
 
 Why in user space, at layer 2: this kernel has no ``netem``, and a proxy that
 terminates TCP would change addresses and ports, which NAT and hole punching care about.
@@ -184,7 +186,7 @@ def run(interface_a: str, interface_b: str) -> None:
     a, b = _open(interface_a), _open(interface_b)
     rng = random.Random(0)
     a_to_b, b_to_a = Direction(rng), Direction(rng)
-    route = {a.fileno(): (a_to_b, b), b.fileno(): (b_to_a, a)}
+    arriving = {a.fileno(): a_to_b, b.fileno(): b_to_a}  # frames read on a go to b
     selector = selectors.DefaultSelector()
     selector.register(a, selectors.EVENT_READ)
     selector.register(b, selectors.EVENT_READ)
@@ -206,12 +208,16 @@ def run(interface_a: str, interface_b: str) -> None:
                 line = sys.stdin.readline()
                 if not line:
                     return
-                settings = LineSettings(**json.loads(line))
+                try:
+                    settings = LineSettings(**json.loads(line))
+                except (ValueError, TypeError) as e:  # the line keeps its settings
+                    print(f"refused: {' '.join(str(e).split())}", flush=True)
+                    continue
                 rng.seed(settings.seed)
                 _apply(settings, a_to_b, b_to_a)
                 print("applied", flush=True)
                 continue
-            direction, _ = route[key.fd]
+            direction = arriving[key.fd]
             sock = key.fileobj
             assert isinstance(sock, socket.socket)
             arrived = time.monotonic()

@@ -243,8 +243,7 @@ class Lab(ClosesOnExit):
         self._check_node(node)
         if node.name not in self._cut:
             return
-        family, table = cut_table(self._bridge_port(node)).split()
-        self._run(["nft", "delete", "table", family, table], namespace=node.upstream_namespace)
+        self._drop_cut_table(node.upstream_namespace, self._bridge_port(node))
         self._cut.discard(node.name)
 
     # --- inspecting -----------------------------------------------------------------
@@ -292,6 +291,9 @@ class Lab(ClosesOnExit):
         line = self._lines.get(node.name)
         return node.upstream_port if line is None else line.bridge_port
 
+    def _drop_cut_table(self, namespace: str, port: str) -> None:
+        self._run(["nft", "delete", "table", *cut_table(port).split()], namespace=namespace)
+
     def _start_line(self, node: Node) -> DelayLine:
         """Put a delay line into ``node``'s link, upstream: its veth's far end leaves
         the bridge, a second veth pair takes its place, and the line copies frames
@@ -304,7 +306,7 @@ class Lab(ClosesOnExit):
         self._ip(namespace, "link", "set", inner, "up")
         self._ip(namespace, "link", "set", port, "nomaster")
         if node.name in self._cut:  # the cut moves to the new bridge port with the link
-            self._run(["nft", "delete", "table", *cut_table(port).split()], namespace=namespace)
+            self._drop_cut_table(namespace, port)
             self._nft(namespace, cut_ruleset(bridge_port))
         return DelayLine.start(self._processes, namespace, port, inner, bridge_port)
 

@@ -115,6 +115,26 @@ def test_a_delayed_link_adds_its_delay_to_every_round_trip_and_can_change(lab: L
     assert _rtt_ms(far, near) >= 60
     lab.delay(far, one_way_ms=0)  # the line stays in and passes frames at once
     assert _rtt_ms(far, near) < 60  # (about 0.1 ms; the bound only tells it apart)
+    with pytest.raises(ValueError, match="loss"):
+        lab.delay(far, loss=2.0)  # refused before the line hears of it
+    assert _rtt_ms(far, near) < 60  # and the line keeps passing frames
+
+
+@needs_lab
+def test_a_malformed_settings_line_is_refused_and_the_line_keeps_serving(lab: Lab) -> None:
+    from peers.netlab.commands import NetlabError
+
+    far, near = lab.add_public_host("far"), lab.add_public_host("near")
+    serve(near, ECHO, SERVER_PORT)
+    lab.delay(far, one_way_ms=30)
+    line = lab._lines[far.name]
+    assert line.popen.stdin is not None
+    for garbage in ("not json\n", '{"loss": 7}\n', '{"bogus": 1}\n'):
+        line.popen.stdin.write(garbage)
+        line.popen.stdin.flush()
+        with pytest.raises(NetlabError, match="refused"):
+            line._expect("applied")
+    assert _rtt_ms(far, near) >= 60  # still up, with the settings it had
 
 
 @needs_lab
