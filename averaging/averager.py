@@ -9,7 +9,10 @@ result back in place. ``schema`` hashes the tensors' names, shapes and dtypes an
 wire settings, so only peers that can average together ever meet.
 
 The bandwidth a peer announces (its share of the reduction in the next round) is what
-it measured in its last rounds: bytes received per second, smoothed.
+it measured in its last rounds: bytes received per second, smoothed. The group's
+announced rates also set the round's timeouts (:mod:`averaging.allreduce.pace`): a slow
+link gets the time it needs (up to ``AllReduceConfig.max_round_timeout``), and a peer
+whose own link cannot finish a round within that refuses to average, saying why.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from averaging.allreduce.config import AllReduceConfig, AllReduceResult
 from averaging.allreduce.feedback import RoundFeedback
+from averaging.allreduce.pace import check_own_pace, paced
 from averaging.allreduce.partition import flatten
 from averaging.allreduce.records import DEFAULT_MAX_WEIGHT_RATIO, REDUCERS_PER_PART, RoundSpec
 from averaging.allreduce.replicated import fold, replicate
@@ -43,7 +47,9 @@ from peers.errors import LocalProtocolError
 from peers.identity import KeyPair, PeerID
 
 #: Bandwidth (bytes/s) a peer announces before it has measured its own: a common
-#: broadband figure, so a newcomer takes an ordinary share of the first round.
+#: broadband figure, so a newcomer takes an ordinary share of the first round (and the
+#: round keeps the configured timeouts: a newcomer on a slow link may see its first
+#: round cut short, and the next one is paced by what it measured).
 INITIAL_BANDWIDTH = 1e8
 #: Weight of the newest measurement in the smoothed bandwidth.
 BANDWIDTH_SMOOTHING = 0.5
@@ -142,6 +148,7 @@ class Averager:
         self.tensors = dict(tensors)
         self.config = config
         self.bandwidth = INITIAL_BANDWIDTH
+        self._rate_measured = False  # self.bandwidth is still INITIAL_BANDWIDTH
         self.schema = _schema(self.tensors, config)
         self._stack: AsyncExitStack | None = None
         self._matchmaker: Matchmaker | None = None
@@ -209,6 +216,9 @@ class Averager:
             raise AveragerError("use the Averager inside `async with`")
         started = time.monotonic()
         copies = self.config.reducers_per_part
+        if self._rate_measured:
+            elements = sum(t.numel() for t in self.tensors.values()) * copies
+            check_own_pace(self.config.allreduce, elements, self.bandwidth)
         group = await self._matchmaker.look_for_group(
             self.key(round_key),
             bandwidth=self.bandwidth,
@@ -240,7 +250,9 @@ class Averager:
             max_weight_ratio=self.config.max_weight_ratio,
             reducers_per_part=copies,
         )
-        outcome = await self._service.run_round(spec, flat, weight, errors=errors)
+        # Every member paces the round alike: from the group record's rates.
+        config = paced(self.config.allreduce, spec)
+        outcome = await self._service.run_round(spec, flat, weight, config, errors=errors)
         folded = fold(outcome.result.averaged, copies)
         self._write_back(folded.values)
         self._measured(outcome)
@@ -264,7 +276,10 @@ class Averager:
     def _measured(self, outcome: AllReduceResult) -> None:
         rate = outcome.received_bytes_per_second
         if outcome.transfer.bytes_received > 0 and math.isfinite(rate) and rate > 0:
-            self.bandwidth = BANDWIDTH_SMOOTHING * rate + (1 - BANDWIDTH_SMOOTHING) * self.bandwidth
+            if self._rate_measured:
+                rate = BANDWIDTH_SMOOTHING * rate + (1 - BANDWIDTH_SMOOTHING) * self.bandwidth
+            self.bandwidth = rate  # the first measurement replaces the guess outright
+            self._rate_measured = True
 
     # --- state for newcomers ----------------------------------------------------------
 
@@ -352,6 +367,7 @@ def _schema(tensors: Mapping[str, torch.Tensor], config: AveragerConfig) -> str:
         allreduce.sender_timeout,
         allreduce.reducer_timeout,
         allreduce.round_timeout,
+        allreduce.max_round_timeout,
         allreduce.join_timeout,
     )
     digest.update(repr(tuple(float(t) for t in timeouts)).encode())

@@ -7,7 +7,10 @@ on stdin (times are ``time.monotonic()``: one clock for every process on the hos
 - hivemind: ``python this_file.py hivemind OPTIONS_JSON`` (a ``hivemind.DHT``, which forks
   its DHT process and a Go ``p2pd``, and one ``DecentralizedAverager`` per codec, which
   forks its own process);
-- raw: ``python this_file.py raw`` (plain TCP sockets, the physical limit).
+- raw: ``python this_file.py raw [HOST]`` (plain TCP sockets, the physical limit).
+
+Every kind listens on 127.0.0.1 unless told a ``host`` (hivemind's option, raw's
+argument): ``bench_wan.py`` runs the same processes on the namespace lab's hosts.
 
 Commands shared by ours and hivemind:
 
@@ -26,10 +29,10 @@ Commands shared by ours and hivemind:
   then ``{"op": "step", ...}`` -> ``step``: reset the tensor, ``averager.step()``, check.
   The averager times its own all-reduce (``_aggregate_with_group``) in its process.
 
-Raw: ``{"op": "connect", "rank": r, "ports": [...]}`` -> ``connected`` (one TCP connection
-per pair of peers); ``{"op": "transfer", "bytes_per_link": b, "start_at": t}`` ->
-``transferred``: from ``start_at``, send ``b`` bytes to every other peer while receiving
-``b`` from each, all links at once.
+Raw: ``{"op": "connect", "rank": r, "ports": [...], "hosts": [...]}`` -> ``connected``
+(one TCP connection per pair of peers); ``{"op": "transfer", "bytes_per_link": b,
+"start_at": t}`` -> ``transferred``: from ``start_at``, send ``b`` bytes to every other
+peer while receiving ``b`` from each, all links at once.
 
 A result is checked against the true mean on sampled blocks (first, last and evenly
 spread ones, at least one in every part of a 4-member round): largest and RMS error, the
@@ -54,7 +57,8 @@ import threading
 import time
 from typing import Any
 
-LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
+#: Where processes listen unless told otherwise (``host``: the namespace lab's hosts).
+LOOPBACK = "127.0.0.1"
 #: Elements per independently seeded block of a member's vector: the checker rebuilds
 #: any block of any member without building the whole vector.
 BLOCK_ELEMENTS = 1 << 18
@@ -236,6 +240,24 @@ class _Member:
         return check_result(result, self.seed, num_members, self.elements)
 
 
+def _shares(members: Any, weights: Any, elements: int) -> dict[str, float]:
+    """Each member's share of the vector to reduce, by PeerID: what the weights buy."""
+    from averaging import RoundSpec
+
+    spec = RoundSpec(
+        round_id=bytes(16),
+        members=tuple(members),
+        weights=tuple(weights),
+        total_elements=elements,
+        chunk_elements=1,
+        me=members[0],
+    )
+    return {
+        str(m): (end - start) / elements
+        for m, (start, end) in zip(members, spec.parts(), strict=True)
+    }
+
+
 async def ours_node(node: Any) -> None:
     """The :mod:`peers.testing` target: serve commands until the parent stops us."""
     import asyncio
@@ -252,12 +274,17 @@ async def ours_node(node: Any) -> None:
         fold,
         replicate,
     )
+    from averaging.allreduce.pace import paced
     from peers.dht import DHT, DHTConfig
     from peers.identity import PeerID
 
     torch.set_num_threads(1)  # 4 processes share the cores: no intra-op thread pools
     member = _Member()
     async with contextlib.AsyncExitStack() as stack:
+        averager_scope = await stack.enter_async_context(contextlib.AsyncExitStack())
+        averager: Averager | None = None
+        averager_key: tuple[str, str] | None = None
+        work: Any = None
         dht: Any = None
         node.report({"event": "serving"})
         for _ in range(MAX_COMMANDS):
@@ -274,6 +301,7 @@ async def ours_node(node: Any) -> None:
                         node.peer.add_addresses(peer_id, [maddr])
                 config = AllReduceConfig(codec=make_codec(command["codec"]))
                 copies = int(command.get("reducers_per_part", 1))
+                rates = command.get("rates")  # the links' rates: pace the round as for them
                 spec = RoundSpec(
                     round_id=bytes.fromhex(command["round_id"]),
                     members=tuple(peer_id for peer_id, _ in members),
@@ -283,6 +311,8 @@ async def ours_node(node: Any) -> None:
                     me=node.peer.peer_id,
                     reducers_per_part=copies,
                 )
+                if rates:
+                    config = paced(config, spec, [float(r) for r in rates])
                 local = replicate(member.local, copies)
                 # A service per round: an Averager (the "step" command) registers its own.
                 async with AllReduceService(node.peer) as service:
@@ -312,7 +342,6 @@ async def ours_node(node: Any) -> None:
                 dht = await stack.enter_async_context(DHT(node.peer, config))
                 node.report({"event": "joined"})
             elif op == "step":
-                tensor = member.local.clone()  # the Averager writes the result in place
                 gather = float(command["gather_seconds"])
                 config = AveragerConfig(
                     prefix=str(command["prefix"]),
@@ -325,15 +354,25 @@ async def ours_node(node: Any) -> None:
                     ),
                     allreduce=AllReduceConfig(codec=make_codec(command["codec"])),
                 )
-                async with Averager(dht, {"x": tensor}, config) as averager:
-                    await asyncio.sleep(max(0.0, float(command["start_at"]) - time.monotonic()))
-                    started, cpu = time.monotonic(), time.process_time()
-                    try:
-                        step = await averager.step(command["key"])
-                    except Exception as e:
-                        node.report({"event": "step", "error": repr(e)[:500]})
-                        continue
-                    ended, cpu = time.monotonic(), time.process_time() - cpu
+                if averager is None or averager_key != (command["prefix"], command["codec"]):
+                    # One averager per codec, kept across steps: it carries the rate it
+                    # measured into the next step's matchmaking (the parts follow it).
+                    await averager_scope.aclose()
+                    work = member.local.clone()  # the Averager writes the result in place
+                    averager = await averager_scope.enter_async_context(
+                        Averager(dht, {"x": work}, config)
+                    )
+                    averager_key = (command["prefix"], command["codec"])
+                work.copy_(member.local)  # every step averages the same inputs
+                await asyncio.sleep(max(0.0, float(command["start_at"]) - time.monotonic()))
+                started, cpu = time.monotonic(), time.process_time()
+                try:
+                    step = await averager.step(command["key"])
+                except Exception as e:
+                    node.report({"event": "step", "error": repr(e)[:500]})
+                    continue
+                ended, cpu = time.monotonic(), time.process_time() - cpu
+                shares = _shares(step.group.members, step.group.weights, work.numel())
                 node.report(
                     {
                         "event": "step",
@@ -345,7 +384,9 @@ async def ours_node(node: Any) -> None:
                         "cpu_seconds": cpu,
                         **tree_memory_mb(os.getpid()),
                         "agreed": step.outcome.transfer.agreed,
-                        **member.check(tensor, int(command["num_members"])),
+                        "shares": shares,
+                        "announced": averager.bandwidth,
+                        **member.check(work, int(command["num_members"])),
                     }
                 )
             else:
@@ -443,7 +484,7 @@ def hivemind_node(options: dict[str, Any]) -> None:
     began = time.monotonic()
     dht = hivemind.DHT(
         initial_peers=options.get("initial_peers") or None,
-        host_maddrs=[LOOPBACK_LISTEN],
+        host_maddrs=[f"/ip4/{options.get('host', LOOPBACK)}/tcp/0"],
         start=False,
     )
     averager: Any = None
@@ -485,6 +526,7 @@ def hivemind_node(options: dict[str, Any]) -> None:
                     reducer_timeout=float(command["reducer_timeout"]),
                     allreduce_timeout=float(command["allreduce_timeout"]),
                     compression=_hivemind_compression(command["codec"]),
+                    bandwidth=command.get("bandwidth"),
                     start=True,
                 )
                 emit({"event": "averager", "codec_error": _codec_error(command["codec"])})
@@ -574,10 +616,10 @@ def _exchange(links: list[socket.socket], payload: memoryview, start_at: float) 
     return {"event": "transferred", "started": started, "ended": ended, "errors": errors}
 
 
-def raw_node() -> None:
+def raw_node(host: str = LOOPBACK) -> None:
     """All-to-all over plain TCP: the bytes a butterfly all-reduce moves, nothing else."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-    emit({"event": "listening", "port": listener.getsockname()[1]})
+    listener = socket.create_server((host, 0), backlog=64)
+    emit({"event": "listening", "host": host, "port": listener.getsockname()[1]})
     links: list[socket.socket] = []
     payload = bytearray()
     for _, line in zip(range(MAX_COMMANDS), sys.stdin, strict=False):
@@ -585,9 +627,10 @@ def raw_node() -> None:
         op = command.get("op")
         if op == "connect":
             rank, ports = int(command["rank"]), [int(p) for p in command["ports"]]
+            hosts = [str(h) for h in command.get("hosts", [LOOPBACK] * len(ports))]
             # Lower ranks dial higher ones; each link carries traffic both ways.
-            for port in ports[rank + 1 :]:
-                links.append(socket.create_connection(("127.0.0.1", port)))
+            for peer_host, port in list(zip(hosts, ports, strict=True))[rank + 1 :]:
+                links.append(socket.create_connection((peer_host, port)))
             listener.settimeout(RAW_CONNECT_TIMEOUT)
             for _ in range(rank):
                 links.append(listener.accept()[0])
@@ -616,7 +659,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if sys.argv[1:2] == ["hivemind"] and len(sys.argv) == 3:
         hivemind_node(json.loads(sys.argv[2]))
-    elif sys.argv[1:] == ["raw"]:
-        raw_node()
+    elif sys.argv[1:2] == ["raw"] and len(sys.argv) <= 3:
+        raw_node(*sys.argv[2:])
     else:
-        sys.exit("usage: python _allreduce_peers.py hivemind OPTIONS_JSON | raw")
+        sys.exit("usage: python _allreduce_peers.py hivemind OPTIONS_JSON | raw [HOST]")

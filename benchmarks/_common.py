@@ -265,13 +265,19 @@ MAX_LINES_PER_WAIT = 100_000
 
 class JsonChild:
     """A ``python SCRIPT ARGS...`` child that reads JSON commands on stdin and prints JSON
-    reports on stdout; its output, and the processes it started (by PID)."""
+    reports on stdout; its output, and the processes it started (by PID). With
+    ``namespace`` it runs inside that network namespace (the namespace lab's hosts)."""
 
-    def __init__(self, script: Path, args: list[str], *, name: str = "process") -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING")
+    def __init__(
+        self, script: Path, args: list[str], *, name: str = "process", namespace: str | None = None
+    ) -> None:
+        level = os.environ.get("HIVEMIND_LOGLEVEL", "WARNING")  # DEBUG to see what it does
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL=level)
         self.name = name
+        # ``ip netns exec`` execs the interpreter: our PID is the child's own.
+        prefix = ["ip", "netns", "exec", namespace] if namespace is not None else []
         self.popen = subprocess.Popen(
-            [sys.executable, str(script), *args],
+            [*prefix, sys.executable, str(script), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

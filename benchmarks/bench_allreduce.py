@@ -137,6 +137,10 @@ class Plan:
     """Timed raw TCP exchanges per size (after one warm-up)."""
     matchmaking_seconds: float = 1.0
     """hivemind's ``min_matchmaking_time`` and our ``gather_timeout``."""
+    round_wait: float = ROUND_TIMEOUT
+    """Seconds the parent waits for a round beyond its start (and matchmaking) before it
+    calls the round hung: rounds on slow links are paced longer than the default
+    timeouts (``bench_wan.py``)."""
     reducers_per_part: int = 1
     """Our rounds' ``RoundSpec.reducers_per_part`` (3: each coordinate reduced by three
     members, the median kept; hivemind has no such mode and runs as always)."""
@@ -151,6 +155,23 @@ class Plan:
             elements(size)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where each member's process runs: on loopback (the default) or, for
+    ``bench_wan.py``, on the namespace lab's hosts (a namespace and an address per rank)."""
+
+    namespaces: tuple[str | None, ...] = ()
+    hosts: tuple[str, ...] = ()
+
+    def namespace(self, rank: int) -> str | None:
+        return self.namespaces[rank] if self.namespaces else None
+
+    def host(self, rank: int) -> str:
+        return self.hosts[rank] if self.hosts else "127.0.0.1"
+
+
+LOOPBACK = Placement()
+
 QUICK = Plan(sizes=("4M",), num_rounds=2, num_step_rounds=1, num_bound_reps=3)
 FULL = Plan(sizes=("16M", "64M"), num_rounds=5, num_step_rounds=5, num_bound_reps=5)
 
@@ -161,8 +182,8 @@ FULL = Plan(sizes=("16M", "64M"), num_rounds=5, num_step_rounds=5, num_bound_rep
 class JsonProcess(JsonChild):
     """A ``_allreduce_peers.py`` process (hivemind or raw), its output, and its children."""
 
-    def __init__(self, args: list[str]) -> None:
-        super().__init__(PEERS_FILE, args)
+    def __init__(self, args: list[str], namespace: str | None = None) -> None:
+        super().__init__(PEERS_FILE, args, namespace=namespace)
 
 
 def close_processes(processes: list[JsonProcess]) -> None:
@@ -225,6 +246,12 @@ class Series:
     """Rounds where a member started more than ``LATE_SECONDS`` after the agreed instant."""
     max_error: float = 0.0
     rms_relative_error: float = 0.0
+    shares: list[list[float]] = field(default_factory=list)
+    """Per timed full step (ours), each member's share of the vector to reduce, by rank:
+    what the rates the members announced bought them."""
+    announced: list[list[float]] = field(default_factory=list)
+    """Per timed full step (ours), the rate (bytes/s) each member measured in it and
+    will announce next, by rank."""
     problems: list[str] = field(default_factory=list)
     """Why a result was wrong (empty when every checked round was right)."""
     failure: str = ""
@@ -274,13 +301,17 @@ def span(reports: list[dict[str, Any]], start: str, end: str) -> float:
 # --- the limit -------------------------------------------------------------------------
 
 
-def measure_bound(plan: Plan) -> dict[str, list[float]]:
+def measure_bound(plan: Plan, placement: Placement = LOOPBACK) -> dict[str, list[float]]:
     """Per size, seconds of each timed raw all-to-all exchange."""
-    procs = [JsonProcess(["raw"]) for _ in range(plan.num_peers)]
+    procs = [
+        JsonProcess(["raw", placement.host(rank)], placement.namespace(rank))
+        for rank in range(plan.num_peers)
+    ]
     try:
         ports = [p.wait_report("listening", STARTUP_TIMEOUT)["port"] for p in procs]
+        hosts = [placement.host(rank) for rank in range(plan.num_peers)]
         for rank, proc in enumerate(procs):
-            proc.send({"op": "connect", "rank": rank, "ports": ports})
+            proc.send({"op": "connect", "rank": rank, "ports": ports, "hosts": hosts})
         wait_all(procs, "connected", STARTUP_TIMEOUT)
         out: dict[str, list[float]] = {}
         for size in plan.sizes:
@@ -306,9 +337,14 @@ def measure_bound(plan: Plan) -> dict[str, list[float]]:
 
 
 def measure_ours(
-    plan: Plan, notes: list[str]
+    plan: Plan,
+    notes: list[str],
+    placement: Placement = LOOPBACK,
+    rates: list[float] | None = None,
 ) -> tuple[dict[tuple[str, str], Series], dict[tuple[str, str], Series]]:
-    """Rounds with the group given, then full ``Averager`` steps; per (size, codec)."""
+    """Rounds with the group given (equal parts; with ``rates``, each member's link rate
+    in bytes/s, their timeouts paced for those links as an averager would), then full
+    ``Averager`` steps, one averager per codec across its steps; per (size, codec)."""
     from peers.testing import LocalSwarm, SwarmError
 
     rounds: dict[tuple[str, str], Series] = {}
@@ -316,7 +352,15 @@ def measure_ours(
     seed = secrets.randbelow(1 << 20)
     with LocalSwarm(startup_timeout=STARTUP_TIMEOUT) as swarm:
         try:
-            members = swarm.start(plan.num_peers, target=OURS_TARGET)
+            members = swarm.start(
+                plan.num_peers,
+                target=OURS_TARGET,
+                per_peer_options=[
+                    {"listen": [f"/ip4/{placement.host(rank)}/tcp/0"]}
+                    for rank in range(plan.num_peers)
+                ],
+                namespaces=[placement.namespace(rank) for rank in range(plan.num_peers)],
+            )
         except SwarmError as e:
             raise BenchError(str(e)) from e
         wait_all(members, "serving", STARTUP_TIMEOUT)
@@ -341,10 +385,11 @@ def measure_ours(
                         "codec": codec,
                         "start_at": time.monotonic() + START_DELAY,
                         "reducers_per_part": plan.reducers_per_part,
+                        "rates": rates,
                     }
                     for member in members:
                         member.send(command)
-                    reports = wait_all(members, "round", ROUND_TIMEOUT + REPORT_GRACE)
+                    reports = wait_all(members, "round", plan.round_wait + REPORT_GRACE)
                     check_round(reports, series, codec, tolerance, identical=True)
                     if r:
                         series.seconds.append(span(reports, "started", "ended"))
@@ -379,7 +424,7 @@ def measure_ours(
                     }
                     for member in members:
                         member.send(command)
-                    timeout = step_delay + plan.matchmaking_seconds + 30.0 + ROUND_TIMEOUT
+                    timeout = step_delay + plan.matchmaking_seconds + 30.0 + plan.round_wait
                     reports = wait_all(members, "step", timeout + REPORT_GRACE)
                     failed = [x["error"] for x in reports if "error" in x]
                     if failed:
@@ -396,6 +441,9 @@ def measure_ours(
                         series.cpu_seconds.append(median([x["cpu_seconds"] for x in reports]))
                         series.count_late(reports, command["start_at"])
                         series.add_memory(reports)
+                        shares = reports[0]["shares"]
+                        series.shares.append([shares[m.peer_id] for m in members])
+                        series.announced.append([x["announced"] for x in reports])
                 if series.step_seconds:
                     print(
                         f"  ours {size:>4} {codec:>8}: full step {median(series.step_seconds):.3f}"
@@ -409,21 +457,38 @@ def measure_ours(
 
 
 def measure_hivemind(
-    plan: Plan, notes: list[str], patch_8bit: bool
+    plan: Plan,
+    notes: list[str],
+    patch_8bit: bool,
+    placement: Placement = LOOPBACK,
+    bandwidths: list[float] | None = None,
 ) -> dict[tuple[str, str], Series]:
     """``DecentralizedAverager.step()`` per (size, codec); ``uint8_patched`` too when
-    hivemind's stock 8-bit codec fails and ``patch_8bit``."""
+    hivemind's stock 8-bit codec fails and ``patch_8bit``. ``bandwidths`` (by rank) go
+    to its averagers' ``bandwidth``: hivemind sizes parts by what its user declares."""
     out: dict[tuple[str, str], Series] = {}
     seed = secrets.randbelow(1 << 20)
-    first = JsonProcess(["hivemind", json.dumps({"initial_peers": []})])
+    first = JsonProcess(
+        ["hivemind", json.dumps({"initial_peers": [], "host": placement.host(0)})],
+        placement.namespace(0),
+    )
     procs = [first]
     try:
-        addrs = first.wait_report("joined", STARTUP_TIMEOUT)["addrs"]
-        procs += [
-            JsonProcess(["hivemind", json.dumps({"initial_peers": addrs[:1]})])
-            for _ in range(plan.num_peers - 1)
-        ]
-        wait_all(procs[1:], "joined", STARTUP_TIMEOUT)
+        addrs = first.wait_report("joined", STARTUP_TIMEOUT)["addrs"][:1]
+        if placement == LOOPBACK:
+            procs += [
+                JsonProcess(["hivemind", json.dumps({"initial_peers": addrs})])
+                for _ in range(1, plan.num_peers)
+            ]
+            wait_all(procs[1:], "joined", STARTUP_TIMEOUT)
+        else:
+            # p2pd finds peers' addresses through go-libp2p's Kademlia DHT, which keeps
+            # only public or private (LAN) addresses; the lab's 198.18.0.0/15 is neither
+            # (reserved for benchmarks), so each peer is given every earlier one's.
+            for r in range(1, plan.num_peers):
+                options = {"initial_peers": addrs, "host": placement.host(r)}
+                procs.append(JsonProcess(["hivemind", json.dumps(options)], placement.namespace(r)))
+                addrs = addrs + procs[-1].wait_report("joined", STARTUP_TIMEOUT)["addrs"][:1]
         for proc in procs:
             proc.remember_tree()
         num_rounds = max(plan.num_rounds, plan.num_step_rounds)
@@ -436,7 +501,7 @@ def measure_hivemind(
                 codec, patched = variants.pop(0)
                 label = f"{codec}_patched" if patched else codec
                 series = out[(size, label)] = Series()
-                for proc in procs:
+                for rank, proc in enumerate(procs):
                     proc.send(
                         {
                             "op": "averager",
@@ -448,6 +513,7 @@ def measure_hivemind(
                             "reducer_timeout": REDUCER_TIMEOUT,
                             "allreduce_timeout": ROUND_TIMEOUT,
                             "patch_8bit": patched,
+                            "bandwidth": bandwidths[rank] if bandwidths else None,
                         }
                     )
                 codec_errors = [
@@ -463,7 +529,7 @@ def measure_hivemind(
                     }
                     for proc in procs:
                         proc.send(command)
-                    timeout = START_DELAY + find_timeout + ROUND_TIMEOUT + REPORT_GRACE
+                    timeout = START_DELAY + find_timeout + plan.round_wait + REPORT_GRACE
                     reports = wait_all(procs, "step", timeout)
                     failed = [x["error"] for x in reports if "error" in x]
                     if failed:
@@ -740,6 +806,17 @@ def summarize(
     return figures, ratios, failures, tables
 
 
+def with_counts(plan: Plan, args: argparse.Namespace) -> Plan:
+    """``plan`` with the ``--codecs``, ``--rounds`` and ``--step-rounds`` given."""
+    if args.codecs:
+        plan = replace(plan, codecs=tuple(args.codecs.split(",")))
+    if args.rounds is not None:
+        plan = replace(plan, num_rounds=args.rounds)
+    if args.step_rounds is not None:
+        plan = replace(plan, num_step_rounds=args.step_rounds)
+    return plan
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4M elements, 2 rounds")
@@ -766,12 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     if args.sizes:
         plan = replace(plan, sizes=tuple(args.sizes.split(",")))
-    if args.codecs:
-        plan = replace(plan, codecs=tuple(args.codecs.split(",")))
-    if args.rounds is not None:
-        plan = replace(plan, num_rounds=args.rounds)
-    if args.step_rounds is not None:
-        plan = replace(plan, num_step_rounds=args.step_rounds)
+    plan = with_counts(plan, args)
     if args.matchmaking_seconds is not None:
         plan = replace(plan, matchmaking_seconds=args.matchmaking_seconds)
     plan = replace(plan, reducers_per_part=args.reducers_per_part)

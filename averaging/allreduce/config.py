@@ -39,6 +39,10 @@ class AllReduceConfig:
     ``2 * FLUSH_SECONDS`` more: :attr:`return_bound`). The butterfly gives up
     ``reducer_timeout`` before it (what is missing then is left at this peer's own
     value, the report says how much); the rest is for votes and copies."""
+    max_round_timeout: float = 1800.0
+    """Longest ``round_timeout`` the averager may stretch to when the members' measured
+    rates say a round needs longer (:func:`averaging.allreduce.pace.paced`); a peer
+    whose own link cannot finish a round within it refuses to average, saying why."""
     join_timeout: float = 5.0
     """Seconds a link from another member waits for its round to start here (members
     leave matchmaking a little apart)."""
@@ -58,7 +62,13 @@ class AllReduceConfig:
     results stay identical."""
 
     def __post_init__(self) -> None:
-        for name in ("sender_timeout", "reducer_timeout", "round_timeout", "join_timeout"):
+        for name in (
+            "sender_timeout",
+            "reducer_timeout",
+            "round_timeout",
+            "max_round_timeout",
+            "join_timeout",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise AllReduceError(f"{name} must be a positive number of seconds")
@@ -66,6 +76,8 @@ class AllReduceConfig:
             raise AllReduceError("reducer_timeout must be longer than sender_timeout")
         if self.round_timeout <= self.reducer_timeout:
             raise AllReduceError("round_timeout must be longer than reducer_timeout")
+        if self.max_round_timeout < self.round_timeout:
+            raise AllReduceError("max_round_timeout must be at least round_timeout")
         if not isinstance(self.chunk_elements, int) or self.chunk_elements <= 0:
             raise AllReduceError("chunk_elements must be a positive int")
         if not isinstance(self.codec, Codec):

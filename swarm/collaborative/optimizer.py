@@ -81,7 +81,8 @@ logger = logging.getLogger(__name__)
 #: whose donors all answer from fewer networks needs them all to agree.
 STATE_QUORUM = 2
 #: The averager ends each step within its own bounds (matchmaking's ``search_timeout``,
-#: then the round's ``round_timeout``; a state download its ``state_timeout``). The
+#: then the round's timeout, stretched on slow links up to ``max_round_timeout``; a
+#: state download its ``state_timeout``). The
 #: training thread waits this much longer before it calls the call hung: it fires on a
 #: bug or a stalled event loop, never on a slow round, which ends by its own deadline.
 HUNG_CALL_SLACK_SECONDS = 5.0
@@ -292,7 +293,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             return RoundOutcome(Round.NON_FINITE)
         if average.alone:
             return RoundOutcome(Round.ALONE)
-        timeout = self.config.matchmaking.search_timeout + self.config.allreduce.round_timeout
+        timeout = self.config.matchmaking.search_timeout + self.config.allreduce.max_round_timeout
         try:
             step: AveragingStep = self.dht.peer.run(
                 self._averager.step(

@@ -16,6 +16,7 @@ import torch
 
 from averaging import (
     AllReduceConfig,
+    AllReduceError,
     Averager,
     AveragerConfig,
     AveragerError,
@@ -23,6 +24,7 @@ from averaging import (
     MatchmakingConfig,
     MatchmakingError,
 )
+from averaging.averager import INITIAL_BANDWIDTH
 from peers import Peer, PeerConfig
 from peers.dht import DHT, BlockingDHT, DHTConfig
 
@@ -91,7 +93,7 @@ def test_four_averagers_hold_the_weighted_mean_in_place(arun: Run) -> None:
                     tolerance = 1e-3 if got.dtype == torch.float16 else 1e-6
                     assert torch.allclose(got.double(), expected, atol=tolerance)
                     assert torch.equal(got, avgs[0].tensors[name])
-            assert all(a.bandwidth != 1e8 for a in avgs)  # measured in the round
+            assert all(a.bandwidth != INITIAL_BANDWIDTH for a in avgs)  # measured in the round
 
     arun(main())
 
@@ -102,6 +104,25 @@ def test_a_lone_averager_gets_a_clear_error_and_keeps_its_tensors(arun: Run) -> 
             before = {k: v.clone() for k, v in a.tensors.items()}
             with pytest.raises(MatchmakingError):
                 await a.step("lonely", timeout=3.0)
+            for k, v in a.tensors.items():
+                assert torch.equal(v, before[k])
+
+    arun(main())
+
+
+def test_a_peer_whose_link_cannot_finish_a_round_refuses_before_matchmaking(
+    arun: Run,
+) -> None:
+    async def main() -> None:
+        async with averagers(2) as (a, b):
+            await asyncio.gather(a.step("measure"), b.step("measure"))
+            assert a.bandwidth != INITIAL_BANDWIDTH  # measured in the round
+            # As if its last round had measured a trickle: at 10 bytes/s its 8.6 kB of
+            # tensors need 3 x 860 s, over max_round_timeout (1800 s by default).
+            a.bandwidth = 10.0
+            before = {k: v.clone() for k, v in a.tensors.items()}
+            with pytest.raises(AllReduceError, match=r"8-bit codec\), average fewer parameters"):
+                await a.step("slow", timeout=3.0)
             for k, v in a.tensors.items():
                 assert torch.equal(v, before[k])
 

@@ -1,17 +1,19 @@
-"""Averaging over internet-like links (the namespace lab with link shapes): four peers on
-100 Mbit/s links 80 ms apart (20 ms each way on each end), with 1% loss on every link.
+"""Averaging over internet-like links (the namespace lab with link shapes), peers 80 ms
+apart (20 ms each way on each end): four on 100 Mbit/s links with 1% loss on every link;
+four on unequal links, where the slow one's measured rate must shrink its part.
 Correctness, not speed: every round agrees, every member holds the same tensor, and it
 is the mean of what they started with."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from peers.netlab import Lab, lab_available
-from peers.testing import LocalSwarm
+from peers.testing import LocalSwarm, PeerProcess
 from tests.averaging.targets.nat_averager import member_tensor
 
 AVAILABLE, REASON = lab_available()
@@ -23,38 +25,85 @@ ELEMENTS = 1 << 20  # 4 MiB of float32 per peer: a third of a second at 100 Mbit
 ROUNDS = 2
 
 
+def _averaging_peers(
+    lab: Lab,
+    swarm: LocalSwarm,
+    rates_mbit: list[float],
+    loss: float,
+    elements: int,
+    **options: float,
+) -> list[PeerProcess]:
+    """A bootstrap host and one averaging peer per rate, each link 20 ms one way."""
+    boot_host = lab.add_public_host("boot")
+    hosts = [lab.add_public_host(f"peer{i}", rate_mbit=r) for i, r in enumerate(rates_mbit)]
+    for i, host in enumerate(hosts):
+        lab.delay(host, one_way_ms=20, loss=loss, seed=i)
+    listen = {"listen": ["/ip4/0.0.0.0/tcp/4001"]}
+    (boot,) = swarm.start(
+        1, target="peers.dht.testing:dht_node", options=listen, namespaces=[boot_host.namespace]
+    )
+    boot.wait_report("joined", REPORT_TIMEOUT)
+    procs = swarm.start(
+        len(hosts),
+        target=TARGET,
+        options={
+            "initial_peers": [boot.maddr],
+            "elements": elements,
+            "log_level": "INFO",
+            **listen,
+            **options,
+        },
+        per_peer_options=[{"rank": i} for i in range(len(hosts))],
+        namespaces=[h.namespace for h in hosts],
+    )
+    for proc in procs:
+        proc.wait_report("joined", REPORT_TIMEOUT)
+    return procs
+
+
+def _step_all(procs: list[PeerProcess], round_key: int) -> list[dict[str, Any]]:
+    for proc in procs:
+        proc.send({"op": "step", "round_key": round_key, "timeout": 60.0})
+    return [proc.wait_report("stepped", 180.0) for proc in procs]
+
+
+def _check_mean(reports: list[dict[str, Any]], held: list[torch.Tensor]) -> None:
+    """Every member agreed on one result, the whole vector averaged, and it is the mean of
+    what the members ``held`` before the round (their first values)."""
+    assert len({r["fingerprint"] for r in reports}) == 1, reports  # one result
+    mean = sum(held) / len(held)
+    for r in reports:
+        assert r["agreed"] and r["fraction"] == 1.0 and not r["failed"], r
+        assert len(r["members"]) == len(reports), r
+        assert torch.allclose(torch.tensor(r["head"]), mean, atol=1e-6), r["head"]
+
+
 def test_four_peers_80_ms_apart_with_lossy_links_average_to_the_mean() -> None:
-    loss = 0.01
     with Lab() as lab, LocalSwarm() as swarm:
-        boot_host = lab.add_public_host("boot")
-        hosts = [lab.add_public_host(f"peer{i}", rate_mbit=100) for i in range(4)]
-        for i, host in enumerate(hosts):
-            lab.delay(host, one_way_ms=20, loss=loss, seed=i)
-        listen = {"listen": ["/ip4/0.0.0.0/tcp/4001"]}
-        (boot,) = swarm.start(
-            1, target="peers.dht.testing:dht_node", options=listen, namespaces=[boot_host.namespace]
-        )
-        boot.wait_report("joined", REPORT_TIMEOUT)
-        procs = swarm.start(
-            4,
-            target=TARGET,
-            options={
-                "initial_peers": [boot.maddr],
-                "elements": ELEMENTS,
-                "log_level": "INFO",
-                **listen,
-            },
-            per_peer_options=[{"rank": i} for i in range(4)],
-            namespaces=[h.namespace for h in hosts],
-        )
-        for proc in procs:
-            proc.wait_report("joined", REPORT_TIMEOUT)
-        mean = sum(member_tensor(rank, ELEMENTS)[:4] for rank in range(4)) / 4
+        procs = _averaging_peers(lab, swarm, [100] * 4, 0.01, ELEMENTS)
+        held = [member_tensor(rank, ELEMENTS)[:4] for rank in range(4)]
         for round_key in range(ROUNDS):
-            for proc in procs:
-                proc.send({"op": "step", "round_key": round_key, "timeout": 60.0})
-            reports = [proc.wait_report("stepped", 120.0) for proc in procs]
-            assert len({r["fingerprint"] for r in reports}) == 1, reports  # one result
-            for r in reports:
-                assert r["agreed"] and not r["failed"] and len(r["members"]) == 4, r
-                assert torch.allclose(torch.tensor(r["head"]), mean, atol=1e-6), r["head"]
+            reports = _step_all(procs, round_key)
+            _check_mean(reports, held)
+            held = [torch.tensor(r["head"]) for r in reports]
+
+
+def test_a_round_on_a_slow_link_is_paced_by_the_measured_rates_and_completes() -> None:
+    # A 20 Mbit/s member among 200 Mbit/s ones, and round timeouts that leave the
+    # butterfly 4 s (round_timeout - reducer_timeout): the slow member alone must move
+    # 1.5 x 8 MiB, over 5 s at its rate. The first round knows no rates (every peer
+    # announces the same guess) and is cut short (each member keeps its own values where
+    # it lacks an average); the next are paced by what the first measured, and average
+    # the whole vector.
+    elements = 1 << 21
+    timeouts = {"sender_timeout": 3.0, "reducer_timeout": 8.0, "round_timeout": 12.0}
+    with Lab() as lab, LocalSwarm() as swarm:
+        procs = _averaging_peers(lab, swarm, [200, 200, 200, 20], 0.0, elements, **timeouts)
+        first = _step_all(procs, 0)
+        assert any(r["fraction"] < 1.0 for r in first), first  # the default budget is short
+        held = [torch.tensor(r["head"]) for r in first]
+        for round_key in (1, 2):
+            reports = _step_all(procs, round_key)
+            _check_mean(reports, held)
+            assert max(r["seconds"] for r in reports) > 4.0, reports  # past the default budget
+            held = [torch.tensor(r["head"]) for r in reports]

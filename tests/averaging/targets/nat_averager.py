@@ -1,13 +1,16 @@
 """A LocalSwarm target for the NAT lab: a DHT peer with an Averager, driven by commands.
 
-Options: ``initial_peers``, ``rank``, ``elements``, ``group_size``. Commands, each
-answered by one report:
+Options: ``initial_peers``, ``rank``, ``elements``, ``group_size``, and the round's
+``sender_timeout``, ``reducer_timeout``, ``round_timeout``. Commands, each answered by one
+report:
 
 - ``{"op": "wait_nat", "timeout": S}``: until we know our reachability and, if private,
   hold a relay reservation; reports ``nat`` (reachability, mapping, punchable).
 - ``{"op": "step", "round_key": K, "timeout": S}``: one averaging step; reports
   ``stepped``: the result's fingerprint and first values (``head``), the elements each
-  reducer reduced, and how we are connected to each other member (direct or relayed).
+  reducer reduced, how we are connected to each other member (direct or relayed), and
+  the share of the vector averaged, the round's seconds, and the rate we measured in it
+  (``announced`` in our next one).
 """
 
 from __future__ import annotations
@@ -57,7 +60,10 @@ async def nat_averager(node: Node) -> None:
             poll_interval_seconds=0.25,
         ),
         allreduce=AllReduceConfig(
-            sender_timeout=10.0, reducer_timeout=20.0, round_timeout=40.0, join_timeout=10.0
+            sender_timeout=float(options.get("sender_timeout", 10.0)),
+            reducer_timeout=float(options.get("reducer_timeout", 20.0)),
+            round_timeout=float(options.get("round_timeout", 40.0)),
+            join_timeout=10.0,
         ),
     )
     dht_config = DHTConfig(initial_peers=tuple(options["initial_peers"]), rpc_timeout=5.0)
@@ -102,6 +108,9 @@ async def _step(
         "reduced": reduced,
         "failed": {str(m): reason for m, reason in report.failed.items()},
         "agreed": step.outcome.transfer.agreed,
+        "fraction": report.fraction_averaged,
+        "seconds": step.allreduce_seconds,
         "connections": connections,
         "head": tensor[:4].tolist(),
+        "announced": averager.bandwidth,
     }

@@ -1,0 +1,114 @@
+"""A round's pace: timeouts that follow the members' measured rates
+(docs/design/averaging.md, "Rounds on slow links"). Pure: rates and sizes in, configs out.
+
+A round's default timeouts suit links of tens of megabytes per second. A member on a
+slow link (or a large vector) needs longer, and the rates the group's members announced
+(what each measured in its last round) say how much: :func:`paced` stretches the
+timeouts to fit, every member computing the same from the same group record.
+:func:`check_own_pace` is a peer's refusal to join rounds its own link cannot finish.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from averaging.allreduce.config import AllReduceConfig, AllReduceError
+from averaging.allreduce.records import RoundSpec
+
+#: A round may take this many times what its members' rates predict before a timeout
+#: cuts it: rates vary between rounds (shared links, TCP's ramp after idle), and a round
+#: cut short wastes all it moved.
+SLACK = 3.0
+#: Rates this many times below the group's median count as that much when pacing.
+MAX_SLOWDOWN = 10.0
+
+
+def wire_bytes_per_element(config: AllReduceConfig) -> float:
+    """Payload bytes the round's codec sends per float32 element."""
+    sample = torch.zeros(config.chunk_elements, dtype=torch.float32)
+    return config.codec.compression_ratio(sample) * sample.element_size()
+
+
+def transfer_seconds(spec: RoundSpec, rates: Sequence[float], bytes_per_element: float) -> float:
+    """Seconds the slowest member needs to move its traffic at its rate (``rates[i]``,
+    bytes per second; 0 for a member whose rate is unknown, which is left out): member
+    ``i`` sends its vector less its own part, and its part's average to the others, and
+    receives as much. 0.0 when no rate is known."""
+    sizes = [0] * len(spec.members)
+    for (start, end), owner in zip(spec.parts(), spec.owners, strict=True):
+        sizes[owner] += end - start
+    n = len(spec.members)
+    slowest = 0.0
+    for size, rate in zip(sizes, rates, strict=True):
+        if rate > 0:
+            elements = spec.total_elements - size + (n - 1) * size
+            slowest = max(slowest, elements * bytes_per_element / rate)
+    return slowest
+
+
+def paced(
+    config: AllReduceConfig, spec: RoundSpec, rates: Sequence[float] | None = None
+) -> AllReduceConfig:
+    """``config`` with its timeouts stretched to what the round needs at the members'
+    rates (``rates``, bytes per second, by default ``spec.weights``: the rates the
+    averager announces): a chunk crossing the slowest link may take ``SLACK`` times its
+    share of that link before its sender or reducer counts as silent, and the butterfly
+    ``SLACK`` times the whole transfer. Never shorter than ``config``'s own timeouts,
+    never longer than its ``max_round_timeout``. A rate is its member's own claim: rates
+    more than :data:`MAX_SLOWDOWN` times below the group's median count as that (a
+    member that claims a trickle cannot make the others wait for it without end)."""
+    given = tuple(spec.weights if rates is None else rates)
+    if len(given) != len(spec.members):
+        raise AllReduceError(f"{len(given)} rates for {len(spec.members)} members")
+    positive = [r for r in given if r > 0]
+    if not positive:
+        return config
+    floor = statistics.median(positive) / MAX_SLOWDOWN
+    floored = [max(r, floor) if r > 0 else 0.0 for r in given]
+    per_element = wire_bytes_per_element(config)
+    n = len(spec.members)
+    # A member sends a chunk to each other member at once: each gets 1/(n-1) of its link.
+    chunk_elements = min(config.chunk_elements, spec.total_elements)
+    chunk = SLACK * chunk_elements * per_element * max(1, n - 1) / max(min(positive), floor)
+    sender = max(config.sender_timeout, chunk)
+    reducer = sender + (config.reducer_timeout - config.sender_timeout)
+    # The butterfly gives up ``reducer`` seconds before the round's end (what is left is
+    # for votes and copies): the transfer must fit before that.
+    needed = SLACK * transfer_seconds(spec, floored, per_element)
+    round_timeout = min(config.max_round_timeout, max(config.round_timeout, reducer + needed))
+    if round_timeout <= reducer:  # the cap binds: keep the order the config checks
+        reducer = config.reducer_timeout
+        sender = config.sender_timeout
+    if (sender, reducer, round_timeout) == (
+        config.sender_timeout,
+        config.reducer_timeout,
+        config.round_timeout,
+    ):
+        return config
+    return replace(
+        config, sender_timeout=sender, reducer_timeout=reducer, round_timeout=round_timeout
+    )
+
+
+def own_round_seconds(config: AllReduceConfig, total_elements: int, rate: float) -> float:
+    """Seconds a round needs at least at our own measured ``rate`` (bytes per second),
+    whatever part we get: our vector out and the average back, ``SLACK`` times."""
+    return SLACK * total_elements * wire_bytes_per_element(config) / rate
+
+
+def check_own_pace(config: AllReduceConfig, total_elements: int, rate: float) -> None:
+    """Raise :class:`AllReduceError`, naming the remedies, when our own link at its
+    measured ``rate`` cannot finish a round within ``config.max_round_timeout``."""
+    needed = own_round_seconds(config, total_elements, rate)
+    if needed > config.max_round_timeout:
+        megabytes = total_elements * wire_bytes_per_element(config) / 1e6
+        raise AllReduceError(
+            f"a round would take this peer about {needed:.0f} s ({megabytes:.3g} MB of "
+            f"{config.codec.name} values each way at the {rate / 1e6:.3g} MB/s it measured), "
+            f"over max_round_timeout ({config.max_round_timeout:.0f} s): compress (a float16 "
+            "or 8-bit codec), average fewer parameters, or raise max_round_timeout"
+        )

@@ -1,0 +1,393 @@
+"""WAN benchmark: the all-reduce on emulated internet links, ours against hivemind, with
+the link bound beside both.
+
+Each scenario builds a namespace lab (``peers.netlab``: real network namespaces, real
+TCP, every link shaped by tbf and a userspace delay line) with one public host per
+member, and runs in it the processes of ``bench_allreduce.py``, one after another:
+
+1. raw TCP: the bytes a butterfly all-reduce moves, over plain sockets, every pair of
+   members exchanging at once (what TCP itself gets from these links);
+2. ours: butterfly rounds with the group given, then full ``Averager`` steps
+   (matchmaking through our DHT, then the round);
+3. hivemind 1.1.12: ``DecentralizedAverager.step()`` with its ``p2pd`` running inside
+   the same namespaces; its all-reduce is timed inside its process.
+
+Scenarios (``--scenarios``), every link 20 ms one way (80 ms round trip between two
+members):
+
+- ``equal``: 4 members on 100 Mbit/s links (each way); 64M elements;
+- ``unequal``: links of 1000, 100, 100 and 20 Mbit/s; 8M elements (a first round with
+  equal parts must fit the default timeouts: a newcomer has measured nothing). Ours: rounds with
+  equal parts (the group given), then averager steps whose parts follow the rates the
+  members measured in their previous step (the first, untimed, has equal parts); the
+  part shares and announced rates are reported. hivemind is told each link's true rate
+  (its ``bandwidth`` argument: it sizes parts by what its user declares);
+- ``lossy``: as ``equal``, with 1% of frames dropped on every link, each way (a frame
+  between two members crosses two links).
+
+The link bound of a scenario is what the links allow a butterfly all-reduce: a member
+with part ``p`` of the vector moves ``N + (n-2) p`` values each way (its vector less its
+part out, its part's average to the others; as much in), at its link rate less the
+Ethernet, IP and TCP headers of full frames (1448 payload bytes in 1514), plus one round
+trip (a value crosses to its reducer and back). With equal links that is equal parts;
+with unequal ones, the parts that minimise the slowest member's time (a member on a
+slow link reduces little or nothing), and the equal-parts bound is shown beside it. Loss
+is not in it: a lossy link's bound is the loss-free one, and raw TCP (equal parts) shows
+what loss costs TCP itself. Ours, against the bound and hivemind: the group-given round
+on equal links, the averager's all-reduce (measured parts) on unequal ones.
+
+Every round is checked against the true mean (as in ``bench_allreduce.py``); a wrong
+result gets no ratio. The run ends with one JSON line; ratios are > 1 where ours is
+better, ``*_fraction_of_link_bound`` (link bound seconds / our seconds) at most 1.
+
+Targets (issue 18): the all-reduce at >= 0.8 of the link bound and >= 1.5x hivemind in
+every scenario; on unequal links, measured parts faster than equal parts. Needs root
+and nftables (the lab); without them it says why and exits 1.
+
+    .venv/bin/python benchmarks/bench_wan.py --quick   # equal links, 4M elements, about a minute
+    .venv/bin/python benchmarks/bench_wan.py           # 64M elements (unequal: 8M)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
+from _common import BenchError, emit_result, installed_hivemind, median, print_table
+from bench_allreduce import (
+    WIRE_BYTES_PER_ELEMENT,
+    Placement,
+    Plan,
+    Results,
+    Series,
+    elements,
+    measure_bound,
+    measure_hivemind,
+    measure_ours,
+    sizes_that_fit,
+    summarize,
+    with_counts,
+)
+
+from peers.netlab import Lab, lab_available
+
+#: Payload bytes of a full TCP frame on the wire: 1448 (MSS with timestamps) of 1514
+#: (Ethernet header, IP and TCP headers with options, payload); tbf counts whole frames.
+TCP_PAYLOAD_SHARE = 1448 / 1514
+#: Ratio targets from the issue.
+TARGET_FRACTION_OF_LINK_BOUND = 0.8
+TARGET_VS_HIVEMIND = 1.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """The links of one lab: one per member."""
+
+    name: str
+    rates_mbit: tuple[float, ...]
+    """Each member's link rate, megabits per second, each way."""
+    one_way_ms: float
+    """Delay on every link, each way: two members are ``4 * one_way_ms`` apart, round trip."""
+    loss: float = 0.0
+    """Share of frames dropped on every link, each way."""
+    full_sizes: tuple[str, ...] = ("64M",)
+    """Vector sizes of a full run (``--quick``: 4M)."""
+
+    @property
+    def rtt_seconds(self) -> float:
+        return 4 * self.one_way_ms / 1000
+
+    @property
+    def unequal(self) -> bool:
+        return len(set(self.rates_mbit)) > 1
+
+    def payload_rates(self) -> list[float]:
+        """Each member's link rate in TCP payload bytes per second."""
+        return [r * 1e6 / 8 * TCP_PAYLOAD_SHARE for r in self.rates_mbit]
+
+    def describe(self) -> str:
+        rate = (
+            "/".join(f"{r:g}" for r in self.rates_mbit)
+            if self.unequal
+            else f"{self.rates_mbit[0]:g}"
+        )
+        rtt_ms = self.rtt_seconds * 1000
+        text = f"{len(self.rates_mbit)} members, {rate} Mbit/s links, {rtt_ms:g} ms RTT"
+        return text + (f", {self.loss:.0%} loss per link" if self.loss else "")
+
+    def link_bound_seconds(self, num_elements: int, codec: str, *, equal_parts: bool) -> float:
+        """Seconds the links allow a butterfly all-reduce of ``num_elements``: member
+        ``i`` with part ``p_i`` moves ``N + (n-2) p_i`` values each way at its rate;
+        with ``equal_parts`` every ``p_i`` is ``N/n``, else the parts that minimise the
+        slowest member's time (water-filling). Plus one round trip."""
+        n = len(self.rates_mbit)
+        size = num_elements * WIRE_BYTES_PER_ELEMENT[codec]  # bytes of one vector
+        rates = self.payload_rates()
+        if equal_parts or n < 3:
+            return max(size * (1 + (n - 2) / n) / r for r in rates) + self.rtt_seconds
+
+        def parts_fit(seconds: float) -> bool:  # can parts summing to N all finish?
+            return sum(max(0.0, (seconds * r - size) / (n - 2)) for r in rates) >= size
+
+        low, high = max(size / r for r in rates), size * (n - 1) / min(rates)
+        if parts_fit(low):
+            return low + self.rtt_seconds
+        for _ in range(100):
+            middle = (low + high) / 2
+            low, high = (low, middle) if parts_fit(middle) else (middle, high)
+        return high + self.rtt_seconds
+
+
+SCENARIOS = {
+    "equal": Scenario(name="equal", rates_mbit=(100.0,) * 4, one_way_ms=20.0),
+    "unequal": Scenario(
+        name="unequal",
+        rates_mbit=(1000.0, 100.0, 100.0, 20.0),
+        one_way_ms=20.0,
+        full_sizes=("8M",),
+    ),
+    "lossy": Scenario(name="lossy", rates_mbit=(100.0,) * 4, one_way_ms=20.0, loss=0.01),
+}
+
+#: hivemind's ``min_matchmaking_time`` and our ``gather_timeout``, seconds. hivemind's
+#: requests time out at half of it (bench_allreduce.py): its connection setup and
+#: requests take several round trips, and at 1 s (the loopback benchmark's) its
+#: matchmaking found no group at 80 ms.
+MATCHMAKING_SECONDS = 3.0
+#: Seconds the parent waits for one round before calling it hung: our averager paces a
+#: round on slow links up to ``AllReduceConfig.max_round_timeout``.
+ROUND_WAIT = 1800.0
+FULL = Plan(
+    sizes=("64M",),
+    codecs=("none", "float16"),
+    num_rounds=3,
+    num_step_rounds=3,
+    num_bound_reps=3,
+    matchmaking_seconds=MATCHMAKING_SECONDS,
+    round_wait=ROUND_WAIT,
+)
+#: One scenario (``equal`` unless ``--scenarios`` says), one codec, one timed round of
+#: each kind: every process of a scenario starts afresh, and that is most of the time.
+QUICK = replace(
+    FULL, sizes=("4M",), codecs=("none",), num_rounds=1, num_step_rounds=1, num_bound_reps=1
+)
+
+
+def run_scenario(scenario: Scenario, plan: Plan, hivemind: str | None, notes: list[str]) -> Results:
+    """Build the scenario's lab, measure raw TCP, ours and hivemind in it, tear it down."""
+    print(f"\n== {scenario.name}: {scenario.describe()}", flush=True)
+    rates = scenario.payload_rates()
+    with Lab() as lab:
+        hosts = [
+            lab.add_public_host(f"m{rank}", rate_mbit=rate)
+            for rank, rate in enumerate(scenario.rates_mbit)
+        ]
+        for rank, host in enumerate(hosts):
+            lab.delay(host, one_way_ms=scenario.one_way_ms, loss=scenario.loss, seed=rank)
+        placement = Placement(
+            namespaces=tuple(h.namespace for h in hosts), hosts=tuple(h.address for h in hosts)
+        )
+        raw = measure_bound(plan, placement)
+        for size in plan.sizes:
+            print(f"  raw TCP {size:>4}: {median(raw[size]):.3f} s", flush=True)
+        ours, ours_steps = measure_ours(plan, notes, placement, rates)
+        theirs: dict[tuple[str, str], Series] = {}
+        if hivemind:
+            try:
+                theirs = measure_hivemind(plan, notes, False, placement, rates)
+            except BenchError as e:
+                notes.append(f"{scenario.name}: hivemind failed; measured without it: {e}")
+                print(f"  hivemind failed: {e}", file=sys.stderr)
+    return Results(plan=plan, raw=raw, ours=ours, ours_steps=ours_steps, theirs=theirs)
+
+
+def _good(series: Series | None, seconds: list[float]) -> float | None:
+    """The median of ``seconds`` if ``series`` ran and was right."""
+    if series is None or series.problems or series.failure or not seconds:
+        return None
+    return median(seconds)
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def link_bound_figures(
+    scenario: Scenario, results: Results, figures: dict[str, Any], ratios: dict[str, float]
+) -> list[list[str]]:
+    """Each size and codec against the link bound: rows for the table; figures and ratios
+    (``{scenario}_{size}_{codec}_...``) added in place. Ours is the round with the group
+    given (equal parts) on equal links, and the averager's all-reduce (parts from the
+    rates it measured) on unequal ones; hivemind's is its all-reduce."""
+    rows = []
+    for size in results.plan.sizes:
+        n = elements(size)
+        for codec in results.plan.codecs:
+            key = f"{scenario.name}_{size}_{codec}"
+            bound = scenario.link_bound_seconds(n, codec, equal_parts=False)
+            equal_bound = scenario.link_bound_seconds(n, codec, equal_parts=True)
+            figures[f"{key}_link_bound_seconds"] = round(bound, 3)
+            mine = results.ours.get((size, codec))
+            steps = results.ours_steps.get((size, codec))
+            hers = results.theirs.get((size, codec))
+            equal_s = _good(mine, mine.seconds if mine else [])
+            measured_s = _good(steps, steps.seconds if steps else [])
+            hers_s = _good(hers, hers.seconds if hers else [])
+            ours_s = measured_s if scenario.unequal else equal_s
+            shares = ""
+            if scenario.unequal:
+                figures[f"{key}_equal_parts_link_bound_seconds"] = round(equal_bound, 3)
+                if equal_s is not None:
+                    figures[f"{key}_equal_parts_seconds_ours"] = round(equal_s, 3)
+                if measured_s is not None:
+                    figures[f"{key}_measured_parts_seconds_ours"] = round(measured_s, 3)
+                if equal_s is not None and measured_s is not None:
+                    ratios[f"{key}_measured_parts_vs_equal_parts"] = round(equal_s / measured_s, 3)
+                if steps is not None and steps.shares:
+                    last = steps.shares[-1]
+                    figures[f"{key}_part_shares_ours"] = [round(x, 3) for x in last]
+                    figures[f"{key}_announced_MB_per_s_ours"] = [
+                        round(x / 1e6, 2) for x in steps.announced[-1]
+                    ]
+                    shares = " ".join(f"{x:.2f}" for x in last)
+            if ours_s is not None:
+                ratios[f"{key}_fraction_of_link_bound"] = round(bound / ours_s, 3)
+            if hers_s is not None:
+                figures[f"{key}_allreduce_seconds_hivemind"] = round(hers_s, 3)
+                figures[f"{key}_fraction_of_link_bound_hivemind"] = round(bound / hers_s, 3)
+            if ours_s is not None and hers_s is not None:
+                ratios[f"{key}_throughput_vs_hivemind"] = round(hers_s / ours_s, 3)
+            raw_s = median(results.raw[size]) * WIRE_BYTES_PER_ELEMENT[codec] / 4
+            rows.append(
+                [
+                    scenario.name,
+                    size,
+                    codec,
+                    f"{bound:.2f}",
+                    f"{equal_bound:.2f}" if scenario.unequal else "",
+                    f"{raw_s:.2f}",
+                    _fmt(equal_s, "{:.2f}"),
+                    _fmt(measured_s, "{:.2f}"),
+                    "FAILED" if hers and hers.failure else _fmt(hers_s, "{:.2f}"),
+                    _fmt(bound / ours_s if ours_s else None, "{:.2f}"),
+                    _fmt(bound / hers_s if hers_s else None, "{:.2f}"),
+                    _fmt(hers_s / ours_s if ours_s and hers_s else None, "{:.2f}x"),
+                    shares,
+                ]
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="the equal scenario only, 4M elements, 1 round"
+    )
+    parser.add_argument("--no-hivemind", action="store_true", help="measure ours only")
+    parser.add_argument(
+        "--scenarios",
+        help=f"comma-separated: {', '.join(SCENARIOS)} (default: all; --quick: equal)",
+    )
+    parser.add_argument("--sizes", help="comma-separated sizes in elements, e.g. 4M,64M")
+    parser.add_argument("--codecs", help="comma-separated: none,float16,uint8,blockwise8")
+    parser.add_argument("--rounds", type=int, help="timed rounds per size and codec")
+    parser.add_argument("--step-rounds", type=int, help="timed full steps (0: none of ours)")
+    args = parser.parse_args(argv)
+    available, why = lab_available()
+    if not available:
+        print(f"the WAN benchmark needs the namespace lab: {why}", file=sys.stderr)
+        return 1
+    names = args.scenarios or ("equal" if args.quick else ",".join(SCENARIOS))
+    unknown = [s for s in names.split(",") if s not in SCENARIOS]
+    if unknown:
+        parser.error(
+            f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}"
+        )
+    scenarios = [SCENARIOS[s] for s in names.split(",")]
+    plan = with_counts(QUICK if args.quick else FULL, args)
+    notes: list[str] = []
+    hivemind, why = (
+        (None, "disabled with --no-hivemind") if args.no_hivemind else installed_hivemind()
+    )
+    if hivemind is None:
+        notes.append(f"hivemind not measured: {why}")
+    mode = "quick" if args.quick else "full"
+    print(
+        f"WAN all-reduce benchmark ({mode}): float32, codecs {', '.join(plan.codecs)};"
+        f" {os.cpu_count()} CPUs; hivemind {hivemind or 'absent'}",
+        flush=True,
+    )
+    began = time.monotonic()
+    figures: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    failures: dict[str, str] = {}
+    bound_rows = [
+        ["scenario", "size", "codec", "link bound s", "(equal parts)", "raw TCP s",
+         "ours equal parts s", "ours measured parts s", "hivemind s", "ours/bound",
+         "hivemind/bound", "vs hivemind", "our parts"]
+    ]  # fmt: skip
+    for scenario in scenarios:
+        sizes = tuple(args.sizes.split(",")) if args.sizes else scenario.full_sizes
+        scenario_plan = replace(plan, sizes=("4M",) if args.quick and not args.sizes else sizes)
+        scenario_plan = replace(scenario_plan, sizes=sizes_that_fit(scenario_plan, notes))
+        if not scenario_plan.sizes:
+            notes.append(f"{scenario.name}: no size fits in the memory available")
+            continue
+        results = run_scenario(scenario, scenario_plan, hivemind, notes)
+        scenario_notes: list[str] = []
+        found, found_ratios, found_failures, tables = summarize(results, scenario_notes)
+        notes.extend(f"{scenario.name}: {note}" for note in scenario_notes)
+        figures.update({f"{scenario.name}_{k}": v for k, v in found.items()})
+        failures.update({f"{scenario.name}_{k}": v for k, v in found_failures.items()})
+        for key, value in found_ratios.items():
+            if key.endswith("_step_vs_hivemind"):  # the full steps, matchmaking included
+                ratios[f"{scenario.name}_{key}"] = value
+            elif "fraction" in key:  # of raw TCP's time here: a figure, the link's is the ratio
+                figures[f"{scenario.name}_{key}_raw_tcp"] = value
+            # (its throughput_vs_hivemind: link_bound_figures says which of ours compares)
+        for title, rows in tables:
+            if len(rows) > 1:
+                print_table(f"[{scenario.name}] {title}", rows)
+        bound_rows += link_bound_figures(scenario, results, figures, ratios)
+    print_table(
+        "the all-reduce against the link bound (the best parts at the link rates less"
+        " TCP/IP headers, plus one round trip; equal parts beside it where links differ);"
+        " raw TCP (equal parts) scaled to the codec's wire bytes",
+        bound_rows,
+    )
+    for key, value in ratios.items():
+        if key.endswith("_fraction_of_link_bound"):
+            target, text = TARGET_FRACTION_OF_LINK_BOUND, f"{value:.2f}"
+        elif key.endswith("_throughput_vs_hivemind"):
+            target, text = TARGET_VS_HIVEMIND, f"{value:.2f}x"
+        elif key.endswith("_measured_parts_vs_equal_parts"):
+            target, text = 1.0, f"{value:.2f}x"
+        else:
+            continue
+        print(f"target {key} >= {target:g}: {text}, {'met' if value >= target else 'NOT met'}")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"total {time.monotonic() - began:.1f} s")
+    emit_result(
+        "wan",
+        figures,
+        ratios,
+        mode=mode,
+        hivemind=hivemind,
+        hivemind_failures=failures,
+        notes=notes,
+        plan=asdict(plan),
+        scenarios=[asdict(s) for s in scenarios],
+        cpus=os.cpu_count(),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
