@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from averaging.allreduce.config import AllReduceConfig, AllReduceResult
+from averaging.allreduce.config import AllReduceConfig, AllReduceError, AllReduceResult
 from averaging.allreduce.feedback import RoundFeedback
 from averaging.allreduce.pace import check_own_pace, paced
 from averaging.allreduce.partition import flatten
@@ -47,9 +47,9 @@ from peers.errors import LocalProtocolError
 from peers.identity import KeyPair, PeerID
 
 #: Bandwidth (bytes/s) a peer announces before it has measured its own: a common
-#: broadband figure, so a newcomer takes an ordinary share of the first round (and the
-#: round keeps the configured timeouts: a newcomer on a slow link may see its first
-#: round cut short, and the next one is paced by what it measured).
+#: broadband figure, so a newcomer takes an ordinary share of the first round. A round
+#: is paced for this rate at the newcomer: on a slow link its first round may end
+#: partly averaged, and the next is paced by what it measured.
 INITIAL_BANDWIDTH = 1e8
 #: Weight of the newest measurement in the smoothed bandwidth.
 BANDWIDTH_SMOOTHING = 0.5
@@ -218,7 +218,13 @@ class Averager:
         copies = self.config.reducers_per_part
         if self._rate_measured:
             elements = sum(t.numel() for t in self.tensors.values()) * copies
-            check_own_pace(self.config.allreduce, elements, self.bandwidth)
+            try:
+                check_own_pace(self.config.allreduce, elements, self.bandwidth)
+            except AllReduceError:
+                # Refuse this step, not every later one: a rate measured in a round
+                # that lost a member (or was cut) is low, so measure afresh next time.
+                self.bandwidth, self._rate_measured = INITIAL_BANDWIDTH, False
+                raise
         group = await self._matchmaker.look_for_group(
             self.key(round_key),
             bandwidth=self.bandwidth,
@@ -250,8 +256,10 @@ class Averager:
             max_weight_ratio=self.config.max_weight_ratio,
             reducers_per_part=copies,
         )
-        # Every member paces the round alike: from the group record's rates.
-        config = paced(self.config.allreduce, spec)
+        # Every member paces the round alike: from the group record's rates (all of
+        # them: a client-mode member reduces nothing, but its link still carries its
+        # vector and the average).
+        config = paced(self.config.allreduce, spec, group.bandwidths)
         outcome = await self._service.run_round(spec, flat, weight, config, errors=errors)
         folded = fold(outcome.result.averaged, copies)
         self._write_back(folded.values)

@@ -291,6 +291,8 @@ async def ours_node(node: Any) -> None:
             command = await node.receive()
             op = command.get("op")
             if op == "prepare":
+                await averager_scope.aclose()  # the last size's averager and its vector
+                averager, averager_key = None, None
                 member.prepare(command)
                 bounds = {c: make_codec(c).error_bound(member.local) for c in command["codecs"]}
                 node.report({"event": "prepared", "bounds": bounds})
@@ -385,7 +387,7 @@ async def ours_node(node: Any) -> None:
                         **tree_memory_mb(os.getpid()),
                         "agreed": step.outcome.transfer.agreed,
                         "shares": shares,
-                        "announced": averager.bandwidth,
+                        "measured": averager.bandwidth,  # what it announces next
                         **member.check(work, int(command["num_members"])),
                     }
                 )

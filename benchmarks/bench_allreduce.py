@@ -249,9 +249,9 @@ class Series:
     shares: list[list[float]] = field(default_factory=list)
     """Per timed full step (ours), each member's share of the vector to reduce, by rank:
     what the rates the members announced bought them."""
-    announced: list[list[float]] = field(default_factory=list)
-    """Per timed full step (ours), the rate (bytes/s) each member measured in it and
-    will announce next, by rank."""
+    measured: list[list[float]] = field(default_factory=list)
+    """Per timed full step (ours), the rate (bytes/s) each member measured in it (what
+    it announces in the next), by rank."""
     problems: list[str] = field(default_factory=list)
     """Why a result was wrong (empty when every checked round was right)."""
     failure: str = ""
@@ -443,7 +443,7 @@ def measure_ours(
                         series.add_memory(reports)
                         shares = reports[0]["shares"]
                         series.shares.append([shares[m.peer_id] for m in members])
-                        series.announced.append([x["announced"] for x in reports])
+                        series.measured.append([x["measured"] for x in reports])
                 if series.step_seconds:
                     print(
                         f"  ours {size:>4} {codec:>8}: full step {median(series.step_seconds):.3f}"

@@ -20,7 +20,7 @@ members):
   equal parts must fit the default timeouts: a newcomer has measured nothing). Ours: rounds with
   equal parts (the group given), then averager steps whose parts follow the rates the
   members measured in their previous step (the first, untimed, has equal parts); the
-  part shares and announced rates are reported. hivemind is told each link's true rate
+  part shares and the rates measured are reported. hivemind is told each link's true rate
   (its ``bandwidth`` argument: it sizes parts by what its user declares);
 - ``lossy``: as ``equal``, with 1% of frames dropped on every link, each way (a frame
   between two members crosses two links).
@@ -252,8 +252,8 @@ def link_bound_figures(
                 if steps is not None and steps.shares:
                     last = steps.shares[-1]
                     figures[f"{key}_part_shares_ours"] = [round(x, 3) for x in last]
-                    figures[f"{key}_announced_MB_per_s_ours"] = [
-                        round(x / 1e6, 2) for x in steps.announced[-1]
+                    figures[f"{key}_measured_MB_per_s_ours"] = [
+                        round(x / 1e6, 2) for x in steps.measured[-1]
                     ]
                     shares = " ".join(f"{x:.2f}" for x in last)
             if ours_s is not None:

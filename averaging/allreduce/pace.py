@@ -67,22 +67,25 @@ def paced(
     positive = [r for r in given if r > 0]
     if not positive:
         return config
-    floor = statistics.median(positive) / MAX_SLOWDOWN
+    # The lower median: one huge claim in a small group cannot lift the floor.
+    floor = statistics.median_low(positive) / MAX_SLOWDOWN
     floored = [max(r, floor) if r > 0 else 0.0 for r in given]
     per_element = wire_bytes_per_element(config)
-    n = len(spec.members)
-    # A member sends a chunk to each other member at once: each gets 1/(n-1) of its link.
-    chunk_elements = min(config.chunk_elements, spec.total_elements)
-    chunk = SLACK * chunk_elements * per_element * max(1, n - 1) / max(min(positive), floor)
+    # A chunk is at most a part long; a member sends one to each reducer at once, each
+    # getting its share of the member's link.
+    largest_part = max(end - start for start, end in spec.parts())
+    chunk_elements = max(1, min(config.chunk_elements, largest_part))
+    reducers = max(1, sum(1 for w in spec.weights if w > 0))
+    chunk = SLACK * chunk_elements * per_element * reducers / max(min(positive), floor)
     sender = max(config.sender_timeout, chunk)
     reducer = sender + (config.reducer_timeout - config.sender_timeout)
     # The butterfly gives up ``reducer`` seconds before the round's end (what is left is
     # for votes and copies): the transfer must fit before that.
     needed = SLACK * transfer_seconds(spec, floored, per_element)
     round_timeout = min(config.max_round_timeout, max(config.round_timeout, reducer + needed))
-    if round_timeout <= reducer:  # the cap binds: keep the order the config checks
-        reducer = config.reducer_timeout
-        sender = config.sender_timeout
+    if round_timeout <= reducer:  # the cap binds: leave the butterfly half of it
+        reducer = max(config.reducer_timeout, round_timeout / 2)
+        sender = max(config.sender_timeout, reducer / 2)
     if (sender, reducer, round_timeout) == (
         config.sender_timeout,
         config.reducer_timeout,

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from averaging import (
+    AllReduceError,
     Averager,
     AveragerConfig,
     AveragingStep,
@@ -303,6 +304,9 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             )
         except MatchmakingError as e:
             logger.info("epoch %d: no group (%s)", average.epoch, e)
+            return RoundOutcome(Round.NO_GROUP)
+        except AllReduceError as e:  # our link cannot finish a round: said, not fatal
+            logger.warning("epoch %d: not averaged: %s", average.epoch, e)
             return RoundOutcome(Round.NO_GROUP)
         except TimeoutError:
             logger.warning("epoch %d: the averaging step hung; abandoned", average.epoch)

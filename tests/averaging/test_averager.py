@@ -125,6 +125,7 @@ def test_a_peer_whose_link_cannot_finish_a_round_refuses_before_matchmaking(
                 await a.step("slow", timeout=3.0)
             for k, v in a.tensors.items():
                 assert torch.equal(v, before[k])
+            assert a.bandwidth == INITIAL_BANDWIDTH  # its next step measures afresh
 
     arun(main())
 

@@ -89,3 +89,14 @@ def test_a_peer_whose_own_link_cannot_finish_a_round_refuses_naming_the_fixes() 
 def test_max_round_timeout_below_round_timeout_is_refused() -> None:
     with pytest.raises(AllReduceError, match="max_round_timeout"):
         AllReduceConfig(round_timeout=60.0, max_round_timeout=30.0)
+
+
+def test_a_client_mode_members_rate_paces_the_round_and_one_huge_claim_cannot_unpace_it() -> None:
+    config = AllReduceConfig()
+    round_spec = spec((12.5 * MB, 12.5 * MB, 12.5 * MB, 0.0))  # the last is client-mode
+    # Its link (2.5 MB/s, behind NAT) still carries its vector and the average.
+    slow_client = paced(config, round_spec, (12.5 * MB, 12.5 * MB, 12.5 * MB, 2.5 * MB))
+    assert slow_client.round_timeout > paced(config, round_spec).round_timeout
+    # A claim of 1e15 in a group of two does not lift the floor over the real rate.
+    pair = spec((1e15, 1 * MB))
+    assert paced(config, pair).round_timeout > config.round_timeout
