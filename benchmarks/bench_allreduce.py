@@ -613,7 +613,8 @@ def sizes_that_fit(plan: Plan, notes: list[str]) -> tuple[str, ...]:
     return tuple(fit)
 
 
-def _fmt(value: float | None, pattern: str) -> str:
+def fmt(value: float | None, pattern: str) -> str:
+    """``value`` in ``pattern``, or ``-`` when there is none."""
     return "-" if value is None else pattern.format(value)
 
 
@@ -725,18 +726,18 @@ def summarize(
                 [
                     size,
                     label,
-                    _fmt(ours_s, "{:.3f}"),
-                    "FAILED" if hers is not None and hers.failure else _fmt(hers_s, "{:.3f}"),
-                    _fmt(n_bytes / ours_s / MB if ours_s else None, "{:.0f}"),
-                    _fmt(n_bytes / hers_s / MB if hers_s else None, "{:.0f}"),
+                    fmt(ours_s, "{:.3f}"),
+                    "FAILED" if hers is not None and hers.failure else fmt(hers_s, "{:.3f}"),
+                    fmt(n_bytes / ours_s / MB if ours_s else None, "{:.0f}"),
+                    fmt(n_bytes / hers_s / MB if hers_s else None, "{:.0f}"),
                     f"{bound_s:.3f}",
-                    _fmt(bound_s / ours_s if ours_s else None, "{:.2f}"),
-                    _fmt(bound_s / hers_s if hers_s else None, "{:.2f}"),
-                    _fmt(
+                    fmt(bound_s / ours_s if ours_s else None, "{:.2f}"),
+                    fmt(bound_s / hers_s if hers_s else None, "{:.2f}"),
+                    fmt(
                         results.bound_seconds(size, "none") / ours_s if ours_s else None,
                         "{:.2f}",
                     ),
-                    _fmt(ratios.get(f"{key}_throughput_vs_hivemind"), "{:.2f}x"),
+                    fmt(ratios.get(f"{key}_throughput_vs_hivemind"), "{:.2f}x"),
                 ]
             )
 
@@ -752,12 +753,12 @@ def summarize(
                 [
                     size,
                     label,
-                    _fmt(ours_step, "{:.3f}"),
-                    _fmt(_median(mine_step.matchmaking_seconds) if mine_step else None, "{:.3f}"),
-                    _fmt(hers_step, "{:.3f}"),
-                    _fmt(_median(hers.matchmaking_seconds) if hers_step and hers else None,
+                    fmt(ours_step, "{:.3f}"),
+                    fmt(_median(mine_step.matchmaking_seconds) if mine_step else None, "{:.3f}"),
+                    fmt(hers_step, "{:.3f}"),
+                    fmt(_median(hers.matchmaking_seconds) if hers_step and hers else None,
                          "{:.3f}"),
-                    _fmt(ratios.get(f"{key}_step_vs_hivemind"), "{:.2f}x"),
+                    fmt(ratios.get(f"{key}_step_vs_hivemind"), "{:.2f}x"),
                 ]
             )  # fmt: skip
 
@@ -769,7 +770,7 @@ def summarize(
             for name, value in zip(("round_ours", "step_ours", "step_hivemind"), cpu, strict=True):
                 if value is not None:
                     figures[f"{key}_cpu_seconds_per_peer_{name}"] = round(value, 3)
-            cpu_rows.append([size, label, *(_fmt(c, "{:.3f}") for c in cpu)])
+            cpu_rows.append([size, label, *(fmt(c, "{:.3f}") for c in cpu)])
             peaks = [
                 max(mine.peak_rss_mb, mine_step.peak_rss_mb if mine_step else 0.0)
                 if mine
@@ -779,15 +780,15 @@ def summarize(
             for name, value in zip(("ours", "hivemind"), peaks, strict=True):
                 if value:
                     figures[f"{key}_peak_rss_MB_per_peer_{name}"] = round(value)
-            memory_rows.append([size, label, *(_fmt(p or None, "{:.0f}") for p in peaks)])
+            memory_rows.append([size, label, *(fmt(p or None, "{:.0f}") for p in peaks)])
             check_rows.append(
                 [
                     size,
                     label,
-                    _fmt(mine.max_error if mine else None, "{:.2e}"),
-                    _fmt(mine.rms_relative_error if mine else None, "{:.2e}"),
-                    _fmt(hers.max_error if hers and hers.seconds else None, "{:.2e}"),
-                    _fmt(hers.rms_relative_error if hers and hers.seconds else None, "{:.2e}"),
+                    fmt(mine.max_error if mine else None, "{:.2e}"),
+                    fmt(mine.rms_relative_error if mine else None, "{:.2e}"),
+                    fmt(hers.max_error if hers and hers.seconds else None, "{:.2e}"),
+                    fmt(hers.rms_relative_error if hers and hers.seconds else None, "{:.2e}"),
                 ]
             )
     tables = [

@@ -67,6 +67,7 @@ from bench_allreduce import (
     Results,
     Series,
     elements,
+    fmt,
     measure_bound,
     measure_hivemind,
     measure_ours,
@@ -214,10 +215,6 @@ def _good(series: Series | None, seconds: list[float]) -> float | None:
     return median(seconds)
 
 
-def _fmt(value: float | None, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
-
-
 def link_bound_figures(
     scenario: Scenario, results: Results, figures: dict[str, Any], ratios: dict[str, float]
 ) -> list[list[str]]:
@@ -272,12 +269,12 @@ def link_bound_figures(
                     f"{bound:.2f}",
                     f"{equal_bound:.2f}" if scenario.unequal else "",
                     f"{raw_s:.2f}",
-                    _fmt(equal_s, "{:.2f}"),
-                    _fmt(measured_s, "{:.2f}"),
-                    "FAILED" if hers and hers.failure else _fmt(hers_s, "{:.2f}"),
-                    _fmt(bound / ours_s if ours_s else None, "{:.2f}"),
-                    _fmt(bound / hers_s if hers_s else None, "{:.2f}"),
-                    _fmt(hers_s / ours_s if ours_s and hers_s else None, "{:.2f}x"),
+                    fmt(equal_s, "{:.2f}"),
+                    fmt(measured_s, "{:.2f}"),
+                    "FAILED" if hers and hers.failure else fmt(hers_s, "{:.2f}"),
+                    fmt(bound / ours_s if ours_s else None, "{:.2f}"),
+                    fmt(bound / hers_s if hers_s else None, "{:.2f}"),
+                    fmt(hers_s / ours_s if ours_s and hers_s else None, "{:.2f}x"),
                     shares,
                 ]
             )
