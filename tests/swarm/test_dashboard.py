@@ -430,8 +430,10 @@ def test_the_page_lists_the_peers_and_the_sample_count_rises(
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.goto(training_swarm.url)
+            # Conditions are functions: playwright evaluates a bare expression with the
+            # page's eval, which the dashboard's CSP (no 'unsafe-eval') refuses.
             page.wait_for_function(
-                "document.querySelectorAll('#peers tbody tr').length >= 3", timeout=30_000
+                "() => document.querySelectorAll('#peers tbody tr').length >= 3", timeout=30_000
             )
             shown = page.locator("#peers tbody tr").evaluate_all(
                 "rows => rows.map(r => r.dataset.peerId)"
@@ -450,7 +452,7 @@ def test_the_page_lists_the_peers_and_the_sample_count_rises(
             later = int(samples.inner_text().replace(",", ""))
             assert later > first
             page.wait_for_function(
-                "document.querySelectorAll('.run polyline').length >= 2"
+                "() => document.querySelectorAll('.run polyline').length >= 2"
                 " && document.querySelector('#events').textContent.includes('run demo:')",
                 timeout=30_000,
             )
@@ -483,7 +485,7 @@ def test_markup_in_a_peer_record_shows_as_text(training_swarm: Swarm, tmp_path: 
                 page = browser.new_page()
                 page.goto(training_swarm.url)
                 page.wait_for_function(
-                    "document.querySelectorAll('.run').length >= 2", timeout=30_000
+                    "() => document.querySelectorAll('.run').length >= 2", timeout=30_000
                 )
                 assert f"run {HOSTILE}" in page.locator(".run-id").all_inner_texts()
                 assert HOSTILE in page.inner_text("#peers")  # its agent, and its run
