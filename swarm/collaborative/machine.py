@@ -62,12 +62,25 @@ class Wait:
 class Average:
     """Build this epoch's update and average it in a round of ``epoch`` with a group of
     ``group_size`` (this peer included), weighted by ``weight``; or, when ``alone``
-    (nobody else is live), report ``RoundOutcome(ALONE)`` without a round."""
+    (nobody else is live), report ``RoundOutcome(ALONE)`` without a round. ``branch`` is
+    the fingerprint of the round that ended this peer's previous epoch."""
 
     epoch: int
     weight: float
     group_size: int
     alone: bool
+    branch: bytes = b""
+
+    @property
+    def round_key(self) -> str:
+        """The averaging round to meet in: the epoch and the branch. Peers on different
+        branches hold different models (the swarm split, and each group stepped with
+        its own average), so they must not meet: one round of them all would give both
+        branches one fingerprint, hiding the split from :func:`split_winner` forever,
+        while each applies the same update to its own model and they never converge.
+        Kept apart, each branch goes on averaging alone until its records show the
+        split, and the smaller one follows the larger."""
+        return f"{self.epoch}.{self.branch.hex()}" if self.branch else str(self.epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,6 +428,7 @@ class StepMachine:
             weight=float(max(self.samples, 1)),
             group_size=max(self.expected_group(now), 2),
             alone=view.num_peers <= 1,
+            branch=self.fingerprint,
         )
 
     # --- internals ---------------------------------------------------------------------
