@@ -298,7 +298,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         try:
             step: AveragingStep = self.dht.peer.run(
                 self._averager.step(
-                    average.round_key, weight=average.weight, target_group_size=average.group_size
+                    average.epoch, weight=average.weight, target_group_size=average.group_size
                 ),
                 timeout=timeout + HUNG_CALL_SLACK_SECONDS,
             )
@@ -532,10 +532,10 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         except SwarmError as e:  # checked on the manifest already: a bug if it happens
             logger.warning("could not load state from peers: %s", e)
             return False
-        self._machine.loaded(
-            int(counters["epoch"]),
-            fingerprint if fingerprint is not None else counters.get("fingerprint", b""),
-        )
+        # The state's own branch: donors that stepped on since we chose them hand over a
+        # newer state, of the next round's branch, not the one we asked for.
+        own = counters.get("fingerprint", b"")
+        self._machine.loaded(int(counters["epoch"]), own or fingerprint or b"")
         self._follow_epoch()
         self._updates.restart()
         self._publish_now()

@@ -115,8 +115,8 @@ def test_a_killed_peer_restarts_syncs_and_the_result_still_matches() -> None:
     for r in results:
         assert r["epochs"] == NUM_SAMPLES // GLOBAL_BATCH
         assert _close_to(r["metrics"], baseline), (r["metrics"], baseline)
-    # one model, not branches: a round that split once, then met again, ended as two
-    # pairs of peers 25% apart in loss with every counter clean
+    # one model, not branches: a round that split, then a round of everyone, once ended
+    # as two pairs of peers 25% apart in loss with every counter clean
     assert len({round(r["metrics"]["loss"], 6) for r in results}) == 1
 
 

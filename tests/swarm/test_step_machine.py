@@ -72,28 +72,32 @@ def test_a_peer_trains_until_its_share_then_waits_then_averages_with_who_deliver
     assert (m.counts.rounds, m.counts.bytes_sent, m.counts.round_seconds) == (1, 100, 0.5)
 
 
-def test_peers_meet_only_on_their_branch_so_a_split_cannot_be_averaged_away() -> None:
-    """Two groups that stepped epoch 0 apart hold different models. Were they to meet in
-    epoch 1's round, its one fingerprint would hide the split for good while each group
-    applied the same update to its own model: their round keys differ instead, until
-    the records show the split and the smaller branch loads the larger's state."""
-    one, two = _machine(), _machine()
-    fresh = Average(epoch=0, weight=1.0, group_size=2, alone=False)
-    assert fresh.round_key == "0"  # before any round: one branch, the empty one
-    for m, fingerprint in ((one, b"a" * 16), (two, b"b" * 16)):
-        m.records = {_ids(1)[0]: _record(samples=64)}
-        assert isinstance(m.batch(16, T0), Average)
-        m.round_ended(RoundOutcome(Round.AGREED, fingerprint=fingerprint), T0 + 1)
+def test_a_split_stays_visible_after_a_round_that_takes_in_both_branches() -> None:
+    """Epoch 0's round split in two groups, each stepping with its own average; epoch 1's
+    round took in all four. Its fingerprint is one, their models two: the branch each
+    came from is folded in, so each pair sees the other pair as another branch of its
+    epoch, and the tie goes to one side (the smaller fingerprint): the other resyncs."""
+    machines = [_machine() for _ in range(4)]
+    for m, group in zip(machines, (b"a", b"a", b"b", b"b"), strict=True):
+        m.round_ended(RoundOutcome(Round.AGREED, fingerprint=group * 16), T0)
         m.finish_epoch()
-        m.records = {_ids(1)[0]: _record(1, samples=64)}
-    first, second = one.batch(16, T0 + 2), two.batch(16, T0 + 2)
-    assert isinstance(first, Average) and isinstance(second, Average)
-    assert (first.epoch, second.epoch) == (1, 1)
-    assert first.round_key == "1." + "61" * 16 and second.round_key == "1." + "62" * 16
-    two.loaded(1, b"a" * 16)  # the split seen: it took the other branch's state
-    two.records = {_ids(1)[0]: _record(1, samples=64)}
-    again = two.batch(16, T0 + 3)
-    assert isinstance(again, Average) and again.round_key == first.round_key
+        m.round_ended(RoundOutcome(Round.AGREED, fingerprint=b"c" * 16), T0 + 1)
+        m.finish_epoch()
+    one, two = {m.fingerprint for m in machines[:2]}, {m.fingerprint for m in machines[2:]}
+    assert len(one) == len(two) == 1 and one != two
+    for m in machines:
+        m.records = {o.me: o.mine(T0 + 2) for o in machines if o is not m}
+    followed = [m._follow_majority(T0 + 2, "split") for m in machines]
+    losers = [i for i, f in enumerate(followed) if isinstance(f, Resync)]
+    assert losers in ([0, 1], [2, 3]), followed
+    # A peer restarted from a checkpoint is on no known branch: after a round with the
+    # others it is on a branch of its own, and follows them.
+    restarted, survivor = machines[0], machines[2]
+    restarted.restarted(2)
+    assert restarted.fingerprint == b""
+    restarted.round_ended(RoundOutcome(Round.AGREED, fingerprint=b"d" * 16), T0 + 3)
+    survivor.round_ended(RoundOutcome(Round.AGREED, fingerprint=b"d" * 16), T0 + 3)
+    assert restarted.fingerprint == b"d" * 16 != survivor.fingerprint
 
 
 def test_a_peer_still_averaging_the_last_epoch_is_expected_in_this_round() -> None:
