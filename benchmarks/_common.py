@@ -263,6 +263,24 @@ P2PD_SOCKET = re.compile(r"-listen=/unix(/\S*/hivemind-p2pd-[\w-]+\.sock)(?:\s|$
 MAX_LINES_PER_WAIT = 100_000
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where each member's process runs: on loopback (the default) or, for
+    ``bench_wan.py``, on the namespace lab's hosts (a namespace and an address per rank)."""
+
+    namespaces: tuple[str | None, ...] = ()
+    hosts: tuple[str, ...] = ()
+
+    def namespace(self, rank: int) -> str | None:
+        return self.namespaces[rank] if self.namespaces else None
+
+    def host(self, rank: int) -> str:
+        return self.hosts[rank] if self.hosts else "127.0.0.1"
+
+
+LOOPBACK = Placement()
+
+
 class JsonChild:
     """A ``python SCRIPT ARGS...`` child that reads JSON commands on stdin and prints JSON
     reports on stdout; its output, and the processes it started (by PID). With

@@ -37,9 +37,10 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
-LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
+LOOPBACK = "127.0.0.1"
 #: Most commands a node answers before it leaves by itself (the parent sends a dozen).
 MAX_COMMANDS = 1000
 #: Seconds hivemind's DHT process has to join; the parent's own deadline is shorter.
@@ -129,6 +130,8 @@ async def ours_node(node: Any) -> None:
         initial_peers=tuple(node.options.get("initial_peers", ())),
         disjoint_paths=int(node.options.get("disjoint_paths", 1)),
     )
+    if "alpha" in node.options:
+        config = replace(config, alpha=int(node.options["alpha"]))
     async with DHT(node.peer, config) as dht:
         addrs = [str(a) for a in node.peer.listen_addrs]
         node.report({"event": "joined", "join_s": time.monotonic() - began, "addrs": addrs})
@@ -227,7 +230,7 @@ def hivemind_node(options: dict[str, Any]) -> None:
     began = time.monotonic()
     dht = hivemind.DHT(
         initial_peers=options.get("initial_peers") or None,
-        host_maddrs=[LOOPBACK_LISTEN],
+        host_maddrs=[f"/ip4/{options.get('host', LOOPBACK)}/tcp/0"],
         start=False,
     )
     try:

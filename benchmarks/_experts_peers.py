@@ -34,7 +34,7 @@ from _common import run_role
 HIDDEN = 1024
 UID = "ffn.0.0"
 HIVEMIND_UID = "expert.0"
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+LOOPBACK = "127.0.0.1"
 #: Seconds a child lives at most: it exits by itself if the parent forgets it.
 CHILD_LIFETIME = 900.0
 #: Seconds one call may take before the run is declared broken.
@@ -44,11 +44,21 @@ MAX_COMMANDS = 10_000
 
 
 def child_entry(role: str, conn: Connection, options: dict[str, Any]) -> None:
-    """Entry point of every spawned child: run ``role``, report a failure on the pipe."""
+    """Entry point of every spawned child: run ``role``, report a failure on the pipe.
+    With ``{"namespace": name}`` the child first enters that network namespace (the
+    namespace lab's hosts, for ``bench_wan.py``); servers listen on ``{"host": ip}``."""
+    if options.get("namespace"):
+        from peers.netlab import enter_namespace
+
+        enter_namespace(options["namespace"])  # before any thread starts
     import torch
 
     torch.set_num_threads(1)
     run_role(ROLES, role, conn, options)
+
+
+def _listen(options: dict[str, Any]) -> str:
+    return f"/ip4/{options.get('host', LOOPBACK)}/tcp/0"
 
 
 def _serve_commands(
@@ -133,7 +143,7 @@ def _ours_server(conn: Connection, options: dict[str, Any]) -> None:
     # The ExpertServer tunes the heap for the threads started after it; tuned first, the
     # peer's loop thread (where a batch-1 forward runs) shares it too, as under peers.run.
     keep_freed_memory()
-    peer = BlockingPeer(PeerConfig(listen_addrs=(LOOPBACK,)))
+    peer = BlockingPeer(PeerConfig(listen_addrs=(_listen(options),)))
     stop = asyncio.Event()
 
     config = ServerConfig(linear_kernels=options["linear_kernels"])
@@ -232,7 +242,7 @@ def _hivemind_server(conn: Connection, options: dict[str, Any]) -> None:
         max_batch_size=1024,
         optim_cls=functools.partial(torch.optim.Adam, fused=options["fused_adam"]),
         device="cpu",
-        host_maddrs=[LOOPBACK],
+        host_maddrs=[_listen(options)],
         start=True,
     )
     try:

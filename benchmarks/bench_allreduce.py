@@ -60,8 +60,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
 from _common import (
+    LOOPBACK,
     BenchError,
     JsonChild,
+    Placement,
     emit_result,
     installed_hivemind,
     median,
@@ -154,23 +156,6 @@ class Plan:
         for size in self.sizes:
             elements(size)
 
-
-@dataclass(frozen=True)
-class Placement:
-    """Where each member's process runs: on loopback (the default) or, for
-    ``bench_wan.py``, on the namespace lab's hosts (a namespace and an address per rank)."""
-
-    namespaces: tuple[str | None, ...] = ()
-    hosts: tuple[str, ...] = ()
-
-    def namespace(self, rank: int) -> str | None:
-        return self.namespaces[rank] if self.namespaces else None
-
-    def host(self, rank: int) -> str:
-        return self.hosts[rank] if self.hosts else "127.0.0.1"
-
-
-LOOPBACK = Placement()
 
 QUICK = Plan(sizes=("4M",), num_rounds=2, num_step_rounds=1, num_bound_reps=3)
 FULL = Plan(sizes=("16M", "64M"), num_rounds=5, num_step_rounds=5, num_bound_reps=5)
@@ -295,7 +280,7 @@ def check_round(
 
 
 def span(reports: list[dict[str, Any]], start: str, end: str) -> float:
-    return max(r[end] for r in reports) - min(r[start] for r in reports)
+    return float(max(r[end] for r in reports) - min(r[start] for r in reports))
 
 
 # --- the limit -------------------------------------------------------------------------
@@ -378,7 +363,7 @@ def measure_ours(
                 tolerance = 2 * 1.05 * max(r["bounds"][codec] for r in prepared) + BOUND_SLACK
                 series = rounds[(size, codec)] = Series()
                 for r in range(1 + plan.num_rounds):
-                    command = {
+                    command: dict[str, Any] = {
                         "op": "round",
                         "round_id": secrets.token_hex(16),
                         "members": addresses,
@@ -521,7 +506,7 @@ def measure_hivemind(
                 ]
                 for r in range(1 + num_rounds):
                     find_timeout = plan.matchmaking_seconds + 30.0
-                    command = {
+                    command: dict[str, Any] = {
                         "op": "step",
                         "num_members": plan.num_peers,
                         "timeout": find_timeout,

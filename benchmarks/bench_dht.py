@@ -49,8 +49,10 @@ from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
 from _common import (
+    LOOPBACK,
     BenchError,
     JsonChild,
+    Placement,
     descendants,
     emit_result,
     installed_hivemind,
@@ -102,6 +104,8 @@ class Plan:
     """Ops per peer per kind in the throughput phase."""
     disjoint_paths: int = 1
     """Our lookups' disjoint paths (``DHTConfig.disjoint_paths``; the default is 1)."""
+    alpha: int | None = None
+    """Our lookups' queries in flight (``DHTConfig.alpha``; ``None``: the default)."""
 
     def __post_init__(self) -> None:
         if self.num_peers < 1 + max(2 * self.num_latency_peers, self.num_load_peers):
@@ -149,8 +153,10 @@ class Member(Protocol):
 class HivemindPeer(JsonChild):
     """A ``_dht_peers.py hivemind`` process, its output, and the processes it started."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        super().__init__(PEERS_FILE, ["hivemind", json.dumps(options)], name="hivemind peer")
+    def __init__(self, options: dict[str, Any], namespace: str | None = None) -> None:
+        super().__init__(
+            PEERS_FILE, ["hivemind", json.dumps(options)], name="hivemind peer", namespace=namespace
+        )
 
 
 class Swarm(Protocol):
@@ -162,21 +168,36 @@ class Swarm(Protocol):
 
 
 class OursSwarm:
-    def __init__(self, disjoint_paths: int = 1) -> None:
+    def __init__(
+        self, disjoint_paths: int = 1, placement: Placement = LOOPBACK, alpha: int | None = None
+    ) -> None:
         from peers.testing import LocalSwarm
 
         self.local = LocalSwarm(startup_timeout=BRING_UP_TIMEOUT)
         self.members: list[Any] = []
         self.disjoint_paths = disjoint_paths
+        self.placement = placement
+        self.alpha = alpha
 
     def start(self, num: int, initial_peers: list[str]) -> list[Any]:
         from peers.testing import SwarmError
 
         options: dict[str, Any] = {"disjoint_paths": self.disjoint_paths}
+        if self.alpha is not None:
+            options["alpha"] = self.alpha
         if initial_peers:
             options["initial_peers"] = initial_peers
+        ranks = range(len(self.members), len(self.members) + num)
         try:
-            started = self.local.start(num, target=OURS_TARGET, options=options)
+            started = self.local.start(
+                num,
+                target=OURS_TARGET,
+                options=options,
+                per_peer_options=[
+                    {"listen": [f"/ip4/{self.placement.host(r)}/tcp/0"]} for r in ranks
+                ],
+                namespaces=[self.placement.namespace(r) for r in ranks],
+            )
         except SwarmError as e:
             raise BenchError(str(e)) from e
         self.members += started
@@ -187,11 +208,19 @@ class OursSwarm:
 
 
 class HivemindSwarm:
-    def __init__(self) -> None:
+    def __init__(self, placement: Placement = LOOPBACK) -> None:
         self.members: list[HivemindPeer] = []
+        self.placement = placement
 
     def start(self, num: int, initial_peers: list[str]) -> list[Any]:
-        started = [HivemindPeer({"initial_peers": initial_peers}) for _ in range(num)]
+        ranks = range(len(self.members), len(self.members) + num)
+        started = [
+            HivemindPeer(
+                {"initial_peers": initial_peers, "host": self.placement.host(r)},
+                self.placement.namespace(r),
+            )
+            for r in ranks
+        ]
         self.members += started
         return started
 
@@ -342,9 +371,14 @@ def measure_memory(members: list[Member], result: RepResult) -> None:
         result.memory_mb["daemon_rss"].append(daemon / MB)
 
 
-def run_rep(system: str, plan: Plan, rep: int) -> RepResult:
-    """One fresh swarm of ``system``: bring-up, ops, memory; always torn down."""
-    swarm: Swarm = OursSwarm(plan.disjoint_paths) if system == "ours" else HivemindSwarm()
+def run_rep(system: str, plan: Plan, rep: int, placement: Placement = LOOPBACK) -> RepResult:
+    """One fresh swarm of ``system``: bring-up, ops, memory; always torn down. With a
+    placement, peer ``i`` runs in its ``namespace(i)`` and listens on its ``host(i)``."""
+    swarm: Swarm = (
+        OursSwarm(plan.disjoint_paths, placement, plan.alpha)
+        if system == "ours"
+        else HivemindSwarm(placement)
+    )
     result: RepResult | None = None
     try:
         seconds, join_s = bring_up(swarm, plan.num_peers)

@@ -52,7 +52,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
 from _common import (
+    LOOPBACK,
     BenchError,
+    Placement,
     descendants,
     emit_result,
     importable_hivemind,
@@ -226,12 +228,19 @@ def _repetition(
 
 
 def measure(
-    plan: Plan, systems: list[str], notes: list[str], *, fused: bool, kernels: str
+    plan: Plan,
+    systems: list[str],
+    notes: list[str],
+    *,
+    fused: bool,
+    kernels: str,
+    placement: Placement = LOOPBACK,
 ) -> tuple[Results, str]:
     """``fused``: every system steps torch's fused Adam (else its plain, per-op one);
     ``kernels``: our server's ``linear_kernels``. Returns the results and the kernels our
     server's Linear layers used; "local_server_kernels" runs only if they are not
-    torch's (else it would be "local" again)."""
+    torch's (else it would be "local" again). Servers run at ``placement``'s rank 0,
+    clients at rank 1; the local module (no network) runs where this process does."""
     results: Results = {}
     fleet = Fleet()
     used = "torch"
@@ -240,9 +249,15 @@ def measure(
         for system in systems:
             if system.startswith("local"):
                 continue
-            options = {"fused_adam": fused, "linear_kernels": kernels}
+            options = {
+                "fused_adam": fused,
+                "linear_kernels": kernels,
+                "namespace": placement.namespace(0),
+                "host": placement.host(0),
+            }
             try:
                 _, servers[system] = fleet.start(f"{system}_server", options)
+                servers[system]["namespace"] = placement.namespace(1)
             except BenchError as e:
                 if system != "hivemind":
                     raise

@@ -14,6 +14,7 @@ from peers.netlab.available import lab_available
 from peers.netlab.commands import CommandError, CommandTimeout, NetlabError
 from peers.netlab.hosts import LanHost, Node, PublicHost, Router
 from peers.netlab.lab import Lab
+from peers.netlab.namespaces import enter as enter_namespace
 from peers.netlab.nat import NatType
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "Node",
     "PublicHost",
     "Router",
+    "enter_namespace",
     "lab_available",
 ]

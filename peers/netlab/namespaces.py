@@ -9,6 +9,7 @@ touching a live lab's, even one started by another user's concurrent test run.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import re
@@ -120,6 +121,29 @@ def delete(name: str, *, timeout: float) -> None:
         return
     kill_inside(name, timeout=timeout)
     run_checked(["ip", "netns", "delete", name], timeout=timeout)
+
+
+#: ``setns(2)``'s flag for a network namespace.
+CLONE_NEWNET = 0x40000000
+
+
+def enter(name: str) -> None:
+    """Move the calling thread into the network namespace ``name``: sockets it opens
+    from then on (and processes it starts) live there. For a process that cannot be
+    started with ``ip netns exec`` (a ``multiprocessing`` child): call it first, before
+    any thread starts. Raises ``OSError`` if ``name`` does not exist or we may not
+    enter it (it needs ``CAP_SYS_ADMIN``)."""
+    try:
+        fd = os.open(NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(e.errno, f"no network namespace {name} in {NETNS_DIR}") from e
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot enter network namespace {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
 
 
 def remove_stale(*, timeout: float) -> list[str]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import queue
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from peers.netlab import Lab, NatType, Node, PublicHost, lab_available
+from peers.netlab import Lab, NatType, Node, PublicHost, enter_namespace, lab_available
 from peers.netlab.namespaces import list_namespaces, next_name, pid_alive, stale_namespaces
 from peers.netlab.nat import router_ruleset
 from peers.netlab.shaping import burst_bytes, tbf_args
@@ -249,6 +251,30 @@ def test_public_host_reaches_public_host(lab: Lab) -> None:
     client = Program(a, CLIENT, b.address, SERVER_PORT, 0, 5)
     assert client.expect("connected")["seen_as"][0] == a.address
     assert server.expect("peer")["ip"] == a.address
+
+
+def _connect_from(namespace: str, address: str, port: int, done: Any) -> None:
+    enter_namespace(namespace)
+    with socket.create_connection((address, port), timeout=5) as conn:
+        done.put(conn.getsockname()[0])
+
+
+@needs_lab
+def test_a_multiprocessing_child_enters_a_hosts_namespace(lab: Lab) -> None:
+    a, b = lab.add_public_host("a"), lab.add_public_host("b")
+    server = serve(b, REFLECTOR, SERVER_PORT, 1)
+    context = multiprocessing.get_context("spawn")
+    done = context.Queue()
+    child = context.Process(target=_connect_from, args=(a.namespace, b.address, SERVER_PORT, done))
+    child.start()
+    try:
+        assert done.get(timeout=30) == a.address  # the host's address, not the machine's
+        assert server.expect("peer")["ip"] == a.address
+    finally:
+        child.join(10)
+    assert child.exitcode == 0
+    with pytest.raises(OSError, match="no network namespace"):
+        enter_namespace("stl-no-such-namespace")
 
 
 @needs_lab
