@@ -469,13 +469,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--disjoint-paths", type=int, default=1, help="our lookups' disjoint paths (1)"
     )
+    parser.add_argument(
+        "--alpha", type=int, help="our lookups' queries in flight (default: DHTConfig's)"
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.peers:
         plan = replace(plan, num_peers=args.peers)
     if args.reps:
         plan = replace(plan, num_reps=args.reps)
-    plan = replace(plan, disjoint_paths=args.disjoint_paths)
+    plan = replace(plan, disjoint_paths=args.disjoint_paths, alpha=args.alpha)
 
     notes: list[str] = []
     version, why = (
