@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         "--alpha", type=int, help="our lookups' queries in flight (default: DHTConfig's)"
     )
     args = parser.parse_args(argv)
+    if args.alpha is not None and args.alpha < 1:
+        parser.error(f"--alpha {args.alpha}: our lookups need at least 1 query in flight")
     plan = QUICK if args.quick else FULL
     if args.peers:
         plan = replace(plan, num_peers=args.peers)

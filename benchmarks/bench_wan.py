@@ -589,10 +589,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds per size and codec")
     parser.add_argument("--step-rounds", type=int, help="timed full steps (0: none of ours)")
     args = parser.parse_args(argv)
-    available, why = lab_available()
-    if not available:
-        print(f"the WAN benchmark needs the namespace lab: {why}", file=sys.stderr)
-        return 1
     names = (args.scenarios or (QUICK_SCENARIOS if args.quick else ",".join(ALL_SCENARIOS))).split(
         ","
     )
@@ -608,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
             dht_plan = replace(dht_plan, num_peers=args.dht_peers)
         except ValueError as e:
             parser.error(f"--dht-peers {args.dht_peers}: {e}")
+    available, why = lab_available()
+    if not available:
+        print(f"the WAN benchmark needs the namespace lab: {why}", file=sys.stderr)
+        return 1
     plan = with_counts(QUICK if args.quick else FULL, args)
     notes: list[str] = []
     hivemind, why = (

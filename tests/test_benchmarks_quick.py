@@ -94,3 +94,25 @@ def test_handshake_flood_benchmark_runs() -> None:
     assert figures["ours_honest_ping_seconds"] > 0  # NaN when the ping failed
     if HAVE_HIVEMIND:
         assert "flood_cpu" in ratios
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "says"),
+    [
+        ("bench_dht.py", ["--alpha", "0"], "--alpha 0: our lookups need at least 1"),
+        ("bench_wan.py", ["--dht-peers", "3"], "--dht-peers 3: too few peers"),
+        ("bench_wan.py", ["--scenarios", "dht,nowhere"], "unknown scenario(s) nowhere"),
+    ],
+)
+def test_bad_benchmark_flags_fail_at_once_with_a_clear_error(
+    script: str, args: list[str], says: str
+) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
