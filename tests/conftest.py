@@ -8,10 +8,10 @@ import pytest
 from peers.runtime import run
 
 #: Modules whose tests each run a swarm of processes busy enough to fill both cores of the
-#: 2-core CI machine. Under ``-n 2`` (two pytest-xdist workers, opt-in), the scheduler
-#: below hands all of these to one worker as one unit, so they run one after the other
-#: while the other worker takes the rest. Two of them at once took up to twice as long
-#: (docs/benchmarks.md, "The test suite").
+#: 2-core CI machine. Under ``-n 2`` (two pytest-xdist workers, the default in
+#: pyproject.toml), the scheduler below hands all of these to one worker as one unit, so
+#: they run one after the other while the other worker takes the rest. Two of them at
+#: once took up to twice as long (docs/benchmarks.md, "The test suite").
 SWARM_MODULES = frozenset(
     {
         "tests/averaging/test_agreement_netns.py",
@@ -28,20 +28,32 @@ SWARM_MODULES = frozenset(
         "tests/swarm/test_pipeline_nat.py",
         "tests/swarm/test_pipeline_swarm.py",
         "tests/swarm/test_train_nat.py",
+        "tests/swarm/test_train_wan.py",
     }
 )
 
+#: Modules with a test that keeps one core busy for tens of seconds in the test process
+#: itself (the thousand-schedule fault checker). Next to a swarm on the other worker it
+#: starved the swarm's processes, and a test on a fixed gossip period failed; so they
+#: run in the swarms' unit, before or after the swarms, never beside them.
+CPU_BOUND_MODULES = frozenset({"tests/averaging/test_fault_checker.py"})
+
 
 def swarm_scope(nodeid: str) -> str:
-    """The unit of work a test belongs to: ``swarms`` for the busy swarm modules, else
-    the test itself."""
-    return "swarms" if nodeid.split("::", 1)[0] in SWARM_MODULES else nodeid
+    """The unit of work a test belongs to: ``swarms`` for the busy swarm modules and the
+    CPU-bound ones, else the test itself."""
+    module = nodeid.split("::", 1)[0]
+    return "swarms" if module in SWARM_MODULES | CPU_BOUND_MODULES else nodeid
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under xdist's default mode (``load``), the scheduler below; any other ``--dist``
+    given on the command line is left to xdist."""
     # xdist's own grouping (--dist loadgroup, the xdist_group marker) renames each test's
     # nodeid, which pytest 9.2 no longer lets a plugin do: the groups silently split. A
     # scheduler that scopes by module path needs no renaming.
+    if config.getvalue("dist") != "load":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class SwarmsOnOneWorker(LoadScopeScheduling):  # type: ignore[misc]

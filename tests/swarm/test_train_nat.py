@@ -15,62 +15,21 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
-import torch
 
-from peers.netlab import Lab, PublicHost, lab_available
-from swarm.baseline import BaselineConfig, run_baseline
-from swarm.tasks import get_task
+from peers.netlab import Lab, lab_available
+from tests.swarm.lab_training import (
+    BATCH,
+    STEPS,
+    SWARM,
+    baseline_metrics,
+    samples_by_this_peer,
+    start_public_trainer,
+)
 
 AVAILABLE, REASON = lab_available()
 pytestmark = [pytest.mark.skipif(not AVAILABLE, reason=REASON), pytest.mark.timeout(300)]
-
-SWARM = [sys.executable, "-m", "swarm.cli"]
-STEPS = 50
-BATCH = 64
-#: ``swarm train`` hosts a bootstrap peer besides its trainer, both on ``--listen``: a
-#: fixed port would be taken twice, so the public peer takes free ports.
-SERVER = ["--listen", "/ip4/0.0.0.0/tcp/0", "--num-samples", str(BATCH * STEPS)]
-SERVER += ["--num-threads", "1", "--progress", "lines"]
-
-
-def start_public_trainer(
-    server: PublicHost, num_peers: int
-) -> tuple[subprocess.Popen[str], list[str], list[str]]:
-    """``swarm train`` on a public host, waiting for ``num_peers`` before its first step:
-    the process, what it printed up to its join command, and that command's arguments."""
-    proc = server.popen(
-        [*SWARM, "train", *SERVER, "--num-peers", str(num_peers)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    head = []
-    for line in proc.stdout:  # bounded by the pytest timeout
-        head.append(line)
-        found = re.search(r" (join --initial-peers /ip4/198\.18\.\S+ .*)", line)
-        if found:
-            return proc, head, found.group(1).split()
-    raise AssertionError(f"no join command printed: {''.join(head)}")
-
-
-def baseline_metrics() -> dict[str, float]:
-    """The single-process model's test metrics."""
-    torch.set_num_threads(1)
-    task = get_task("digits")
-    config = BaselineConfig(
-        task="digits", batch_size=BATCH, num_samples=BATCH * STEPS, optimizer=task.recipe.optimizer
-    )
-    return run_baseline(config, task=task).metrics
-
-
-def samples_by_this_peer(out: str) -> int:
-    found = re.search(r"\(([\d,]+) by this peer\)", out)
-    assert found is not None, out
-    return int(found.group(1).replace(",", ""))
 
 
 def test_four_laptops_behind_nat_join_as_told_and_train_the_single_process_model() -> None:
