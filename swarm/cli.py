@@ -50,6 +50,7 @@ from swarm.cli_usage import (
     allowed_peers,
     announce_arg,
     exit_usage,
+    initial_peer_arg,
     listen_arg,
     load_identity,
     multiaddr_arg,
@@ -807,7 +808,7 @@ def _join_flags() -> tuple[Flag, ...]:
     """How a long-running peer joins (:class:`swarm.join_config.JoinConfig`): the flags
     of ``bootstrap``, ``serve``, ``serve-stage``, ``train`` and ``join``."""
     return (
-        Flag("initial_peers", multiaddr_arg, "MADDR", nargs=True),
+        Flag("initial_peers", initial_peer_arg, "MADDR", nargs=True),
         Flag("listen", listen_arg, "MADDR"),
         Flag("announce", announce_arg, "MADDR"),
         Flag("reachability", choices=("auto", "public", "private")),
@@ -849,7 +850,7 @@ def _add_ping_flags(ping: argparse.ArgumentParser) -> None:
 
 def _add_status_flags(status: argparse.ArgumentParser) -> None:
     status.add_argument(
-        "--initial-peers", nargs="+", type=multiaddr_arg, metavar="MADDR", required=True
+        "--initial-peers", nargs="+", type=initial_peer_arg, metavar="MADDR", required=True
     )
     status.add_argument(
         "--timeout", type=_positive_float, default=10.0, help="seconds to reach them (default 10)"

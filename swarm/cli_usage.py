@@ -64,6 +64,18 @@ def multiaddr_arg(text: str) -> str:
     return text
 
 
+def initial_peer_arg(text: str) -> str:
+    """argparse type of an initial peer: a multiaddr ending in the peer's ``/p2p/ID``
+    (a peer is dialed by address and checked by identity, so it needs both)."""
+    multiaddr_arg(text)
+    if split_peer_id(parse_multiaddr(text))[1] is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} lacks the peer's /p2p/ID part: give the whole address the peer"
+            f" printed, e.g. {EXAMPLE_PEER_MADDR}"
+        )
+    return text
+
+
 def listen_arg(text: str) -> str:
     """argparse type of a listen address: ``/ip4|ip6/HOST/tcp/PORT``."""
     return _tcp_arg(text, f"listen on e.g. {EXAMPLE_LISTEN_MADDR}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from peers import Peer, PeerConfig, PeersError
 from peers.dht import DHT, DHTConfig
-from swarm.cli_usage import UsageError, multiaddr_arg, swarm_key_arg
+from swarm.cli_usage import UsageError, initial_peer_arg, swarm_key_arg
 from swarm.dashboard.history import History
 from swarm.dashboard.server import DEFAULT_DASHBOARD_HOST, DashboardServer, is_loopback
 from swarm.status import gather_view
@@ -95,7 +95,7 @@ def add_dashboard_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--initial-peers",
         nargs="+",
-        type=multiaddr_arg,
+        type=initial_peer_arg,
         metavar="MADDR",
         required=True,
         help="join the swarm through these peers (any one that answers suffices)",

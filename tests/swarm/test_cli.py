@@ -1,4 +1,6 @@
-"""The ``swarm`` command as a user runs it: real processes, real sockets."""
+"""The ``swarm`` command as a user runs it: real processes, real sockets. Its bad options,
+refused before anything starts, are checked in this process (``main(argv)``,
+:mod:`tests.swarm.cli_inprocess`); test_cli_usage.py runs one in a real process."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from peers import KeyPair
+from tests.swarm.cli_inprocess import INPROCESS_TIMEOUT, run_cli
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 
@@ -221,10 +224,9 @@ def test_bootstrap_on_an_address_it_cannot_bind_fails_clearly() -> None:
 
 
 @pytest.mark.parametrize("args", [["--count", "0"], ["--count", "x"], ["--timeout", "-1"]])
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_ping_rejects_bad_options(args: list[str]) -> None:
-    out = subprocess.run(
-        [*SWARM, "ping", "/ip4/127.0.0.1/tcp/1", *args], capture_output=True, text=True, timeout=60
-    )
+    out = run_cli("ping", "/ip4/127.0.0.1/tcp/1", *args)
     assert out.returncode == 2 and "error: argument" in out.stderr
 
 

@@ -1,5 +1,7 @@
 """``swarm train``, ``swarm join`` and ``swarm demo`` as a user runs them: real processes
-on loopback, reduced sizes."""
+on loopback, reduced sizes. The command-line mistakes, refused before anything starts,
+are checked in this process (``main(argv)``, :mod:`tests.swarm.cli_inprocess`), one of
+them in a real process too."""
 
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ import pytest
 from peers.identity import KeyPair
 from peers.pnet import new_swarm_key, write_swarm_key
 from swarm.checkpoint import read_state
+from tests.swarm.cli_inprocess import INPROCESS_TIMEOUT, run_cli
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 LOCAL = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+#: Where the user's own task modules of the usage checks are (bad_tasks.py).
+TASKS_FOR_CLI = Path(__file__).parent / "tasks_for_cli"
 
 
 def test_demo_trains_a_local_swarm_and_compares_it_with_the_baseline() -> None:
@@ -200,12 +205,33 @@ def test_a_late_joiner_loads_the_state_the_run_key_signed(tmp_path: Path) -> Non
         (["train", "--reducers-per-part", "2"], "argument --reducers-per-part: invalid choice"),
     ],
 )
-def test_bad_flags_fail_with_a_clear_error_and_exit_code_2(args: list[str], message: str) -> None:
-    # cwd: where the user's own task modules are found (bad_tasks.py)
-    here = Path(__file__).parent / "tasks_for_cli"
-    out = subprocess.run([*SWARM, *args], capture_output=True, text=True, timeout=60, cwd=here)
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
+def test_bad_flags_fail_with_a_clear_error_and_exit_code_2(
+    args: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # where the user's own task modules are found (bad_tasks.py): the working directory,
+    # which `python -m swarm.cli` puts on the path; in this process, put there
+    monkeypatch.chdir(TASKS_FOR_CLI)
+    monkeypatch.syspath_prepend(str(TASKS_FOR_CLI))
+    out = run_cli(*args)
     assert out.returncode == 2, out.stdout + out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_bad_flag_of_the_real_command_exits_2() -> None:
+    # The checks above call main() in this process; this one runs `python -m swarm.cli`
+    # itself, so that the entry point's exit code 2 stays covered, and a user's task
+    # module is found in the working directory as a user runs it.
+    out = subprocess.run(
+        [*SWARM, "train", "--task", "bad_tasks:raises"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=TASKS_FOR_CLI,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "raised RuntimeError('no data here')" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == "", out.stdout + out.stderr
 
 
 def test_join_with_no_reachable_peer_fails_clearly() -> None:
@@ -260,22 +286,16 @@ def test_sigterm_mid_run_saves_a_checkpoint_that_resumes_to_the_same_model(
     assert metrics[0].group(0) == metrics[1].group(0)  # type: ignore[union-attr]
 
 
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_an_unwritable_checkpoint_path_is_a_usage_error_before_training(tmp_path: Path) -> None:
     for path, message in (
         (tmp_path / "missing" / "run.ck", "does not exist; create it"),
         (tmp_path, "is a directory"),
     ):
-        out = subprocess.run(
-            [*SWARM, "train", *LOCAL, "--checkpoint", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        out = run_cli("train", *LOCAL, "--checkpoint", str(path))
         assert out.returncode == 2, out.stderr
         assert message in out.stderr and out.stdout == "", out.stdout + out.stderr
-    out = subprocess.run(
-        [*SWARM, "train", *LOCAL, "--checkpoint-every", "5"], capture_output=True, text=True
-    )
+    out = run_cli("train", *LOCAL, "--checkpoint-every", "5")
     assert out.returncode == 2 and "checkpoint_every needs a checkpoint path" in out.stderr
 
 

@@ -1,6 +1,13 @@
 """User mistakes on the ``swarm`` command line: each one is a single line on stderr that
-names the fix, exit code 2, nothing on stdout (no banner) and no traceback. Real
-processes; none trains or dials anything beyond loopback."""
+names the fix, exit code 2, nothing on stdout (no banner) and no traceback.
+
+Most are checked in this process: ``main(argv)`` refuses them before anything starts
+(:mod:`tests.swarm.cli_inprocess`), where a fresh ``python -m swarm.cli`` would import
+torch again for each. Real processes (none trains or dials anything beyond loopback) stay
+where the check needs one: the entry point itself (one bad flag); PyTorch missing, faked
+in a fresh interpreter; a ``--metrics`` port held by another process; a ``--module``
+factory, found wrong only once the server's peer and DHT have started; and
+``--version``, which imports no torch (under a second)."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import pytest
 
 from peers import KeyPair
 from swarm.cli_usage import TORCH_INSTALL
+from tests.swarm.cli_inprocess import INPROCESS_TIMEOUT, run_cli
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 LOCAL = ["--listen", "/ip4/127.0.0.1/tcp/0"]
@@ -67,14 +75,29 @@ def _assert_usage_error(out: subprocess.CompletedProcess[str], message: str) -> 
         (["serve", "--uids", "ffn.0", "--initial-peers", "/dns/"], "is not a multiaddr"),
         (["serve-stage", "--listen", "/ip4/127.0.0.1"], "is not a TCP address"),
         (["ping", "/ip4/999.1.1.1/tcp/1"], "MADDR: '/ip4/999.1.1.1/tcp/1' is not a multiaddr"),
+        # an initial peer is dialed by address and checked by identity: both are needed
+        (["status", "--initial-peers", "/ip4/127.0.0.1/tcp/1"], "lacks the peer's /p2p/ID"),
+        (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1"], "lacks the peer's /p2p/ID"),
+        (["dashboard", "--initial-peers", "/ip4/127.0.0.1/tcp/1"], "lacks the peer's /p2p/ID"),
     ],
 )
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_a_bad_multiaddr_exits_2_before_any_banner(args: list[str], message: str) -> None:
-    out = _swarm(*args)
+    out = run_cli(*args)
     _assert_usage_error(out, message)
     assert "e.g. /ip4/" in out.stderr  # what a good one looks like
 
 
+def test_a_bad_flag_of_the_real_command_exits_2() -> None:
+    # The checks in this file call main() in this process; this one runs `python -m
+    # swarm.cli` itself, so that the entry point's exit code 2 (argparse's SystemExit)
+    # and its one line on stderr stay covered.
+    out = _swarm("bootstrap", "--listen", "nonsense")
+    _assert_usage_error(out, "--listen: 'nonsense' is not a multiaddr")
+    assert "e.g. /ip4/" in out.stderr
+
+
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_private_swarm_mistakes_exit_2_before_anything_starts(tmp_path: Path) -> None:
     """A bad --allow, a bad line in --allow-file (named by number), a missing file, and
     `swarm train --allow` with no bootstrap to join (a hosted one has a new ID each run)."""
@@ -95,9 +118,10 @@ def test_private_swarm_mistakes_exit_2_before_anything_starts(tmp_path: Path) ->
         ),
     ]
     for args, message in cases:
-        _assert_usage_error(_swarm(*args), message)
+        _assert_usage_error(run_cli(*args), message)
 
 
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_a_bad_swarm_key_exits_2_before_anything_starts(tmp_path: Path) -> None:
     """A missing or malformed --swarm-key file, for a server, a trainer and a client."""
     bad = tmp_path / "bad.key"
@@ -110,35 +134,39 @@ def test_a_bad_swarm_key_exits_2_before_anything_starts(tmp_path: Path) -> None:
         (["ping", "/ip4/127.0.0.1/tcp/1", "--swarm-key", str(bad)], "32 bytes"),
     ]
     for args, message in cases:
-        out = _swarm(*args)
+        out = run_cli(*args)
         _assert_usage_error(out, message)
         assert "swarm swarm-key PATH" in out.stderr
 
 
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_a_bad_peer_id_in_a_multiaddr_is_called_a_peer_id_not_a_cid() -> None:
-    out = _swarm("join", "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/nonsense")
+    out = run_cli("join", "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/nonsense")
     _assert_usage_error(out, "ends in /p2p/nonsense, which is not a peer ID")
     assert "CID" not in out.stderr
 
 
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_an_identity_in_a_missing_directory_exits_2(tmp_path: Path) -> None:
     key = tmp_path / "no-such-dir" / "boot.key"
-    out = _swarm("bootstrap", *LOCAL, "--identity", str(key))
+    out = run_cli("bootstrap", *LOCAL, "--identity", str(key))
     _assert_usage_error(out, f"directory {key.parent} does not exist; create it")
     assert not key.parent.exists()
 
 
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_a_malformed_identity_exits_2(tmp_path: Path) -> None:
     key = tmp_path / "corrupt.key"
     key.write_bytes(b"definitely not a libp2p key")
-    out = _swarm("bootstrap", *LOCAL, "--identity", str(key))
+    out = run_cli("bootstrap", *LOCAL, "--identity", str(key))
     _assert_usage_error(out, f"identity file {key} is not a valid libp2p key")
     assert "or a path where none exists to create one" in out.stderr
 
 
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_an_unreadable_identity_exits_2(tmp_path: Path) -> None:
     # a directory cannot be read as a file, whoever runs the test (root reads mode 000)
-    out = _swarm("bootstrap", *LOCAL, "--identity", str(tmp_path))
+    out = run_cli("bootstrap", *LOCAL, "--identity", str(tmp_path))
     _assert_usage_error(out, f"cannot read identity file {tmp_path}")
 
 
@@ -173,6 +201,8 @@ def nothing(hidden_dim):
 def test_a_module_factory_returning_the_wrong_thing_exits_2(
     tmp_path: Path, factory: str, returned: str
 ) -> None:
+    # A real process: the factory is called, and found wrong, only after the server's
+    # peer and DHT have started (so not in the test process).
     (tmp_path / "my_experts.py").write_text(_FACTORIES)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = _swarm(
@@ -232,7 +262,9 @@ def test_every_command_has_a_description_and_an_example_that_parses() -> None:
             assert args.command == name
 
 
-def test_a_bad_or_busy_metrics_address_exits_2_before_anything_starts() -> None:
+def test_a_busy_metrics_port_exits_2_before_anything_starts() -> None:
+    # Real processes: the port is held by another process (the test's), and the
+    # command's event loop has taken SIGINT and SIGTERM when it finds it busy.
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -240,16 +272,21 @@ def test_a_bad_or_busy_metrics_address_exits_2_before_anything_starts() -> None:
         for command in (["bootstrap", *LOCAL], ["serve-stage", *LOCAL]):
             out = _swarm(*command, "--metrics", str(port))
             _assert_usage_error(out, f"--metrics 127.0.0.1:{port}: cannot listen")
-    out = _swarm("join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--metrics", "nope")
+
+
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
+def test_a_bad_metrics_address_exits_2_before_anything_starts() -> None:
+    out = run_cli("join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--metrics", "nope")
     _assert_usage_error(out, "'nope' is not PORT or HOST:PORT")
 
 
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_a_bad_run_key_exits_2_before_anything_starts(tmp_path: Path) -> None:
     """A run key file that is not a key, a trusted run key that is not a peer ID."""
     garbage = tmp_path / "op.key"
     garbage.write_bytes(b"not a key")
     join = ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]
-    _assert_usage_error(_swarm("train", *LOCAL, "--run-key", str(garbage)), "--run-key: ")
+    _assert_usage_error(run_cli("train", *LOCAL, "--run-key", str(garbage)), "--run-key: ")
     _assert_usage_error(
-        _swarm(*join, "--trust-run-key", "nope"), "--trust-run-key: 'nope' is not a peer ID"
+        run_cli(*join, "--trust-run-key", "nope"), "--trust-run-key: 'nope' is not a peer ID"
     )

@@ -1,4 +1,6 @@
-"""``swarm serve``: hosting experts from the command line, as a user runs it."""
+"""``swarm serve``: hosting experts from the command line, as a user runs it. Its bad
+configurations, refused before anything starts, are checked in this process
+(``main(argv)``, :mod:`tests.swarm.cli_inprocess`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from peers import BlockingPeer, PeerConfig, PeerID
 from swarm.experts import ExpertCallConfig, ExpertLocation, RemoteExpert
+from tests.swarm.cli_inprocess import INPROCESS_TIMEOUT, run_cli
 from tests.swarm.test_metrics import _scrape, _status_json
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
@@ -74,10 +77,9 @@ def test_serve_hosts_experts_until_sigterm() -> None:
         proc.communicate(timeout=10)
 
 
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_serve_refuses_a_bad_config_with_a_clear_error() -> None:
-    out = subprocess.run(
-        [*SWARM, "serve", "--uids", "ffn"], capture_output=True, text=True, timeout=60
-    )
+    out = run_cli("serve", "--uids", "ffn")
     assert out.returncode == 2
     assert "invalid expert uid 'ffn'" in out.stderr
 
@@ -89,7 +91,8 @@ def test_serve_refuses_a_bad_config_with_a_clear_error() -> None:
         ["serve-stage", "--linear-kernels", ""],
     ],
 )
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_an_unknown_linear_kernel_is_refused_before_anything_starts(args: list[str]) -> None:
-    out = subprocess.run([*SWARM, *args], capture_output=True, text=True, timeout=60)
+    out = run_cli(*args)
     assert out.returncode == 2
     assert "--linear-kernels: invalid choice" in out.stderr

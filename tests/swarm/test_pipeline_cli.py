@@ -1,5 +1,6 @@
 """``swarm serve-stage``: pipeline stage servers started from the command line, as an
-operator runs them, and a client training through them."""
+operator runs them, and a client training through them. Its command-line mistakes are
+checked in this process (``main(argv)``, :mod:`tests.swarm.cli_inprocess`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from swarm.pipeline import (
 )
 from swarm.status import gather_view
 from swarm.tasks import get_task
+from tests.swarm.cli_inprocess import INPROCESS_TIMEOUT, run_cli
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 LISTEN = ("--listen", "/ip4/127.0.0.1/tcp/0")
@@ -106,6 +108,7 @@ def test_three_stage_servers_from_the_cli_take_every_stage_and_train(
     assert [proc.wait(timeout=30) for proc in processes] == [0, 0, 0]
 
 
+@pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_serve_stage_refuses_bad_models_and_stages_with_clear_errors() -> None:
     for args, message in (
         (("--model", "nosuchmodel"), "neither built in ['digits'] nor MODULE:ATTRIBUTE"),
@@ -117,9 +120,7 @@ def test_serve_stage_refuses_bad_models_and_stages_with_clear_errors() -> None:
         (("--average-interval", "-1"), "must be positive"),
         (("--uid-prefix", "bad prefix!"), "invalid expert name 'bad prefix!'"),
     ):
-        out = subprocess.run(
-            [*SWARM, "serve-stage", *LISTEN, *args], capture_output=True, text=True, timeout=60
-        )
+        out = run_cli("serve-stage", *LISTEN, *args)
         assert out.returncode == 2, (args, out.stderr)
         assert message in out.stderr, (args, out.stderr)
 
