@@ -102,6 +102,8 @@ def test_handshake_flood_benchmark_runs() -> None:
         ("bench_dht.py", ["--alpha", "0"], "--alpha 0: our lookups need at least 1"),
         ("bench_wan.py", ["--dht-peers", "3"], "--dht-peers 3: too few peers"),
         ("bench_wan.py", ["--scenarios", "dht,nowhere"], "unknown scenario(s) nowhere"),
+        ("bench_wan.py", ["--train-tasks", "digits,imagenet"], "give each once, from digits"),
+        ("bench_wan.py", ["--train-samples", "10"], "at least one DiLoCo period"),
     ],
 )
 def test_bad_benchmark_flags_fail_at_once_with_a_clear_error(
