@@ -8,10 +8,10 @@ import pytest
 from peers.runtime import run
 
 #: Modules whose tests each run a swarm of processes busy enough to fill both cores of the
-#: 2-core CI machine. Under ``-n 2`` (two pytest-xdist workers, the default in
-#: pyproject.toml), the scheduler below hands all of these to one worker as one unit, so
-#: they run one after the other while the other worker takes the rest. Two of them at
-#: once took up to twice as long (docs/benchmarks.md, "The test suite").
+#: 2-core CI machine. Under ``-n 2`` (two pytest-xdist workers, opt-in), the scheduler
+#: below hands all of these to one worker as one unit, so they run one after the other
+#: while the other worker takes the rest. Two of them at once took up to twice as long
+#: (docs/benchmarks.md, "The test suite").
 SWARM_MODULES = frozenset(
     {
         "tests/averaging/test_agreement_netns.py",

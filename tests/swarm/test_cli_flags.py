@@ -70,7 +70,7 @@ def test_every_commands_flags_are_pinned() -> None:
 def test_train_and_join_default_to_the_trainer_config(command: str) -> None:
     from swarm.trainer import TrainerConfig
 
-    peer = "/ip4/127.0.0.1/tcp/1"
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWEHcPYfshUhjJdxeGGP12Jikv4UWyTL12fnE2Yja3tfqH"
     words = [command, "--initial-peers", peer] if command == "join" else [command]
     args = cli.build_parser((command,)).parse_args(words)
     initial = (peer,) if command == "join" else ()

@@ -171,7 +171,16 @@ def test_a_late_joiner_loads_the_state_the_run_key_signed(tmp_path: Path) -> Non
     ("args", "message"),
     [
         (["train", "--num-peers", "5000"], "error: num_peers must be <= 4096, got 5000"),
-        (["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--rank", "1"], "unrecognized"),
+        (
+            [
+                "join",
+                "--initial-peers",
+                "/ip4/1.2.3.4/tcp/1/p2p/12D3KooWEHcPYfshUhjJdxeGGP12Jikv4UWyTL12fnE2Yja3tfqH",
+                "--rank",
+                "1",
+            ],
+            "unrecognized",
+        ),
         (["train", "--task", "imagenet"], "error: unknown task 'imagenet'"),
         (
             ["train", "--task", "no_such_module:make"],
@@ -184,7 +193,13 @@ def test_a_late_joiner_loads_the_state_the_run_key_signed(tmp_path: Path) -> Non
         ),
         (["train", "--task", "bad_tasks:raises"], "raised RuntimeError('no data here')"),
         (
-            ["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--task", "bad_tasks:returns_a_dict"],
+            [
+                "join",
+                "--initial-peers",
+                "/ip4/1.2.3.4/tcp/1/p2p/12D3KooWEHcPYfshUhjJdxeGGP12Jikv4UWyTL12fnE2Yja3tfqH",
+                "--task",
+                "bad_tasks:returns_a_dict",
+            ],
             "returned a dict, not a swarm.tasks.Task",
         ),
         (["demo", "--task", "bad_tasks:raises"], "raised RuntimeError('no data here')"),

@@ -27,6 +27,8 @@ from tests.swarm.cli_inprocess import INPROCESS_TIMEOUT, run_cli
 
 SWARM = [sys.executable, "-m", "swarm.cli"]
 LOCAL = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+#: An initial peer that never answers (no check here gets as far as dialing it).
+DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWEHcPYfshUhjJdxeGGP12Jikv4UWyTL12fnE2Yja3tfqH"
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 # The command in a fresh interpreter in which importing torch fails, as on a machine
@@ -109,7 +111,7 @@ def test_private_swarm_mistakes_exit_2_before_anything_starts(tmp_path: Path) ->
         (["bootstrap", *LOCAL, "--allow-file", str(listed)], f"{listed}, line 2: "),
         (["serve-stage", *LOCAL, "--allow-file", str(missing)], "No such file or directory"),
         (
-            ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--allow-file", str(missing)],
+            ["join", "--initial-peers", DEAD_PEER, "--allow-file", str(missing)],
             "No such file or directory",
         ),
         (
@@ -127,11 +129,11 @@ def test_a_bad_swarm_key_exits_2_before_anything_starts(tmp_path: Path) -> None:
     bad = tmp_path / "bad.key"
     bad.write_text("/key/swarm/psk/1.0.0/\n/base16/\nabcd\n")
     missing = tmp_path / "missing.key"
-    join = ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]
+    join = ["join", "--initial-peers", DEAD_PEER]
     cases = [
         (["bootstrap", *LOCAL, "--swarm-key", str(bad)], "a swarm key is 32 bytes, not 2"),
         ([*join, "--swarm-key", str(missing)], "cannot read swarm key"),
-        (["ping", "/ip4/127.0.0.1/tcp/1", "--swarm-key", str(bad)], "32 bytes"),
+        (["ping", DEAD_PEER, "--swarm-key", str(bad)], "32 bytes"),
     ]
     for args, message in cases:
         out = run_cli(*args)
@@ -170,9 +172,7 @@ def test_an_unreadable_identity_exits_2(tmp_path: Path) -> None:
     _assert_usage_error(out, f"cannot read identity file {tmp_path}")
 
 
-@pytest.mark.parametrize(
-    "command", [["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1"], ["train"]]
-)
+@pytest.mark.parametrize("command", [["join", "--initial-peers", DEAD_PEER], ["train"]])
 def test_train_without_torch_names_the_install_command(command: list[str]) -> None:
     out = _swarm(*command, *LOCAL, without_torch=True)
     _assert_usage_error(out, f"swarm {command[0]} needs PyTorch")
@@ -276,7 +276,7 @@ def test_a_busy_metrics_port_exits_2_before_anything_starts() -> None:
 
 @pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_a_bad_metrics_address_exits_2_before_anything_starts() -> None:
-    out = run_cli("join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--metrics", "nope")
+    out = run_cli("join", "--initial-peers", DEAD_PEER, "--metrics", "nope")
     _assert_usage_error(out, "'nope' is not PORT or HOST:PORT")
 
 
@@ -285,7 +285,7 @@ def test_a_bad_run_key_exits_2_before_anything_starts(tmp_path: Path) -> None:
     """A run key file that is not a key, a trusted run key that is not a peer ID."""
     garbage = tmp_path / "op.key"
     garbage.write_bytes(b"not a key")
-    join = ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]
+    join = ["join", "--initial-peers", DEAD_PEER]
     _assert_usage_error(run_cli("train", *LOCAL, "--run-key", str(garbage)), "--run-key: ")
     _assert_usage_error(
         run_cli(*join, "--trust-run-key", "nope"), "--trust-run-key: 'nope' is not a peer ID"
