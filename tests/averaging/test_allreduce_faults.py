@@ -47,9 +47,21 @@ def _start_round(
         p.send(command)
 
 
+def _summary(reports: list[dict[str, Any]]) -> str:
+    """One short line per survivor, so that a failure shows every survivor's outcome
+    (pytest truncates a long list of reports)."""
+    return "\n".join(
+        f"{r['fingerprint'][:12]} agreed={r['agreed']} failed={len(r['failed'])}"
+        f" excluded_by={len(r['excluded_by'])} fraction={r['fraction']:.3f}"
+        f" seconds={r['seconds']:.2f}"
+        for r in reports
+    )
+
+
 def _check_survivors(reports: list[dict[str, Any]], dead: set[str]) -> None:
     fingerprints = {r["fingerprint"] for r in reports}
-    assert len(fingerprints) == 1, reports  # identical tensors on every survivor
+    # identical tensors on every survivor
+    assert len(fingerprints) == 1, f"survivors' results differ:\n{_summary(reports)}"
     for r in reports:
         assert set(r["failed"]) == dead, r
         assert r["agreed"] and r["fraction"] == 1.0, r
