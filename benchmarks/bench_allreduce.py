@@ -54,6 +54,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,7 @@ class JsonProcess(JsonChild):
         super().__init__(PEERS_FILE, args, namespace=namespace)
 
 
-def close_processes(processes: list[JsonProcess]) -> None:
+def close_processes(processes: Sequence[JsonChild]) -> None:
     """SIGTERM (then SIGKILL) every process and everything it started, by PID."""
     for proc in processes:
         proc.remember_tree()

@@ -116,7 +116,6 @@ from _common import (
     installed_hivemind,
     median,
     print_table,
-    stop_pids,
     stop_popen_tree,
 )
 from bench_allreduce import (
@@ -124,6 +123,7 @@ from bench_allreduce import (
     Plan,
     Results,
     Series,
+    close_processes,
     elements,
     fmt,
     measure_bound,
@@ -787,18 +787,7 @@ def close_children(children: list[JsonChild]) -> None:
     for child in children:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.popen.wait(max(0.1, deadline - time.monotonic()))
-    stop_pids([c.pid for c in children] + sorted({pid for c in children for pid in c.tree}))
-    for child in children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.popen.wait(1.0)
-        for pipe in (child.popen.stdout, child.popen.stderr):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-        for socket_path in child.sockets:
-            path = Path(socket_path)
-            if path.is_socket():
-                path.unlink(missing_ok=True)
+    close_processes(children)
 
 
 def run_hivemind_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -> TrainRun:
