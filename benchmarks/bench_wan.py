@@ -646,6 +646,9 @@ class TrainRun:
     """Bytes every host sent on its link during the run (all traffic, TCP/IP included):
     ours from once every peer is started, hivemind's from once every peer is ready,
     until every peer reported its result."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Ours: where an epoch's time went, seconds per epoch averaged over the peers
+    (``wait``: for the others' samples; ``matchmaking``; ``allreduce``)."""
 
     @property
     def ok(self) -> bool:
@@ -772,7 +775,18 @@ def run_ours_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -> Tr
     run.metrics = dict(results[0]["metrics"])
     run.peer_losses = [float(r["metrics"]["loss"]) for r in results]
     run.bytes_sent = sum(int(r["statistics"]["bytes_sent"]) for r in results)
+    if run.epochs:
+        run.phases = {
+            phase: sum(float(r["statistics"][f"{phase}_seconds"]) for r in results)
+            / len(results)
+            / run.epochs
+            for phase in STEP_PHASES
+        }
     return run
+
+
+#: Where an epoch of ours goes (``OptimizerStatistics``' ``{phase}_seconds``).
+STEP_PHASES = ("wait", "matchmaking", "allreduce")
 
 
 def close_children(children: list[JsonChild]) -> None:
@@ -967,10 +981,14 @@ def run_train_scenario(
                                 f"{scenario.name} {label}: the peers ended with different"
                                 f" models, test losses {losses} (the table shows the first's)"
                             )
+                        phases = "".join(
+                            f", {phase} {seconds:.3f}" for phase, seconds in run.phases.items()
+                        )
                         print(
                             f"  {label}: {run.epochs} epochs in {run.train_seconds:.1f} s"
                             f" ({time.monotonic() - began:.0f} s with start-up),"
-                            f" loss {run.metrics.get('loss', math.nan):.4f}",
+                            f" loss {run.metrics.get('loss', math.nan):.4f}"
+                            + (f"; per epoch{phases} s" if phases else ""),
                             flush=True,
                         )
         for mode in TRAIN_MODES:
@@ -1036,6 +1054,8 @@ def _train_row(
         found["averaging_bytes_sent"] = run.bytes_sent
     if run.wire_bytes is not None:
         found["wire_bytes_sent"] = run.wire_bytes
+    for phase, seconds in run.phases.items():
+        found[f"{phase}_seconds_per_epoch"] = round(seconds, 4)
     figures.update({f"{prefix}_{name}_{suffix}": value for name, value in found.items()})
     as_other = "{:.1%}" if other_name == "accuracy" else "{:.3f}"
     return [

@@ -363,6 +363,21 @@ def training_families(stats: Any, loss: float) -> Families:
             "Seconds in rounds that formed a group (matchmaking and all-reduce).",
             stats.round_seconds,
         ),
+        _counter(
+            "swarm_train_matchmaking_seconds",
+            "Of the round seconds, forming groups.",
+            stats.matchmaking_seconds,
+        ),
+        _counter(
+            "swarm_train_allreduce_seconds",
+            "Of the round seconds, all-reduces (from a group's forming to its result).",
+            stats.allreduce_seconds,
+        ),
+        _counter(
+            "swarm_train_wait_seconds",
+            "Seconds the training loop waited for the other peers' samples, outside rounds.",
+            stats.wait_seconds,
+        ),
         latency_family(
             "swarm_train_round_duration_seconds",
             "Rounds that formed a group (matchmaking and all-reduce), by duration.",

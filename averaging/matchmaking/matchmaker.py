@@ -279,8 +279,7 @@ class Matchmaker:
         try:
             try:
                 async with asyncio.timeout_at(search.deadline):
-                    await self._declare(search)
-                    group = await self._drive(active)
+                    group = await self._declare_and_drive(search, active)
             except TimeoutError:  # the deadline struck inside a DHT operation or a call
                 action = search.next_action(max(loop.time(), search.deadline))
                 if not isinstance(action, Formed):
@@ -302,6 +301,18 @@ class Matchmaker:
             if member != self.peer.peer_id:
                 self._remember_addrs(member, group.addrs[i])
         return group
+
+    async def _declare_and_drive(self, search: GroupSearch, active: _Active) -> Group:
+        """Store our declaration while the search runs, not before it: a store is a
+        lookup and then the store itself (two round trips), and the search needs
+        neither to read the key and join a leader, who learns of us by our join. Once
+        the search ends, a store still under way is abandoned (we are placed)."""
+        declaring = asyncio.create_task(self._declare(search))
+        try:
+            return await self._drive(active)
+        finally:
+            declaring.cancel()
+            await asyncio.wait([declaring])
 
     async def _declare(self, search: GroupSearch) -> None:
         """Store our declaration until the search's deadline. A failed store is not

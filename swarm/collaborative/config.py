@@ -207,6 +207,14 @@ class OptimizerStatistics:
     """Steps where peers were there but no group formed in time (this peer resynced)."""
     round_seconds: float = 0.0
     """Seconds spent in rounds that formed a group, matchmaking and all-reduce."""
+    matchmaking_seconds: float = 0.0
+    """Of ``round_seconds``, forming the groups."""
+    allreduce_seconds: float = 0.0
+    """Of ``round_seconds``, the all-reduces (from a group's forming to its result)."""
+    wait_seconds: float = 0.0
+    """Seconds the training loop waited for the others' samples (gradient mode: this
+    peer had its share of the global batch; DiLoCo: the others' inner steps), outside
+    the rounds."""
     round_latency: CallLatency = EMPTY_LATENCY
     """Each round that formed a group (matchmaking and all-reduce), as a histogram in
     ``peers.traffic.LATENCY_BUCKETS``: ``round_seconds`` split by duration."""

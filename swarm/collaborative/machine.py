@@ -73,6 +73,8 @@ class Wait:
     deadline: float
     reason: str
     """What is waited for, for logs: "the global batch", "the outer step"."""
+    since: float
+    """When the wait began (DHT time): its length counts in ``Counts.wait_seconds``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +133,10 @@ class RoundOutcome:
     fingerprint: bytes = b""
     """Of the agreed result (``AGREED`` only): peers that stepped together share it."""
     bytes_sent: int = 0
-    seconds: float = 0.0
-    """Matchmaking and all-reduce, for a round that formed a group."""
+    matchmaking_seconds: float = 0.0
+    """Forming the group, for a round that formed one."""
+    allreduce_seconds: float = 0.0
+    """The all-reduce, from the group's forming to the agreed result."""
     spread: float = 0.0
     """Largest difference between reducers' copies of one coordinate."""
 
@@ -150,8 +154,14 @@ class Counts:
     not_agreed: int = 0
     no_group: int = 0
     bytes_sent: int = 0
-    round_seconds: float = 0.0
+    matchmaking_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    wait_seconds: float = 0.0
     reducer_spread: float = 0.0
+
+    @property
+    def round_seconds(self) -> float:
+        return self.matchmaking_seconds + self.allreduce_seconds
 
 
 class Policy(Protocol):
@@ -184,7 +194,7 @@ class GradientPolicy:
         share = machine.target_batch_size // max(view.num_peers, 1)
         if machine.samples < share and samples:
             return Train()
-        return Wait(now + machine.max_wait_seconds, "the global batch")
+        return Wait(now + machine.max_wait_seconds, "the global batch", now)
 
     def poll(self, machine: StepMachine, wait: Wait, now: float) -> Decision:
         view = machine.view(now)
@@ -211,7 +221,7 @@ class DiLoCoPolicy:
         if machine.inner_steps % self.inner_steps:
             return Train()
         machine.averaging = True
-        return self.poll(machine, Wait(now + machine.max_wait_seconds, "the outer step"), now)
+        return self.poll(machine, Wait(now + machine.max_wait_seconds, "the outer step", now), now)
 
     def poll(self, machine: StepMachine, wait: Wait, now: float) -> Decision:
         me = machine.me
@@ -278,14 +288,18 @@ class StepMachine:
 
     def poll(self, wait: Wait, now: float) -> Decision:
         """New records arrived while waiting, or ``wait.deadline`` passed."""
-        return self.policy.poll(self, wait, now)
+        decision = self.policy.poll(self, wait, now)
+        if decision is not wait:
+            self.counts.wait_seconds += now - wait.since
+        return decision
 
     def round_ended(self, outcome: RoundOutcome, now: float) -> Step | Resync:
         """The averaging that :class:`Average` asked for ended."""
         if outcome.kind in (Round.AGREED, Round.NOT_AGREED):
             self.counts.rounds += 1
             self.counts.bytes_sent += outcome.bytes_sent
-            self.counts.round_seconds += outcome.seconds
+            self.counts.matchmaking_seconds += outcome.matchmaking_seconds
+            self.counts.allreduce_seconds += outcome.allreduce_seconds
             self.counts.reducer_spread = outcome.spread
         if outcome.kind is Round.AGREED:
             self.fingerprint = chain_fingerprint(self.fingerprint, outcome.fingerprint)
@@ -326,7 +340,7 @@ class StepMachine:
             and r.fingerprint not in self.refused_branches
         ]
         if behind or elsewhere:
-            return Wait(now + self.max_wait_seconds, "the others to finish")
+            return Wait(now + self.max_wait_seconds, "the others to finish", now)
         return None
 
     def finish_epoch(self) -> None:

@@ -322,7 +322,8 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             else Round.NOT_AGREED,
             fingerprint=step.outcome.result.fingerprint()[:16],
             bytes_sent=transfer.bytes_sent,
-            seconds=seconds,
+            matchmaking_seconds=step.matchmaking_seconds,
+            allreduce_seconds=step.allreduce_seconds,
             spread=step.spread,
         )
 
@@ -648,6 +649,9 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             num_rounds_not_agreed=counts.not_agreed,
             num_rounds_without_group=counts.no_group,
             round_seconds=counts.round_seconds,
+            matchmaking_seconds=counts.matchmaking_seconds,
+            allreduce_seconds=counts.allreduce_seconds,
+            wait_seconds=counts.wait_seconds,
             reducer_spread=counts.reducer_spread,
             round_latency=self._round_latency.snapshot(),
         )

@@ -131,6 +131,9 @@ def test_training_metrics_appear_with_the_first_step() -> None:
         num_rounds_not_agreed=1,
         num_rounds_without_group=0,
         round_seconds=0.25,
+        matchmaking_seconds=0.1,
+        allreduce_seconds=0.15,
+        wait_seconds=2.5,
         reducer_spread=1000.0,
     )
     snapshot.publish(stats, 0.75)
@@ -142,6 +145,9 @@ def test_training_metrics_appear_with_the_first_step() -> None:
     assert server.sample("swarm_train_loss") == 0.75
     assert server.sample("swarm_train_rounds_not_agreed_total") == 1
     assert server.sample("swarm_train_round_seconds_total") == 0.25
+    assert server.sample("swarm_train_matchmaking_seconds_total") == 0.1
+    assert server.sample("swarm_train_allreduce_seconds_total") == 0.15
+    assert server.sample("swarm_train_wait_seconds_total") == 2.5
     assert server.sample("swarm_train_reducer_spread") == 1000.0
 
 

@@ -25,7 +25,13 @@ TARGET = 64
 EXPIRATION = 10.0
 MAX_WAIT = 2.0
 T0 = 1000.0
-AGREED = RoundOutcome(Round.AGREED, fingerprint=b"f" * 16, bytes_sent=100, seconds=0.5)
+AGREED = RoundOutcome(
+    Round.AGREED,
+    fingerprint=b"f" * 16,
+    bytes_sent=100,
+    matchmaking_seconds=0.2,
+    allreduce_seconds=0.3,
+)
 
 
 def _ids(n: int) -> list[PeerID]:
@@ -61,15 +67,19 @@ def test_a_peer_trains_until_its_share_then_waits_then_averages_with_who_deliver
     wait = m.batch(8, T0 + 0.1)  # its share is done; the swarm holds 48 of 64
     assert isinstance(wait, Wait) and wait.deadline == T0 + 0.1 + MAX_WAIT
     assert m.poll(wait, T0 + 0.2) is wait  # nothing new
+    assert m.counts.wait_seconds == 0.0  # still waiting: not counted yet
     m.records[a] = _record(samples=32, at=T0 + 0.3)
     average = m.poll(wait, T0 + 0.3)
+    assert m.counts.wait_seconds == pytest.approx(0.2)  # from the wait's start to its end
     # the idle peer delivered nothing: it is not expected in the round
     assert average == Average(epoch=0, weight=16.0, group_size=3, alone=False)
     assert m.averaging and m.mine(T0 + 0.3).averaging
     assert m.round_ended(AGREED, T0 + 1) == Step()
     m.finish_epoch()
     assert (m.epoch, m.samples, m.averaging, m.fingerprint) == (1, 0, False, b"f" * 16)
-    assert (m.counts.rounds, m.counts.bytes_sent, m.counts.round_seconds) == (1, 100, 0.5)
+    assert (m.counts.rounds, m.counts.bytes_sent) == (1, 100)
+    assert (m.counts.matchmaking_seconds, m.counts.allreduce_seconds) == (0.2, 0.3)
+    assert m.counts.round_seconds == pytest.approx(0.5)
 
 
 def test_a_split_stays_visible_after_a_round_that_takes_in_both_branches() -> None:
