@@ -298,7 +298,10 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         try:
             step: AveragingStep = self.dht.peer.run(
                 self._averager.step(
-                    average.epoch, weight=average.weight, target_group_size=average.group_size
+                    average.epoch,
+                    weight=average.weight,
+                    target_group_size=average.group_size,
+                    expected=average.expected,
                 ),
                 timeout=timeout + HUNG_CALL_SLACK_SECONDS,
             )
