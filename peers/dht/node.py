@@ -551,23 +551,43 @@ class DHT:
     async def _store_record(self, record: Record) -> bool:
         target = key_id(record.key)
         replicas = self.config.num_replicas
-        lookup = await self._run_lookup(target, lambda c: self.call_find_node(c, target), replicas)
-        # Each path's nearest (one path: Kademlia's replicas); the merged list would be
-        # all ids ground near the key if an attacker had enough of them.
-        nearest = lookup.closest_on_each_path()
-        merged = lookup.closest_responded()
-        accepted = 0
-        if not self.client_mode and (
-            len(merged) < replicas
-            or distance(self.node_id, target) < distance(merged[-1].node_id, target)
-        ):
-            if self.store_.store(record, source=OWN_SOURCE, now=dht_time()) is StoreResult.ACCEPTED:
-                accepted += 1
-        results = await asyncio.gather(
-            *(self.call_store(c, [record]) for c in nearest), return_exceptions=True
-        )
-        accepted += sum(1 for r in results if isinstance(r, list) and r and r[0])
-        return accepted > 0
+        # The store goes at once to the nearest we know, beside the lookup rather than
+        # after it: where the routing table already holds the nearest nodes (a small or
+        # settled swarm), the store takes one round trip instead of two. The lookup
+        # still decides the replicas; a guess it did not confirm only holds a copy.
+        early = {
+            c.peer_id: asyncio.ensure_future(self.call_store(c, [record]))
+            for c in self.routing.nearest(target, replicas)
+        }
+        try:
+            lookup = await self._run_lookup(
+                target, lambda c: self.call_find_node(c, target), replicas
+            )
+            # Each path's nearest (one path: Kademlia's replicas); the merged list would
+            # be all ids ground near the key if an attacker had enough of them.
+            nearest = lookup.closest_on_each_path()
+            merged = lookup.closest_responded()
+            accepted = 0
+            if not self.client_mode and (
+                len(merged) < replicas
+                or distance(self.node_id, target) < distance(merged[-1].node_id, target)
+            ):
+                stored = self.store_.store(record, source=OWN_SOURCE, now=dht_time())
+                if stored is StoreResult.ACCEPTED:
+                    accepted += 1
+            stores = [
+                early.get(c.peer_id) or asyncio.ensure_future(self.call_store(c, [record]))
+                for c in nearest
+            ]
+            results = await asyncio.gather(*stores, return_exceptions=True)
+            accepted += sum(1 for r in results if isinstance(r, list) and r and r[0])
+            return accepted > 0
+        finally:
+            # A guess the lookup did not confirm is left to finish on its own time only
+            # while we wait for the replicas; then it is cancelled (bounded either way).
+            for task in early.values():
+                task.cancel()
+            await asyncio.gather(*early.values(), return_exceptions=True)
 
     async def get(
         self, key: str | bytes, *, latest: bool = True

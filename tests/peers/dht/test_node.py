@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -237,5 +238,39 @@ def test_a_first_found_get_stops_early_and_a_latest_get_finds_the_freshest(arun:
             latest_rpcs = reader.statistics().rpcs_sent.get("find-value", 0) - sent
             assert isinstance(latest, ValueWithExpiration) and latest.value == "new"
             assert quick_rpcs < latest_rpcs
+
+    arun(main())
+
+
+def test_a_store_reaches_the_known_nearest_before_its_lookup_ends(arun: Run) -> None:
+    """A store goes out at once to the nearest nodes the routing table knows, beside the
+    lookup (one round trip where the table is current, not two): with the lookup held
+    up, the record is already at the other nodes; once it ends, the store reports
+    success. A guessed node that is gone costs nothing but its own failed request."""
+
+    async def main() -> None:
+        async with swarm(5) as nodes:
+            writer, gone = nodes[0], nodes[4]
+            await gone.peer.__aexit__(None, None, None)  # still in the others' tables
+            gate = asyncio.Event()
+            find_node = writer.call_find_node
+
+            async def held_up(contact: Any, target: Any) -> Any:
+                await gate.wait()
+                return await find_node(contact, target)
+
+            writer.call_find_node = held_up  # type: ignore[method-assign]
+            storing = asyncio.ensure_future(writer.store("early", 1, dht_time() + 60))
+            others = nodes[1:4]
+            for _ in range(200):  # bounded: 10 s
+                if all(n.store_.get(b"early", dht_time()) for n in others):
+                    break
+                await asyncio.sleep(0.05)
+            assert not storing.done()  # the lookup is still held up
+            assert all(n.store_.get(b"early", dht_time()) for n in others)
+            gate.set()
+            assert await asyncio.wait_for(storing, 10)
+            found = await nodes[2].get("early")
+            assert isinstance(found, ValueWithExpiration) and found.value == 1
 
     arun(main())
