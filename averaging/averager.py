@@ -200,7 +200,6 @@ class Averager:
         weight: float = 1.0,
         timeout: float | None = None,
         target_group_size: int | None = None,
-        expected: Sequence[PeerID] = (),
     ) -> AveragingStep:
         """Average the tensors with the peers stepping under the same ``round_key`` now
         (e.g. the global step number), weighting ours by ``weight`` (e.g. its sample
@@ -211,9 +210,7 @@ class Averager:
         within the matchmaking timeout (``timeout`` overrides it), or the group formed has
         fewer members able to reduce than ``reducers_per_part``; the tensors are then
         unchanged. A round that loses members still returns (see the report).
-        ``target_group_size`` overrides the matchmaking config's for this step;
-        ``expected`` names peers known to step under ``round_key`` now or shortly
-        (:meth:`Matchmaker.look_for_group`).
+        ``target_group_size`` overrides the matchmaking config's for this step.
         """
         if self._matchmaker is None or self._service is None:
             raise AveragerError("use the Averager inside `async with`")
@@ -233,7 +230,6 @@ class Averager:
             bandwidth=self.bandwidth,
             timeout=timeout,
             target_group_size=None if target_group_size is None else max(target_group_size, copies),
-            expected=expected,
         )
         matched = time.monotonic()
         reducers = sum(1 for w in group.weights if w > 0)

@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -154,7 +153,7 @@ def answer_to_wire(answer: JoinAnswer) -> JoinResponse:
         )
     if isinstance(answer, Refused):
         return JoinResponse(
-            (JoinStatus.NOT_SEARCHING if answer.not_searching else JoinStatus.REFUSED).value,
+            JoinStatus.REFUSED.value,
             reason=answer.reason,
             finished=[p.to_bytes() for p in answer.finished],
         )
@@ -178,8 +177,6 @@ def answer_from_wire(key: str, response: JoinResponse) -> JoinAnswer:
         if len(response.finished) > MAX_PENDING_JOINS + 1:
             raise WireError("a refusal lists more peers than a leader can place")
         return Refused(reason, tuple(peer_id_from_wire(p) for p in response.finished))
-    if status is JoinStatus.NOT_SEARCHING:
-        return Refused(reason, not_searching=True)
     return Rejected(reason)
 
 
@@ -239,18 +236,14 @@ class Matchmaker:
         metadata: bytes = b"",
         timeout: float | None = None,
         target_group_size: int | None = None,
-        expected: Sequence[PeerID] = (),
     ) -> Group:
         """Find a group among the peers searching under ``key`` now.
 
         ``bandwidth`` is this peer's relative weight (its share of a butterfly round's
         reduction); ``metadata`` travels to every member as ``Group.metadata[i]``.
         ``target_group_size`` overrides the config's for this search (e.g. the number of
-        peers a training swarm expects); ``expected`` names peers known to search under
-        ``key`` now or shortly (a training swarm's progress records say who averages this
-        step): they count as declared before any read of the key, so with the whole
-        group expected, the search joins its leader without waiting for the DHT.
-        Returns within ``timeout`` seconds (default ``config.search_timeout``), or raises
+        peers a training swarm expects). Returns within ``timeout`` seconds (default
+        ``config.search_timeout``), or raises
         :class:`MatchmakingError` saying why no group was formed (too few peers, left
         over, a leader that vanished). Raises ValueError for a bad argument or a search
         under ``key`` already running here. Cancelling the call stops the search and
@@ -279,10 +272,7 @@ class Matchmaker:
             config = dataclasses.replace(
                 config, target_group_size=size, min_group_size=min(config.min_group_size, size)
             )
-        hints = [self._expected_candidate(p) for p in expected[:MAX_GROUP_SIZE]]
-        search = GroupSearch(
-            key=key, me=me, config=config, now=loop.time(), timeout=timeout, expected=hints
-        )
+        search = GroupSearch(key=key, me=me, config=config, now=loop.time(), timeout=timeout)
         active = _Active(search)
         self._searches[key] = active
         self._counters.searches += 1
@@ -311,12 +301,6 @@ class Matchmaker:
             if member != self.peer.peer_id:
                 self._remember_addrs(member, group.addrs[i])
         return group
-
-    def _expected_candidate(self, peer_id: PeerID) -> Candidate:
-        """An expected peer as a candidate: its addresses from the address book (it is
-        a leader candidate only if we know where to dial it)."""
-        addrs = [str(a) for a in self.peer.known_addresses(peer_id)[:MAX_CONTACT_ADDRS]]
-        return Candidate(peer_id, tuple(addrs), client_mode=False)
 
     async def _declare_and_drive(self, search: GroupSearch, active: _Active) -> Group:
         """Store our declaration while the search runs, not before it: a store is a
@@ -458,9 +442,7 @@ class Matchmaker:
             if placed is not None:
                 reason = f"already formed groups under key {request.key!r}"
                 return answer_to_wire(Refused(reason, placed))
-            return answer_to_wire(
-                Refused(f"not looking for a group under key {request.key!r}", not_searching=True)
-            )
+            return answer_to_wire(Refused(f"not looking for a group under key {request.key!r}"))
         loop = asyncio.get_running_loop()
         expected = request.expected_size if 0 < request.expected_size <= MAX_GROUP_SIZE else 0
         answer = active.search.on_join(member, loop.time(), context.timeout, expected)

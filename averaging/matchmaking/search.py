@@ -80,9 +80,6 @@ class Refused:
 
     reason: str
     finished: tuple[PeerID, ...] = ()
-    not_searching: bool = False
-    """The callee runs no search under this key: not yet, or not at all. A joiner that
-    was told to expect it (:class:`GroupSearch`'s ``expected``) tries it again shortly."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +207,6 @@ class GroupSearch:
         config: MatchmakingConfig,
         now: float,
         timeout: float,
-        expected: Iterable[Candidate] = (),
         new_round_id: Callable[[], bytes] = lambda: os.urandom(ROUND_ID_BYTES),
     ) -> None:
         self.key = key
@@ -234,15 +230,6 @@ class GroupSearch:
         self._last_problem = ""
         self.placed: tuple[PeerID, ...] = ()
         """Every peer placed in a group by this search (as leader: all groups)."""
-        # Peers the caller knows are searching under this key now, or about to (a
-        # training swarm's progress records): seen before any read of the key, so with
-        # enough of them the search joins its leader at once. One not searching yet is
-        # tried again until the gather window ends (it may start a moment after us).
-        self._expected: set[PeerID] = set()
-        for candidate in expected:
-            if candidate.peer_id != me.peer_id:
-                self._expected.add(candidate.peer_id)
-                self._see(candidate)
 
     # --- what the driver asks -------------------------------------------------------
 
@@ -361,13 +348,6 @@ class GroupSearch:
             self._accept(answer.group)
         elif isinstance(answer, Rejected):
             self._fail(f"leader {leader} formed the groups without us: {answer.reason}")
-        elif (
-            isinstance(answer, Refused)
-            and answer.not_searching
-            and leader in self._expected
-            and now < self.gather_deadline
-        ):
-            self._retry_at = now + self.config.poll_interval_seconds  # it comes: again
         elif isinstance(answer, Refused):
             for peer_id in answer.finished[:MAX_VIEW]:
                 if peer_id != self.me.peer_id:

@@ -87,9 +87,6 @@ class Average:
     weight: float
     group_size: int
     alone: bool
-    expected: tuple[PeerID, ...] = ()
-    """The other peers expected in the round (their records say so): matchmaking joins
-    their leader without waiting to read their declarations."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,23 +414,24 @@ class StepMachine:
         live[self.me] = self.mine(now)
         return live
 
-    def expected_members(self, now: float) -> set[PeerID]:
-        """The others expected in this epoch's round: the live ones in this epoch
+    def expected_group(self, now: float) -> int:
+        """Peers expected in this epoch's round, me included: the live ones in this epoch
         that added samples to it or started averaging, and those whose last record shows
         them averaging the previous epoch's round (a record read before they published
         their step: they come). A member that delivered nothing has no part in the round
         (its slot was filled by others) and does not come: counting it would make every
         round wait out the gather window for it. Counting too few is worse: the first
         members to meet form a group of that size and the round splits."""
-        return {
-            p
-            for p, r in self.live(now).items()
-            if p != self.me
-            and (
-                (r.epoch == self.epoch and (r.samples or r.averaging))
+        live = self.live(now).values()
+        return max(
+            1,
+            sum(
+                1
+                for r in live
+                if (r.epoch == self.epoch and (r.samples or r.averaging))
                 or (r.epoch == self.epoch - 1 and r.averaging)
-            )
-        }
+            ),
+        )
 
     def everyone_present(self, now: float) -> bool:
         """Before the run's first step: as many live peers as any of them waits for, or
@@ -445,13 +443,11 @@ class StepMachine:
     def begin_average(self, view: SwarmProgress, now: float) -> Average:
         """This peer enters its epoch's round now (policies call it)."""
         self.averaging = True
-        expected = self.expected_members(now)
         return Average(
             epoch=self.epoch,
             weight=float(max(self.samples, 1)),
-            group_size=max(len(expected) + 1, 2),
+            group_size=max(self.expected_group(now), 2),
             alone=view.num_peers <= 1,
-            expected=tuple(sorted(expected)),
         )
 
     # --- internals ---------------------------------------------------------------------

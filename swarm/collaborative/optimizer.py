@@ -298,10 +298,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         try:
             step: AveragingStep = self.dht.peer.run(
                 self._averager.step(
-                    average.epoch,
-                    weight=average.weight,
-                    target_group_size=average.group_size,
-                    expected=average.expected,
+                    average.epoch, weight=average.weight, target_group_size=average.group_size
                 ),
                 timeout=timeout + HUNG_CALL_SLACK_SECONDS,
             )

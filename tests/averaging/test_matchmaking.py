@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import random
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -163,16 +163,13 @@ class Sim:
     round_ids: itertools.count[int] = field(default_factory=itertools.count)
     num_redirects: int = 0
 
-    def add(
-        self, member: MemberInfo, start: float = 0.0, expected: Sequence[MemberInfo] = ()
-    ) -> None:
+    def add(self, member: MemberInfo, start: float = 0.0) -> None:
         search = GroupSearch(
             key=self.key,
             me=member,
             config=self.config,
             now=start,
             timeout=self.config.search_timeout,
-            expected=[m.candidate() for m in expected],
             new_round_id=lambda: next(self.round_ids).to_bytes(16, "big"),
         )
         self.peers[member.peer_id] = SimPeer(search, start)
@@ -202,12 +199,8 @@ class Sim:
                     peer.search.on_declarations(declared, self.now)
                 elif isinstance(action, Join):
                     leader = self.peers[action.leader.peer_id]
-                    if leader.dead:
+                    if leader.dead or leader.start > self.now:
                         self._answer(peer_id, action.leader.peer_id, None)
-                        continue
-                    if leader.start > self.now:  # alive, not searching yet
-                        refused = Refused("not looking", not_searching=True)
-                        self._answer(peer_id, action.leader.peer_id, refused)
                         continue
                     left = peer.search.deadline - self.now
                     answer = leader.search.on_join(peer.search.me, self.now, left)
@@ -265,50 +258,6 @@ def test_sim_peers_starting_together_form_one_group(seed: int) -> None:
     assert set(group.members) == set(sim.peers)
     for peer in sim.peers.values():  # formed right after the gather window
         assert peer.finished_at is not None and peer.finished_at < 4.0
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_sim_expected_peers_join_their_leader_without_reading_the_dht(seed: int) -> None:
-    """A training swarm's peers know who averages this step (progress records) and pass
-    them as ``expected``: each joins the leader as soon as it starts, even one that has
-    not started yet (refused as not searching, tried again), so the group forms a poll
-    interval or two after the last peer starts, not a DHT lag and a poll later."""
-    rng = random.Random(seed)
-    config = replace(CONFIG, target_group_size=6, form_when_full=True)
-    members = [_member(KeyPair.from_seed(rng.randbytes(32)).peer_id) for _ in range(6)]
-    starts = [round(rng.uniform(0, 0.5), 2) for _ in members]
-    # The DHT's lag is longer than the whole search: nobody's declaration is ever read.
-    hinted, unhinted = Sim("key", config, lag=30.0), Sim("key", config, lag=30.0)
-    for member, start in zip(members, starts, strict=True):
-        hinted.add(member, start, expected=[m for m in members if m is not member])
-        unhinted.add(member, start)
-    hinted.run()
-    (group,) = hinted.groups().values()
-    assert set(group.members) == set(hinted.peers)
-    for peer in hinted.peers.values():
-        assert peer.finished_at is not None
-        assert peer.finished_at <= max(starts) + 2 * config.poll_interval_seconds
-    # Without them, and no declaration readable, nobody finds anyone.
-    unhinted.run()
-    assert not unhinted.groups()
-
-
-def test_sim_an_expected_peer_that_never_searches_costs_the_gather_window() -> None:
-    """An expected peer that is alive but never searches (it saw another epoch) is tried
-    again until the gather window ends, then dropped like any refusing leader."""
-    config = replace(CONFIG, target_group_size=3, form_when_full=True)
-    ids = sorted(_ids(3), key=lambda p: rank("key", p))
-    absent, a, b = (_member(p) for p in ids)  # the absent one ranks best: it would lead
-    sim = Sim("key", config, lag=0.3)
-    sim.add(a, 0.0, expected=[absent, b])
-    sim.add(b, 0.0, expected=[absent, a])
-    sim.add(absent, 100.0)  # starts long after everyone's deadline
-    sim.run(until=12.0)
-    (group,) = sim.groups().values()
-    assert set(group.members) == {a.peer_id, b.peer_id}
-    for peer in (sim.peers[a.peer_id], sim.peers[b.peer_id]):
-        assert peer.finished_at is not None
-        assert config.gather_timeout <= peer.finished_at <= config.gather_timeout + 1.0
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -621,7 +570,7 @@ def test_hostile_joins_get_clear_errors_and_the_leader_keeps_serving(arun: Run) 
             with pytest.raises(RemoteError, match="addresses"):
                 await call(JoinRequest(key, [], False, 1.0, b""))
             wrong = await call(JoinRequest("some other key", addrs, False, 1.0, b""))
-            assert wrong.status == JoinStatus.NOT_SEARCHING.value
+            assert wrong.status == JoinStatus.REFUSED.value
             assert "not looking for a group under key 'some other key'" in wrong.reason
             results = await searches
             assert all(isinstance(r, Group) and len(r) == 3 for r in results), results

@@ -237,7 +237,11 @@ def test_a_first_found_get_stops_early_and_a_latest_get_finds_the_freshest(arun:
             latest = await reader.get("ver")
             latest_rpcs = reader.statistics().rpcs_sent.get("find-value", 0) - sent
             assert isinstance(latest, ValueWithExpiration) and latest.value == "new"
-            assert quick_rpcs < latest_rpcs
+            # The first-found get stopped at its first value: never more requests than a
+            # latest get, which hears from every replica. (Not always fewer: alpha = 8
+            # sends a whole first wave at once, and where the reader's table holds the 8
+            # replicas already, a latest get needs no more than that wave either.)
+            assert quick_rpcs <= latest_rpcs
 
     arun(main())
 
