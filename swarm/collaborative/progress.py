@@ -39,6 +39,10 @@ MAX_FINGERPRINT_BYTES = 32
 #: The most peers a record may ask the run to wait for: a hostile record cannot make
 #: joiners wait for a swarm that will never come (they wait a bounded time anyway).
 MAX_EXPECTED_PEERS = 4096
+#: Fields of a record this version reads; a later version may append more (each an
+#: addition older peers skip), up to this many in all.
+RECORD_FIELDS = 7
+MAX_RECORD_FIELDS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +66,12 @@ class PeerProgress:
 
     @classmethod
     def from_wire(cls, value: object) -> PeerProgress | None:
-        """Parse a record; ``None`` for anything malformed (a remote's garbage)."""
-        if not isinstance(value, list) or len(value) != 7:
+        """Parse a record; ``None`` for anything malformed (a remote's garbage). Fields
+        past the ones this version knows are skipped: a later version may add some and
+        stay readable here."""
+        if not isinstance(value, list) or not RECORD_FIELDS <= len(value) <= MAX_RECORD_FIELDS:
             return None
-        epoch, samples, rate, when, averaging, fingerprint, expect = value
+        epoch, samples, rate, when, averaging, fingerprint, expect = value[:RECORD_FIELDS]
         if not isinstance(fingerprint, bytes) or len(fingerprint) > MAX_FINGERPRINT_BYTES:
             return None
         if not all(

@@ -60,10 +60,13 @@ def test_stale_and_malformed_records_are_ignored() -> None:
     assert view.epoch == 3 and view.num_peers == 1
     good = [1, 2, 1.0, now, False, b"", 3]
     assert PeerProgress.from_wire(good) == PeerProgress(1, 2, 1.0, now, False, b"", 3)
+    # A later version's record, with fields appended, reads as what this one knows.
+    assert PeerProgress.from_wire([*good, True, "later"]) == PeerProgress.from_wire(good)
     for garbage in (
         None,
         [1, 2, 3],
         good[:6],
+        [*good, *[0] * 26],  # more fields than any version may add
         [1, -5, 0.0, now, False, b"", 1],
         [1, 2, float("nan"), now, False, b"", 1],
         [True, 2, 1.0, now, False, b"", 1],
