@@ -385,9 +385,15 @@ class _Dealer:
     step."""
 
     def __init__(
-        self, opt: CollaborativeOptimizer, run_id: str, plan: RunPlan, patience: float
+        self,
+        opt: CollaborativeOptimizer,
+        run_id: str,
+        plan: RunPlan,
+        patience: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._opt = opt
+        self._clock = clock
         self._patience = patience
         self._slow: set[PeerID] = set()  # used up our patience; none until they deliver
         self._run_id = run_id
@@ -412,7 +418,7 @@ class _Dealer:
             self._taken = {self._me}
             self._done_at = 0.0
         elif not self._pending:
-            now = time.monotonic()
+            now = self._clock()
             self._done_at = self._done_at or now
             delivered = opt.delivered()
             self._slow -= delivered  # it delivered (again): patience, as for anyone

@@ -414,6 +414,30 @@ class StepMachine:
         live[self.me] = self.mine(now)
         return live
 
+    def members(self, now: float) -> list[PeerID]:
+        """The live peers of the run, this one included, except those claiming an epoch
+        ahead of ours: who shares the next global batch. A peer truly ahead stepped
+        without us (we resync), and one that only claims it would hold a slot it never
+        fills."""
+        return sorted(p for p, r in self.live(now).items() if r.epoch <= self.epoch)
+
+    def delivered(self, now: float) -> set[PeerID]:
+        """Members whose record shows samples added, or a round started, in this peer's
+        epoch or a later one: their slot of this epoch's batch is not to be filled for
+        them. An epoch number alone is no such evidence: a member that never trains can
+        claim whatever epoch it reads, and one truly past ours stepped without us (we
+        resync; filling its slot meanwhile costs nothing but the work)."""
+        return {
+            p
+            for p, r in self.live(now).items()
+            if r.epoch >= self.epoch and (r.samples or r.averaging)
+        }
+
+    def working(self, now: float, within: float) -> set[PeerID]:
+        """Members whose progress record is at most ``within`` seconds old: alive and
+        publishing, so busy with their part rather than gone (their record stops)."""
+        return {p for p, r in self.live(now).items() if now - r.time <= within}
+
     def expected_group(self, now: float) -> int:
         """Peers expected in this epoch's round, me included: the live ones in this epoch
         that added samples to it or started averaging, and those whose last record shows

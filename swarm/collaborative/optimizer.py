@@ -375,28 +375,20 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         return self._machine.view(dht_time())
 
     def members(self) -> list[PeerID]:
-        """The live peers of the run as this peer sees them, itself included (those whose
-        progress record has not expired), except those claiming an epoch ahead of ours:
-        who shares the next global batch. A peer truly ahead stepped without us (we
-        resync), and one that only claims it would hold a slot it never fills."""
+        """Who shares the next global batch (:meth:`StepMachine.members`)."""
         self._machine.records = self._records
-        return sorted(p for p, r in self._machine.live(dht_time()).items() if r.epoch <= self.epoch)
+        return self._machine.members(dht_time())
 
     def delivered(self) -> set[PeerID]:
-        """Members that added samples to this peer's epoch (or are past it)."""
+        """Members whose records show them adding samples to this peer's epoch or a
+        later one (:meth:`StepMachine.delivered`)."""
         self._machine.records = self._records
-        return {
-            p
-            for p, r in self._machine.live(dht_time()).items()
-            if r.epoch > self.epoch or (r.epoch == self.epoch and (r.samples or r.averaging))
-        }
+        return self._machine.delivered(dht_time())
 
     def working(self, within: float) -> set[PeerID]:
-        """Members whose progress record is at most ``within`` seconds old: alive and
-        publishing, so busy with their part rather than gone (their record stops)."""
+        """Members publishing within ``within`` seconds (:meth:`StepMachine.working`)."""
         self._machine.records = self._records
-        now = dht_time()
-        return {p for p, r in self._machine.live(now).items() if now - r.time <= within}
+        return self._machine.working(dht_time(), within)
 
     @property
     def accumulated(self) -> int:
