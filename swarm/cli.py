@@ -774,6 +774,7 @@ def _stage_flags() -> tuple[Flag, ...]:
     return (
         Flag("stage", _stage, help="stage index, or auto: the most under-served stage at start"),
         Flag("uid_prefix"),
+        Flag("synchronous"),
         Flag("rebalance_interval_seconds", _positive_float, "SECONDS", name="--rebalance-interval"),
     )
 

@@ -81,7 +81,9 @@ class ModuleBackend:
     ``clip_grad_norm`` bounds the gradient norm of each caller's contribution to a step
     and of the step's sum (:data:`DEFAULT_CLIP_GRAD_NORM`); ``None`` turns clipping off,
     for a module whose callers are all trusted. ValueError for one that is not finite
-    and positive."""
+    and positive. With ``step_on_backward=False`` the server's worker does not step after
+    a backward: gradients accumulate until the owner steps (a synchronous pipeline
+    stage, :mod:`swarm.pipeline.sync`)."""
 
     def __init__(
         self,
@@ -92,8 +94,10 @@ class ModuleBackend:
         max_batch_size: int,
         optimizer: torch.optim.Optimizer | None = None,
         clip_grad_norm: float | None = DEFAULT_CLIP_GRAD_NORM,
+        step_on_backward: bool = True,
     ) -> None:
         check_clip_grad_norm(clip_grad_norm)
+        self.step_on_backward = step_on_backward
         self.uid = check_uid(uid)
         self.module = module
         first = next(iter(module.parameters()), None)
@@ -188,7 +192,7 @@ class ModuleBackend:
         if not params:
             return
         self._num_contributions += 1
-        norm = _clip([p.grad for p in params if p.grad is not None], self.clip_grad_norm)
+        norm = clip_gradients([p.grad for p in params if p.grad is not None], self.clip_grad_norm)
         if not math.isfinite(norm):
             self._num_dropped += 1
         else:
@@ -223,7 +227,7 @@ class ModuleBackend:
             for p, total in self._summed.items():
                 p.grad = total
             if self._num_summed > 1:  # one contribution is clipped already
-                _clip(list(self._summed.values()), self.clip_grad_norm)
+                clip_gradients(list(self._summed.values()), self.clip_grad_norm)
             empty = not self._summed  # every contribution was dropped
             self._summed = {}
             self._num_summed = 0
@@ -261,7 +265,7 @@ def check_clip_grad_norm(value: float | None) -> float | None:
     return value
 
 
-def _clip(grads: Sequence[torch.Tensor], max_norm: float) -> float:
+def clip_gradients(grads: Sequence[torch.Tensor], max_norm: float) -> float:
     """The total 2-norm of ``grads``; if it is finite and over ``max_norm``, scales them in
     place to ``max_norm``. Unlike ``nn.utils.clip_grad_norm_``, gradients under the bound
     are left alone rather than multiplied by 1: a second pass over them that most honest

@@ -70,7 +70,8 @@ class Forwarded(NamedTuple):
     """Names the graph the server kept for the backward (0: none)."""
 
 
-def _dial_info(peer: Peer, location: ExpertLocation) -> None:
+def learn_addresses(peer: Peer, location: ExpertLocation) -> None:
+    """Give ``peer`` the announced addresses of ``location``'s server if it must dial."""
     # Only while not connected: a call over a live connection needs no address, and the
     # hot path stays a dictionary lookup. A server's addresses change (one behind NAT
     # first announces its bound address, then relayed ones once AutoNAT finds it
@@ -86,7 +87,7 @@ def _frame_bytes(info: ExpertInfo | None) -> int:
 
 async def call_info(peer: Peer, location: ExpertLocation, *, timeout: float) -> ExpertInfo:
     """The expert's schema, as its server declares it."""
-    _dial_info(peer, location)
+    learn_addresses(peer, location)
     info = await peer.call_unary(
         location.peer_id, INFO_PROTOCOL, InfoRequest(location.uid), ExpertInfo, timeout=timeout
     )
@@ -107,7 +108,7 @@ async def call_forward(
     """The expert's outputs for ``inputs`` (batch-first). Inputs are sent as they are:
     the server checks them (see the module docstring for errors). With ``keep`` the
     server may keep the forward's graph: pass the returned token to the backward."""
-    _dial_info(peer, location)
+    learn_addresses(peer, location)
     wire = [encode(t, config.codec) for t in inputs]
     request = ForwardRequest(location.uid, wire, config.codec, keep)
     response = await peer.call_unary(
@@ -136,7 +137,7 @@ async def call_backward(
     """Gradients of ``inputs`` given the outputs' gradients (``None`` for integer
     inputs); the server also trains the expert on them. ``forward_token`` (from the
     forward) lets it skip recomputing the forward."""
-    _dial_info(peer, location)
+    learn_addresses(peer, location)
     request = BackwardRequest(
         location.uid,
         [encode(t, config.codec) for t in inputs],

@@ -161,7 +161,8 @@ class ModuleWorker:
         cancelled worker, so the module is never released mid-computation."""
         loop = asyncio.get_running_loop()
         threaded = not self._inline(batch.kind, batch.num_samples)
-        step_here = batch.kind == "backward" and threaded
+        steps = batch.kind == "backward" and self.backend.step_on_backward
+        step_here = steps and threaded
 
         def hand(fn: Callable[..., None], *args: Any) -> None:
             if threaded:  # to the loop, which owns the callers' futures
@@ -186,7 +187,7 @@ class ModuleWorker:
             computed = work()
         else:
             computed = await _finish(_in_thread(work))
-        if computed and batch.kind == "backward" and not step_here:
+        if computed and steps and not step_here:
             await _finish(asyncio.ensure_future(self._step_after_replies()))
 
     def _step(self) -> None:

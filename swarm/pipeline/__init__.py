@@ -10,7 +10,9 @@ is served by one or more :class:`StageServer` s, as the expert ``stage.{i}``.
   (``PipelineConfig.calls.codec``).
 - Replicas of a stage average their parameters periodically (:class:`StageReplica`,
   through ``averaging.Averager``) and share their state; a server joining a stage
-  downloads it from them.
+  downloads it from them. Or, synchronous (``synchronous=True`` on servers and client),
+  a stage's servers sum their gradients and step together once per global batch
+  (:class:`SyncStage`): the pipeline trains like one process.
 - A server started without a stage takes the most under-served one, and may move
   there later (:func:`stage_to_join`, :func:`stage_to_move`);
   :class:`BlockingStageServer` hosts one from a plain script.
@@ -24,7 +26,13 @@ from swarm.pipeline.client import (
     StageCall,
     Trace,
 )
-from swarm.pipeline.errors import PipelineError, StageFailed, StageStateError, StageUnavailable
+from swarm.pipeline.errors import (
+    PipelineError,
+    StageFailed,
+    StageStateError,
+    StageStepError,
+    StageUnavailable,
+)
 from swarm.pipeline.rebalance import StageLoad, pressures, stage_to_join, stage_to_move
 from swarm.pipeline.remote import RemoteSequential
 from swarm.pipeline.replicas import ReplicaConfig, ReplicaStatistics, StageReplica
@@ -36,6 +44,7 @@ from swarm.pipeline.stages import (
     PipelineModel,
     pipeline_model,
 )
+from swarm.pipeline.sync import SyncConfig, SyncStage
 from swarm.pipeline.wiring import ServerRecord, Wiring, WiringConfig
 
 __all__ = [
@@ -60,7 +69,10 @@ __all__ = [
     "StageServerConfig",
     "StageServerStatistics",
     "StageStateError",
+    "StageStepError",
     "StageUnavailable",
+    "SyncConfig",
+    "SyncStage",
     "Trace",
     "Wiring",
     "WiringConfig",

@@ -21,6 +21,7 @@ micro-batch that finds them stale: no background task to own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
@@ -36,10 +37,11 @@ from peers.dht import DHT
 from peers.errors import PeersError, RemoteError
 from peers.traffic import CallLatency, LatencyHistogram
 from swarm.experts.announce import ExpertLocation, find_experts
-from swarm.experts.calls import ExpertCallConfig, call_backward, call_forward
+from swarm.experts.calls import ExpertCallConfig, call_backward, call_forward, learn_addresses
 from swarm.experts.uids import check_name
-from swarm.pipeline.errors import StageFailed, StageUnavailable
+from swarm.pipeline.errors import StageFailed, StageStepError, StageUnavailable
 from swarm.pipeline.stages import MAX_STAGES
+from swarm.pipeline.sync import STEP_PROTOCOL, StepRequest, StepResponse
 from swarm.pipeline.wiring import ServerRecord, Wiring, WiringConfig
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,12 @@ class PipelineConfig:
     """Seconds a call waits for a stage with no live server to get one."""
     seed: int | None = None
     """Seeds the wiring's random choices (``None``: from the OS)."""
+    synchronous: bool = False
+    """The stages step only when the client ends its step (:meth:`PipelineClient.end_step`),
+    all their servers together, as one model would on the whole batch; their servers
+    must be synchronous too (:mod:`swarm.pipeline.sync`)."""
+    step_timeout: float = 60.0
+    """Seconds the stages' servers have to end a step (their gradients' round included)."""
 
     def __post_init__(self) -> None:
         check_name(self.uid_prefix)
@@ -86,6 +94,8 @@ class PipelineConfig:
             raise ValueError("refresh_seconds must be finite and positive")
         if not (math.isfinite(self.server_wait_timeout) and self.server_wait_timeout >= 0):
             raise ValueError("server_wait_timeout must be finite and >= 0")
+        if not (math.isfinite(self.step_timeout) and self.step_timeout > 0):
+            raise ValueError("step_timeout must be finite and positive")
 
     @property
     def uids(self) -> list[str]:
@@ -120,6 +130,8 @@ class PipelineStatistics:
     call_latency: Mapping[tuple[int, str], CallLatency] = field(default_factory=dict)
     """Stage calls by ``(stage, "forward" or "backward")``: each attempt's duration, a
     failed one (then retried elsewhere) counted as a failure."""
+    num_steps: int = 0
+    """Synchronous stages: steps this client ended (:meth:`PipelineClient.end_step`)."""
 
 
 class PipelineClient:
@@ -135,6 +147,7 @@ class PipelineClient:
         self._refresh_lock = asyncio.Lock()
         self._counters: Counter[str] = Counter()
         self._latency: dict[tuple[int, str], LatencyHistogram] = {}
+        self._step: int | None = None  # synchronous: the step under way (None: unknown)
 
     async def refresh(self) -> None:
         """Re-read every stage's servers from the DHT now."""
@@ -288,15 +301,16 @@ class PipelineClient:
         return got
 
     async def train_micro_batch(
-        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, scale: float = 1.0
     ) -> float:
         """Forward ``inputs``, ``loss_fn(outputs, targets)`` here, backward through the
-        servers that did the forward (they train). Returns the loss."""
+        servers that did the forward (they train, on the loss times ``scale``). Returns
+        the loss."""
         outputs, trace = await self.forward([inputs], keep=True)
         with torch.enable_grad():
             out = outputs[0].requires_grad_(True)
             loss = loss_fn(out, targets)
-            (grad,) = torch.autograd.grad(loss, out)
+            (grad,) = torch.autograd.grad(loss * scale, out)
         await self.backward(trace, [grad])
         return float(loss.detach())
 
@@ -305,16 +319,100 @@ class PipelineClient:
     ) -> list[float]:
         """:meth:`train_micro_batch` for each ``(inputs, targets)``, all in flight at
         once (so different stages work on different micro-batches); their losses. If
-        one fails, the others are cancelled and its error raised."""
+        one fails, the others are cancelled and its error raised.
+
+        Synchronous (``config.synchronous``): the micro-batches are one global batch.
+        Each micro-batch's loss (a mean over its samples) is weighted by its share of
+        the batch, so the gradients the servers accumulate add up to the gradient of the
+        batch's mean loss, and the step is ended (:meth:`end_step`) once all are back."""
+        total = sum(x.shape[0] for x, _ in micro_batches)
+        sync = self.config.synchronous
         try:
             async with asyncio.TaskGroup() as group:  # one fails: the others are cancelled
                 tasks = [
-                    group.create_task(self.train_micro_batch(x, y, loss_fn))
+                    group.create_task(
+                        self.train_micro_batch(
+                            x, y, loss_fn, x.shape[0] / total if sync and total else 1.0
+                        )
+                    )
                     for x, y in micro_batches
                 ]
         except ExceptionGroup as e:
             raise e.exceptions[0] from None  # the caller sees StageFailed, not a group
+        if sync:
+            await self.end_step()
         return [task.result() for task in tasks]
+
+    async def end_step(self) -> int:
+        """Synchronous stages: every stage's servers sum the gradients they accumulated
+        and step, together (:mod:`swarm.pipeline.sync`); returns the steps the stages
+        have taken. The servers asked are those the DHT lists now, read afresh (each may
+        hold some of the step's gradients). Raises StageStepError naming the stages
+        whose servers could not step or disagree on the step."""
+        await self.refresh()
+        now = time.monotonic()
+        servers = [wiring.live(now) for wiring in self.wirings]
+        for stage, listed in enumerate(servers):
+            if not listed:
+                raise StageUnavailable(f"stage {stage} has no live server to step", stage)
+        if self._step is None:  # a new client: where the stages are
+            answers = await self._ask_all(servers, lambda _: StepRequest("", -1, end=False))
+            steps = {a.step for stage in answers for a in stage}
+            if len(steps) != 1:
+                raise StageStepError(
+                    f"the stages' servers disagree on the step they are at: {sorted(steps)} "
+                    "(a server that joined has not loaded its stage's state?)"
+                )
+            self._step = steps.pop()
+        step = self._step
+        answers = await self._ask_all(servers, lambda n: StepRequest("", step, group_size=n))
+        ahead = {a.step for stage in answers for a in stage} - {step + 1}
+        if ahead:  # they had ended this step before: some other client runs the stages
+            self._step = None
+            raise StageStepError(
+                f"asked to end step {step}, some servers were past it (at {sorted(ahead)}): "
+                "this client's view of the step was stale; it reads it again next time"
+            )
+        self._step = step + 1
+        self._counters["steps"] += 1
+        return self._step
+
+    async def _ask_all(
+        self,
+        servers: Sequence[Sequence[ExpertLocation]],
+        request: Callable[[int], StepRequest],
+    ) -> list[list[StepResponse]]:
+        """``request(servers of the stage)`` (its uid filled in) to every listed server;
+        their answers by stage. StageStepError if any fails."""
+        timeout = self.config.step_timeout
+
+        async def ask(location: ExpertLocation, n: int) -> StepResponse | BaseException:
+            learn_addresses(self.peer, location)
+            message = dataclasses.replace(request(n), uid=location.uid)
+            try:
+                return await self.peer.call_unary(
+                    location.peer_id, STEP_PROTOCOL, message, StepResponse, timeout=timeout
+                )
+            except (PeersError, TimeoutError, OSError) as e:
+                return e
+
+        got = await asyncio.gather(
+            *(ask(location, len(listed)) for listed in servers for location in listed)
+        )
+        answers: list[list[StepResponse]] = []
+        failures: list[str] = []
+        it = iter(got)
+        for stage, listed in enumerate(servers):
+            answers.append([])
+            for location in listed:
+                answer = next(it)
+                if isinstance(answer, BaseException):
+                    failures.append(f"stage {stage} at {location.peer_id}: {answer!r}")
+                else:
+                    answers[-1].append(answer)
+        if failures:
+            raise StageStepError("; ".join(failures[:6]))
+        return answers
 
     def statistics(self) -> PipelineStatistics:
         now = time.monotonic()
@@ -325,4 +423,5 @@ class PipelineClient:
             num_refreshes=self._counters["refreshes"],
             servers=tuple(w.statistics(now) for w in self.wirings),
             call_latency={key: h.snapshot() for key, h in sorted(self._latency.items())},
+            num_steps=self._counters["steps"],
         )

@@ -37,3 +37,9 @@ class StageFailed(PipelineError):
 class StageStateError(PipelineError):
     """A stage's state downloaded from peers does not fit the stage (the donors' fault
     or a different model): the server starts from its own initialisation instead."""
+
+
+class StageStepError(PipelineError):
+    """A synchronous stage could not end a step (:mod:`swarm.pipeline.sync`): a server
+    asked to end a step it has not reached, or its round with the stage's other servers
+    found no group or was not agreed. Nothing stepped; the gradients are kept."""

@@ -50,9 +50,17 @@ class RemoteSequential(nn.Module):
         """Train on every ``(inputs, targets)`` micro-batch, all in flight at once:
         forward through the stages, ``loss_fn(outputs, targets)`` computed here (on the
         event loop thread: keep it cheap), backward through the same servers. Each
-        stage server steps its optimizer on every backward it serves. Returns the
-        micro-batches' losses."""
+        stage server steps its optimizer on every backward it serves; synchronous
+        (``config.synchronous``), the micro-batches are one global batch and every
+        stage steps once, after them, on its whole gradient (:meth:`end_step`). Returns
+        the micro-batches' losses."""
         return run_blocking(self.dht.peer, self.client.train(micro_batches, loss_fn))
+
+    def end_step(self) -> int:
+        """Synchronous stages: step every stage on the gradients of the backward passes
+        since the last step (:meth:`PipelineClient.end_step`), as ``optimizer.step()``
+        would after ``loss.backward()``; returns the steps taken so far."""
+        return run_blocking(self.dht.peer, self.client.end_step())
 
     def refresh(self) -> None:
         """Re-read the stages' servers from the DHT now."""

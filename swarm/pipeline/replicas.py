@@ -60,6 +60,7 @@ from peers.errors import PeersError
 from swarm.experts.backend import ModuleBackend
 from swarm.experts.worker import ModuleWorker
 from swarm.pipeline.errors import StageStateError
+from swarm.pipeline.sync import part_counts
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -237,14 +238,7 @@ class StageReplica:
         ``n`` per part of the round."""
         if self.config.combine == "mean":
             return {name: self.buffers[f"param/{name}"].clone() for name in self.params}
-        flat = torch.ones(sum(b.numel() for b in self.buffers.values()))
-        for part in step.outcome.result.report.parts:
-            if part.averaged and part.contributors:
-                flat[part.start : part.end] = len(part.contributors)
-        counts, offset = {}, 0
-        for key, buffer in self.buffers.items():
-            counts[key] = flat[offset : offset + buffer.numel()].view_as(buffer)
-            offset += buffer.numel()
+        counts = part_counts(step, self.buffers)
         return {
             name: self.buffers[f"param/{name}"]
             + (counts[f"delta/{name}"] - 1) * self.buffers[f"delta/{name}"]

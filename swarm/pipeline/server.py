@@ -8,7 +8,9 @@ not count), builds the stage's module, downloads the stage's parameters and opti
 state from the servers already on it, shares its own, and serves it as the expert
 ``{uid_prefix}.{stage}`` (:class:`~swarm.experts.ExpertServer`: batching, training on
 every backward, DHT announcements with load and throughput). Meanwhile its replica
-averages with the stage's other servers (:mod:`swarm.pipeline.replicas`) and, with
+averages with the stage's other servers (:mod:`swarm.pipeline.replicas`); or, with
+``synchronous``, it steps only when a client ends a step, together with the stage's
+other servers, on their summed gradients (:mod:`swarm.pipeline.sync`). With
 ``rebalance_interval_seconds``, it checks whether moving to another stage would relieve
 the pipeline's bottleneck (:func:`~swarm.pipeline.rebalance.stage_to_move`, confirmed
 by a second reading a moment later, so one failed DHT read does not move it); if so it
@@ -18,13 +20,16 @@ stops serving its stage and joins the other the same way a newcomer does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from peers.dht import DHT
+from peers.rpc import CallContext
 from swarm.experts.announce import Announcement, find_experts
 from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM, ModuleBackend, check_clip_grad_norm
 from swarm.experts.calls import call_info
@@ -34,9 +39,11 @@ from swarm.experts.server_config import ServerConfig
 from swarm.experts.uids import check_name
 from swarm.experts.worker import ModuleWorker
 from swarm.optim_spec import OptimizerSpec, default_optimizer
+from swarm.pipeline.errors import StageStepError
 from swarm.pipeline.rebalance import StageLoad, stage_to_join, stage_to_move
 from swarm.pipeline.replicas import ReplicaConfig, ReplicaStatistics, StageReplica
 from swarm.pipeline.stages import PipelineModel
+from swarm.pipeline.sync import STEP_PROTOCOL, StepRequest, StepResponse, SyncConfig, SyncStage
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,12 @@ class StageServerConfig:
     """Batching and announcing of the stage."""
     replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
     """Averaging with the stage's other servers, and state sharing."""
+    synchronous: bool = False
+    """Step together with the stage's other servers, once per global batch, when the
+    client ends its step (:mod:`swarm.pipeline.sync`), instead of on every backward.
+    The replicas then never average their parameters: they stay equal."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """How a synchronous stage's servers sum their gradients."""
     rebalance_interval_seconds: float | None = None
     """Seconds between checks whether to move to another stage; unset (``None``): never
     move."""
@@ -115,6 +128,7 @@ class StageServer:
         self.stage: int | None = None
         self._server: ExpertServer | None = None
         self._replica: StageReplica | None = None
+        self._sync: SyncStage | None = None
         self._num_moves = 0
         self._rng = random.Random()
 
@@ -166,7 +180,9 @@ class StageServer:
             inputs=inputs,
             max_batch_size=self.config.max_batch_size,
             optimizer=None if spec is None else spec.build(module.parameters()),
-            clip_grad_norm=self.config.clip_grad_norm,
+            # synchronous: the stage's summed gradient is clipped when it steps
+            clip_grad_norm=None if self.config.synchronous else self.config.clip_grad_norm,
+            step_on_backward=not self.config.synchronous,
         )
 
     async def _serve_stage(
@@ -175,7 +191,19 @@ class StageServer:
         """Serve ``stage`` until ``stop`` (``None``) or a decision to move (the target)."""
         backend = await asyncio.to_thread(self._build, stage)
         uid = backend.uid
-        async with StageReplica(self.dht, backend, self.config.replicas) as replica:
+        replicas = self.config.replicas
+        if self.config.synchronous:  # its averager sums gradients instead (SyncStage)
+            sync_config = self.config.sync
+            replicas = dataclasses.replace(
+                replicas,
+                average=False,
+                matchmaking=sync_config.matchmaking,
+                allreduce=sync_config.allreduce,
+            )
+        async with (
+            StageReplica(self.dht, backend, replicas) as replica,
+            self._synchronous(backend, replica) as sync,
+        ):
             listed = (await find_experts(self.dht, [uid]))[uid]
             if any(
                 a.location.peer_id != self.peer.peer_id for a in listed
@@ -185,12 +213,47 @@ class StageServer:
             server_config = self.config.server
             async with ExpertServer(self.peer, [backend], server_config, dht=self.dht) as server:
                 self.stage, self._server, self._replica = stage, server, replica
+                self._sync = sync
                 try:
                     if on_ready is not None:
                         on_ready(self)
                     return await self._until_stop_or_move(stage, server, replica, stop)
                 finally:
-                    self.stage, self._server = None, None
+                    self.stage, self._server, self._sync = None, None, None
+
+    @contextlib.asynccontextmanager
+    async def _synchronous(
+        self, backend: ModuleBackend, replica: StageReplica
+    ) -> AsyncIterator[SyncStage | None]:
+        """A synchronous stage's step on the replica's averager, answering
+        :data:`STEP_PROTOCOL` while it serves (``None`` for an asynchronous one)."""
+        if not self.config.synchronous:
+            yield None
+            return
+        sync = SyncStage(
+            backend,
+            replica.averager,
+            {name: replica.buffers[f"param/{name}"] for name in replica.params},
+            clip_grad_norm=self.config.clip_grad_norm,
+        )
+        self.peer.add_unary_handler(STEP_PROTOCOL, self.rpc_step, StepRequest)
+        try:
+            yield sync
+        finally:
+            self.peer.remove_stream_handler(STEP_PROTOCOL)
+            sync.close()
+
+    async def rpc_step(self, request: StepRequest, context: CallContext) -> StepResponse:
+        """End (or report) a synchronous stage's step: :meth:`SyncStage.end_step`."""
+        sync, server, stage = self._sync, self._server, self.stage
+        if sync is None or server is None or stage is None or request.uid != sync.backend.uid:
+            raise StageStepError(
+                f"this server does not serve {request.uid[:128]!r} synchronously now"
+            )
+        allowed = self.config.server.allowed_trainers
+        if allowed is not None and context.remote_peer_id not in allowed:
+            raise StageStepError(f"{context.remote_peer_id} is not an allowed trainer here")
+        return await sync.end_step(server.workers[sync.backend.uid], request)
 
     async def _until_stop_or_move(
         self, stage: int, server: ExpertServer, replica: StageReplica, stop: asyncio.Event

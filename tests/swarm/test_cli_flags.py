@@ -44,7 +44,7 @@ PINNED = {
         "--clip-grad-norm --identity --initial-peers --linear-kernels --listen --lr "
         "--max-batch-size --metrics --model --no-relay --optimizer --reachability "
         "--rebalance-interval --run-id --stage --status-interval --swarm-key "
-        "--uid-prefix"
+        "--synchronous --uid-prefix"
     ),
     "train": _TRAINING,
     "join": _TRAINING,

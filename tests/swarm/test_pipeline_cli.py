@@ -67,28 +67,32 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
         proc.communicate(timeout=10)
 
 
+@pytest.mark.parametrize("synchronous", [False, True], ids=["asynchronous", "synchronous"])
 def test_three_stage_servers_from_the_cli_take_every_stage_and_train(
-    processes: list[subprocess.Popen[str]],
+    processes: list[subprocess.Popen[str]], synchronous: bool
 ) -> None:
     torch.set_num_threads(1)
-    first, maddr, serving = _start("--stage", "1", "--lr", "3e-3")
+    # synchronous: one step per train_step (on its 4 micro-batches), not one per backward
+    mode = ("--synchronous", "--lr", "1e-2") if synchronous else ("--lr", "3e-3")
+    first, maddr, serving = _start("--stage", "1", *mode)
     processes.append(first)
     assert serving == "serving stage.1 of 3 stages"
     stages = {1}
     for _ in range(2):  # each newcomer takes a stage nobody serves yet
-        proc, _, serving = _start("--initial-peers", maddr, "--lr", "3e-3")
+        proc, _, serving = _start("--initial-peers", maddr, *mode)
         processes.append(proc)
         stages.add(int(serving.split()[1].split(".")[1]))
     assert stages == {0, 1, 2}
 
     task = get_task("digits")
     with BlockingDHT(config=DHTConfig(initial_peers=(maddr,))) as dht:
-        model = RemoteSequential(dht, PipelineConfig(num_stages=3))
+        model = RemoteSequential(dht, PipelineConfig(num_stages=3, synchronous=synchronous))
         batches = task.batches(rank=0, num_peers=1, batch_size=32, seed=0)
         with torch.no_grad():
             before = float(F.cross_entropy(model(task.test_inputs), task.test_targets))
         for _ in range(25):
             model.train_step([next(batches) for _ in range(4)], F.cross_entropy)
+        assert model.statistics().num_steps == (25 if synchronous else 0)
         with torch.no_grad():
             after = float(F.cross_entropy(model(task.test_inputs), task.test_targets))
         print("test loss before and after", before, after)

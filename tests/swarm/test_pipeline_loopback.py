@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
 import pytest
@@ -15,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from averaging import MatchmakingConfig
-from peers import Peer, PeerConfig
-from peers.dht import DHT, BlockingDHT, DHTConfig
+from peers.dht import BlockingDHT, DHTConfig
 from swarm.experts import ExpertCallConfig, ModuleBackend, ServerConfig
 from swarm.experts.batching import Batcher
 from swarm.experts.kept import KeptStore
@@ -30,18 +28,15 @@ from swarm.pipeline import (
     RemoteSequential,
     ReplicaConfig,
     StageReplica,
-    StageServer,
     StageServerConfig,
     StageUnavailable,
 )
+from tests.swarm.pipeline_loop import LISTEN, local_swarm, state_of
 
 torch.set_num_threads(1)
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
-LISTEN = PeerConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",))
 MODEL = MLPStages(widths=((8, 16), (16, 24, 16), (16, 4)), seed=3)
 LR = 0.1
-#: Seconds a server or a move may take to show up on a loaded 2-core machine.
-WAIT = 30.0
 
 
 def _config(stage: int | None, *, lr: float = 0.0, **kwargs: Any) -> StageServerConfig:
@@ -68,80 +63,9 @@ def _client_config(**kwargs: Any) -> PipelineConfig:
     )
 
 
-@dataclass
-class Hosted:
-    server: StageServer
-    stop: asyncio.Event
-    stack: contextlib.AsyncExitStack
-    stages: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
-    task: asyncio.Task[None] | None = None
-
-    async def next_stage(self) -> int | None:
-        async with asyncio.timeout(WAIT):
-            return await self.stages.get()
-
-
-class Swarm:
-    """A bootstrap DHT node, stage servers each on its own peer, and client nodes."""
-
-    def __init__(self, stack: contextlib.AsyncExitStack, initial: str) -> None:
-        self.stack = stack
-        self.initial = initial
-        self.hosted: list[Hosted] = []
-
-    async def node(self, stack: contextlib.AsyncExitStack | None = None) -> DHT:
-        stack = stack or self.stack
-        peer = await stack.enter_async_context(Peer(LISTEN))
-        config = DHTConfig(
-            initial_peers=(self.initial,), rpc_timeout=2.0, maintenance_interval=3600
-        )
-        return await stack.enter_async_context(DHT(peer, config))
-
-    async def serve(self, config: StageServerConfig) -> Hosted:
-        stack = contextlib.AsyncExitStack()
-        server = StageServer(await self.node(stack), config)
-        hosted = Hosted(server, asyncio.Event(), stack)
-        hosted.task = asyncio.create_task(
-            server.run(hosted.stop, lambda s: hosted.stages.put_nowait(s.stage))
-        )
-        self.hosted.append(hosted)
-        await hosted.next_stage()
-        return hosted
-
-    async def kill(self, hosted: Hosted) -> None:
-        hosted.stop.set()
-        assert hosted.task is not None
-        await hosted.task
-        await hosted.stack.aclose()  # its peer closes: its connections drop
-        self.hosted.remove(hosted)
-
-    async def close(self) -> None:
-        for hosted in reversed(self.hosted):
-            await self.kill(hosted)
-
-
-@contextlib.asynccontextmanager
-async def local_swarm() -> AsyncIterator[Swarm]:
-    async with contextlib.AsyncExitStack() as stack:
-        peer = await stack.enter_async_context(Peer(LISTEN))
-        await stack.enter_async_context(DHT(peer, DHTConfig(maintenance_interval=3600)))
-        swarm = Swarm(stack, str(peer.listen_addrs[0]))
-        try:
-            yield swarm
-        finally:
-            await swarm.close()
-
-
 def _data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(n, 8, generator=gen), torch.randint(0, 4, (n,), generator=gen)
-
-
-async def _state(hosted: Hosted) -> dict[str, torch.Tensor]:
-    worker = hosted.server.worker
-    assert worker is not None
-    module = worker.backend.module
-    return await worker.exclusive(lambda: {k: v.clone() for k, v in module.state_dict().items()})
 
 
 def test_a_pipeline_computes_and_trains_exactly_like_the_local_model(arun: Run) -> None:
@@ -165,7 +89,7 @@ def test_a_pipeline_computes_and_trains_exactly_like_the_local_model(arun: Run) 
 
             local_optimizer.step()  # every server stepped once on exactly these gradients
             for i, h in enumerate(hosted):
-                remote, expected = await _state(h), local[i].state_dict()
+                remote, expected = await state_of(h), local[i].state_dict()
                 for name, value in expected.items():
                     assert torch.allclose(remote[name], value, atol=1e-5), (i, name)
                 stats = h.server.statistics().server
@@ -306,7 +230,7 @@ def _backend(model: MLPStages, stage: int, shift: float) -> ModuleBackend:
 
 
 @pytest.mark.parametrize("combine", ["mean", "sum"])
-def test_replicas_of_a_stage_average_and_a_newcomer_downloads_their_state(
+def test_replicas_of_a_stage_average_and_a_newcomer_downloads_theirstate_of(
     arun: Run, combine: Literal["mean", "sum"]
 ) -> None:
     model = MLPStages(widths=((8, 8), (8, 8), (8, 8)), seed=4)  # stages of equal shapes

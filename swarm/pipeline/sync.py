@@ -1,0 +1,234 @@
+"""Synchronous stages: the servers of a stage step together, once per global batch.
+
+In this mode a stage server does not step its optimizer on the backward passes it
+serves: their gradients accumulate. The client ends its global step by asking every
+server of every stage to end it (:data:`STEP_PROTOCOL`, :meth:`SyncStage.end_step`).
+The servers of a stage then add up what they accumulated in one averaging round under
+``{run_id}.{uid}`` (each brings its sum, with weight 1: the round's mean times the
+number of members it averages, per part, is the sum), clip that sum if configured, and
+step their optimizers with it. So the stage takes the step one process would take on the
+whole global batch, whichever server computed which micro-batch: stochastic wiring
+changes who computes, not what is computed (SWARM, Ryabinin et al. 2023). Replicas that
+start equal stay equal, bit for bit: a butterfly round gives every member the same
+average.
+
+The round runs on the averager of the server's :class:`~swarm.pipeline.StageReplica`
+(one averager per peer), whose parameter buffers a synchronous stage does not average.
+
+A request names the step it ends (the number of steps the stage took before it), so a
+retried request never steps twice, and a server that missed a step says so instead of
+stepping out of turn. Requests for the same step that arrive together share one round.
+A round that is not agreed (a member failed in it) steps nothing: the gradients stay,
+and the client may ask again (``attempt`` names a new round).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from averaging import (
+    AllReduceConfig,
+    Averager,
+    AveragingStep,
+    MatchmakingConfig,
+    MatchmakingError,
+)
+from peers.errors import PeersError
+from swarm.experts.backend import ModuleBackend, clip_gradients
+from swarm.experts.worker import ModuleWorker
+from swarm.pipeline.errors import StageStepError
+
+logger = logging.getLogger(__name__)
+
+STEP_PROTOCOL = "/swarmtrain/pipeline/step/1.0.0"
+
+#: Most servers of one stage that a step request may ask to sum their gradients.
+MAX_STAGE_GROUP = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    uid: str
+    """The stage (``stage.{i}``) whose step to end."""
+    step: int
+    """The step to end: the number of steps the stage took before it."""
+    group_size: int = 1
+    """Servers of the stage asked to end it (the round gathers as many)."""
+    end: bool = True
+    """False: only answer how many steps this server has taken."""
+    attempt: int = 0
+    """Retries of this step (each a round of its own)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResponse:
+    step: int
+    """Steps this server's stage has taken, after the request."""
+    samples: int
+    """Backward samples this server accumulated into the step it last took."""
+    group_size: int
+    """Servers whose gradients that step summed (1: this one alone)."""
+
+
+def _default_matchmaking() -> MatchmakingConfig:
+    # The client names the group's size: it forms as soon as every server joined, and
+    # gathering waits only for a server that is slow to hear the request.
+    return MatchmakingConfig(
+        target_group_size=MAX_STAGE_GROUP,
+        min_group_size=2,
+        search_timeout=15.0,
+        gather_timeout=3.0,
+        poll_interval_seconds=0.05,
+        form_when_full=True,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """How the servers of a stage sum their gradients at the end of a step."""
+
+    matchmaking: MatchmakingConfig = field(default_factory=_default_matchmaking)
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    """Round timeouts, chunk size and codec (``none`` keeps replicas bitwise equal)."""
+
+
+def part_counts(
+    step: AveragingStep, buffers: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Per element of each buffer (in the averager's order), how many members' values
+    its average holds: a part some member failed to deliver averages fewer, a part left
+    at our own value counts 1."""
+    flat = torch.ones(sum(b.numel() for b in buffers.values()))
+    for part in step.outcome.result.report.parts:
+        if part.averaged and part.contributors:
+            flat[part.start : part.end] = len(part.contributors)
+    counts, offset = {}, 0
+    for key, buffer in buffers.items():
+        counts[key] = flat[offset : offset + buffer.numel()].view_as(buffer)
+        offset += buffer.numel()
+    return counts
+
+
+class SyncStage:
+    """The synchronous step of one served stage (see the module docstring)."""
+
+    def __init__(
+        self,
+        backend: ModuleBackend,
+        averager: Averager,
+        buffers: Mapping[str, torch.Tensor],
+        *,
+        clip_grad_norm: float | None,
+        step: int = 0,
+    ) -> None:
+        """``averager`` averages ``buffers`` (a float32 CPU tensor per parameter of the
+        backend's module, by name), and nothing else while this stage uses it."""
+        if backend.step_on_backward:
+            raise ValueError("a synchronous stage's backend must not step on backward")
+        self.backend = backend
+        self.averager = averager
+        self.clip_grad_norm = clip_grad_norm
+        self.step = step
+        """Steps the stage has taken (the same at all its servers)."""
+        self.params = dict(backend.module.named_parameters())
+        if set(buffers) != set(self.params):
+            raise ValueError("give one buffer per parameter of the module")
+        self.buffers = dict(buffers)
+        self._ending: asyncio.Future[StepResponse] | None = None
+        self._samples_before = 0  # backward samples served before the step under way
+        self._last = StepResponse(step, 0, 1)
+
+    def close(self) -> None:
+        """Stop a step under way (the server stops serving the stage)."""
+        if self._ending is not None:
+            self._ending.cancel()
+
+    async def end_step(self, worker: ModuleWorker, request: StepRequest) -> StepResponse:
+        """Answer ``request`` (see :class:`StepRequest`): end the step it names if it is
+        this server's current one. Raises StageStepError if it names a later step, or
+        if the round found no group or was not agreed (nothing stepped)."""
+        if not request.end or request.step < self.step:
+            return self._last
+        if request.step > self.step:
+            raise StageStepError(
+                f"{self.backend.uid}: asked to end step {request.step}, but this server has "
+                f"taken {self.step} steps (it joined late or missed a step)"
+            )
+        if not 1 <= request.group_size <= MAX_STAGE_GROUP:
+            raise StageStepError(f"group_size must be in [1, {MAX_STAGE_GROUP}]")
+        if self._ending is None:
+            self._ending = asyncio.ensure_future(self._end(worker, request))
+            self._ending.add_done_callback(self._ended)
+        # shielded: a caller that gives up does not cancel the others' step
+        return await asyncio.shield(self._ending)
+
+    def _ended(self, future: asyncio.Future[StepResponse]) -> None:
+        if self._ending is future:
+            self._ending = None
+
+    async def _end(self, worker: ModuleWorker, request: StepRequest) -> StepResponse:
+        samples = await worker.exclusive(self._snapshot)
+        group = 1
+        if request.group_size > 1:
+            averaged = await self._sum(request)
+            group = averaged.num_peers
+            counts = part_counts(averaged, self.buffers)
+            for name, buffer in self.buffers.items():
+                buffer.mul_(counts[name])
+        await worker.exclusive(self._apply)
+        self.step += 1
+        self._samples_before += samples
+        self._last = StepResponse(self.step, samples, group)
+        return self._last
+
+    async def _sum(self, request: StepRequest) -> AveragingStep:
+        key = f"{request.step}.{request.attempt}"
+        try:
+            averaged = await self.averager.step(key, target_group_size=request.group_size)
+        except (MatchmakingError, PeersError, TimeoutError) as e:
+            raise StageStepError(
+                f"{self.backend.uid}: step {request.step}: no round with the stage's other "
+                f"servers ({e}); nothing stepped, the gradients are kept"
+            ) from e
+        report = averaged.outcome.result.report
+        if not averaged.outcome.transfer.agreed or report.fraction_averaged < 1.0:
+            raise StageStepError(
+                f"{self.backend.uid}: step {request.step}: the round with "
+                f"{averaged.num_peers - 1} other servers was not agreed ({report.failed}); "
+                "nothing stepped, the gradients are kept: ask again"
+            )
+        return averaged
+
+    def _snapshot(self) -> int:
+        """This server's accumulated gradients into the round's buffers (zeros where a
+        parameter got none); the backward samples they hold."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                if p.grad is None:
+                    self.buffers[name].zero_()
+                else:
+                    self.buffers[name].copy_(p.grad)
+        served = self.backend.statistics().num_backward_samples
+        return served - self._samples_before
+
+    def _apply(self) -> None:
+        """The stage's summed gradient into the parameters' ``grad``, clipped, stepped."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.grad = self.buffers[name].to(p.device, p.dtype, copy=True)
+            if self.clip_grad_norm is not None:
+                grads = [p.grad for p in self.params.values() if p.grad is not None]
+                norm = clip_gradients(grads, self.clip_grad_norm)
+                if not math.isfinite(norm):
+                    logger.warning(
+                        "%s: the step's gradient is not finite: dropped", self.backend.uid
+                    )
+                    self.backend.discard_gradients()
+                    return
+        self.backend.step()
