@@ -798,7 +798,8 @@ def _add_serve_stage_flags(stage: argparse.ArgumentParser) -> None:
     stage.add_argument(
         "--model",
         default="digits",
-        help="built-in pipeline model (digits) or package.module:attribute (default digits)",
+        help="built-in pipeline model (digits, charlm) or package.module:attribute "
+        "(default digits)",
     )
     add_flags(stage, StageServerConfig, _stage_flags())
     add_flags(stage, ReplicaConfig, REPLICA_FLAGS)

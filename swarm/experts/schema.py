@@ -56,10 +56,19 @@ class TensorSpec:
     """Shape of one sample, without the leading batch dimension."""
     dtype: str
     """dtype name, one of :data:`DTYPES`."""
+    high: int | None = None
+    """Integer inputs: every value must be in ``[0, high)`` (token ids and a vocabulary:
+    an embedding indexed out of range would fail inside the module); ``None``: any."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.high is not None and (
+            self.dtype in FLOAT_DTYPES
+            or not isinstance(self.high, int)
+            or not 1 <= self.high <= 2**62
+        ):
+            raise ValueError(f"high={self.high!r}: only integer specs, in [1, 2**62]")
         if len(self.shape) > MAX_SAMPLE_DIMS or not all(
             isinstance(d, int) and 1 <= d <= MAX_SAMPLE_ELEMENTS for d in self.shape
         ):
@@ -109,6 +118,18 @@ class ExpertInfo:
         inputs and output gradients)."""
         per_sample = sum(s.sample_bytes for s in (*self.inputs, *self.outputs))
         return self.max_batch_size * per_sample
+
+
+def check_values(what: str, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> None:
+    """ValueError naming ``what`` if an integer tensor holds a value outside its spec's
+    ``[0, high)`` (decoded tensors, after :func:`check_batch`)."""
+    for i, (tensor, spec) in enumerate(zip(tensors, specs, strict=True)):
+        if spec.high is not None and tensor.numel():
+            low, high = int(tensor.min()), int(tensor.max())
+            if low < 0 or high >= spec.high:
+                raise ValueError(
+                    f"{what}[{i}]: values must be in [0, {spec.high}), got {low} to {high}"
+                )
 
 
 def header(item: torch.Tensor | EncodedTensor) -> tuple[str, tuple[int, ...]]:

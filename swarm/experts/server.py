@@ -39,7 +39,7 @@ from swarm.experts.batching import Batcher
 from swarm.experts.errors import BadExpertRequest, TrainingNotAllowed
 from swarm.experts.kept import KeptStore
 from swarm.experts.kernels import use_linear_kernels
-from swarm.experts.schema import ExpertInfo, TensorSpec, check_batch
+from swarm.experts.schema import ExpertInfo, TensorSpec, check_batch, check_values
 from swarm.experts.server_config import ServerConfig
 from swarm.experts.wire import (
     BACKWARD_PROTOCOL,
@@ -306,6 +306,7 @@ def _decode(
         batch = check_batch(what, items, specs, max_batch_size, batch_size)
         tensors = [decode(item) for item in items]
         check_finite(what, tensors)
+        check_values(what, tensors, specs)
     except ValueError as e:
         raise BadExpertRequest(str(e)) from None
     return tensors, batch

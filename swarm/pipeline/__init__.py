@@ -33,24 +33,22 @@ from swarm.pipeline.errors import (
     StageStepError,
     StageUnavailable,
 )
+from swarm.pipeline.models import BUILTIN_MODELS, pipeline_model
 from swarm.pipeline.rebalance import StageLoad, pressures, stage_to_join, stage_to_move
 from swarm.pipeline.remote import RemoteSequential
 from swarm.pipeline.replicas import ReplicaConfig, ReplicaStatistics, StageReplica
 from swarm.pipeline.server import StageServer, StageServerConfig, StageServerStatistics
-from swarm.pipeline.stages import (
-    BUILTIN_MODELS,
-    DIGITS_STAGES,
-    MLPStages,
-    PipelineModel,
-    pipeline_model,
-)
+from swarm.pipeline.stages import DIGITS_STAGES, MLPStages, PipelineModel
 from swarm.pipeline.sync import SyncConfig, SyncStage
+from swarm.pipeline.transformer import CHARLM_STAGES, CharLMStages
 from swarm.pipeline.wiring import ServerRecord, Wiring, WiringConfig
 
 __all__ = [
     "BUILTIN_MODELS",
+    "CHARLM_STAGES",
     "DIGITS_STAGES",
     "BlockingStageServer",
+    "CharLMStages",
     "MLPStages",
     "PipelineClient",
     "PipelineConfig",

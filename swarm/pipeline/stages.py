@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from swarm.experts.schema import TensorSpec
-from swarm.named import find_named
 
 #: Most stages of a pipeline: a client reads one DHT key per stage on every refresh,
 #: and a pipeline past this many stages is past anything one client drives.
@@ -98,30 +97,3 @@ class MLPStages:
 DIGITS_STAGES = MLPStages(widths=((64, 128), (128, 256, 128), (128, 10)))
 """A 3-stage MLP for the ``digits`` task (64 pixels -> 10 classes); the middle stage is
 the heaviest, so it is the one a lost server hurts most."""
-
-
-#: Pipeline models known by name (``swarm serve-stage --model digits``).
-BUILTIN_MODELS: dict[str, PipelineModel] = {"digits": DIGITS_STAGES}
-
-
-def pipeline_model(name: str) -> PipelineModel:
-    """A built-in model name, or ``package.module:attribute`` naming a
-    :class:`PipelineModel`, or a class or function of no arguments that builds one
-    (imported: it is the operator's own code). ValueError, saying why, if it cannot be
-    found or built, or is not a model."""
-    found = find_named(name, BUILTIN_MODELS, "pipeline model")
-    model = found
-    if isinstance(found, type) or (callable(found) and not hasattr(found, "build_stage")):
-        try:  # a class or a factory: build the model
-            model = found()
-        except Exception as e:  # the operator's code: say whose failure it is
-            raise ValueError(f"building pipeline model {name!r} failed: {e!r}") from e
-    if not all(hasattr(model, a) for a in ("num_stages", "build_stage", "build_local")):
-        raise ValueError(f"{name!r} is not a pipeline model (num_stages, build_stage, build_local)")
-    num_stages = getattr(model, "num_stages", None)
-    if not isinstance(num_stages, int) or not 1 <= num_stages <= MAX_STAGES:
-        raise ValueError(
-            f"pipeline model {name!r} has num_stages={num_stages!r}, not an int in "
-            f"[1, {MAX_STAGES}]"
-        )
-    return cast(PipelineModel, model)

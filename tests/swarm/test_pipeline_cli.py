@@ -115,7 +115,7 @@ def test_three_stage_servers_from_the_cli_take_every_stage_and_train(
 @pytest.mark.timeout(INPROCESS_TIMEOUT)
 def test_serve_stage_refuses_bad_models_and_stages_with_clear_errors() -> None:
     for args, message in (
-        (("--model", "nosuchmodel"), "neither built in ['digits'] nor MODULE:ATTRIBUTE"),
+        (("--model", "nosuchmodel"), "neither built in ['charlm', 'digits'] nor MODULE:ATTRIBUTE"),
         (("--model", "swarm.pipeline:NOPE"), "cannot load pipeline model"),
         (("--model", "swarm.pipeline:pressures"), "building pipeline model"),
         (("--stage", "7"), "stage 7 is outside [0, 3)"),

@@ -16,30 +16,35 @@ from peers import RemoteError
 from swarm.experts import ExpertCallConfig, ServerConfig
 from swarm.optim_spec import OptimizerSpec
 from swarm.pipeline import (
+    CHARLM_STAGES,
+    DIGITS_STAGES,
     MLPStages,
     PipelineClient,
     PipelineConfig,
+    PipelineModel,
     ReplicaConfig,
     StageServerConfig,
     StageStepError,
 )
 from swarm.pipeline.sync import STEP_PROTOCOL, StepRequest, StepResponse, SyncConfig
+from swarm.tasks import get_task
 from tests.swarm.pipeline_loop import Hosted, local_swarm, state_of
 
 torch.set_num_threads(1)
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 MODEL = MLPStages(widths=((8, 16), (16, 24, 16), (16, 4)), seed=5)
 LR = 0.1
-STEPS = 4
 MICRO_BATCHES = 4
 MICRO_BATCH = 8
 
 
-def _config(stage: int) -> StageServerConfig:
+def _config(
+    stage: int, model: PipelineModel = MODEL, optimizer: OptimizerSpec | None = None
+) -> StageServerConfig:
     return StageServerConfig(
-        model=MODEL,
+        model=model,
         stage=stage,
-        optimizer=OptimizerSpec(kind="sgd", lr=LR, momentum=0.9),
+        optimizer=optimizer or OptimizerSpec(kind="sgd", lr=LR, momentum=0.9),
         clip_grad_norm=None,  # the local baseline does not clip
         max_batch_size=64,
         server=ServerConfig(announce_interval=0.5, announce_ttl=1.5),
@@ -52,10 +57,10 @@ def _config(stage: int) -> StageServerConfig:
     )
 
 
-def _client_config() -> PipelineConfig:
+def _client_config(num_stages: int = 3) -> PipelineConfig:
     return PipelineConfig(
-        num_stages=MODEL.num_stages,
-        calls=ExpertCallConfig(forward_timeout=5.0, backward_timeout=5.0),
+        num_stages=num_stages,
+        calls=ExpertCallConfig(forward_timeout=10.0, backward_timeout=10.0),
         refresh_seconds=0.2,
         server_wait_timeout=1.0,
         seed=0,
@@ -77,27 +82,50 @@ def _backward_samples(hosted: Hosted) -> int:
     return sum(m.num_backward_samples for m in stats.modules.values())
 
 
-def test_stages_of_two_servers_step_together_like_one_process_accumulating(arun: Run) -> None:
+def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every position (the transformer's logits are per position)."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+
+
+#: (task, its model cut in 3 stages, steps): the digits MLP and the charlm transformer.
+CASES = {"digits": (DIGITS_STAGES, 12), "charlm": (CHARLM_STAGES, 6)}
+
+
+@pytest.mark.parametrize("task_name", sorted(CASES))
+def test_stages_of_two_servers_step_together_like_one_process_accumulating(
+    arun: Run, task_name: str
+) -> None:
+    model, steps = CASES[task_name]
+    task = get_task(task_name)
+    adam = OptimizerSpec(kind="adam", lr=3e-3)
+
     async def main() -> None:
         async with local_swarm() as swarm:
-            hosted = [await swarm.serve(_config(stage)) for stage in range(3) for _ in range(2)]
+            hosted = [
+                await swarm.serve(_config(stage, model, adam))
+                for stage in range(3)
+                for _ in range(2)
+            ]
             client = PipelineClient(await swarm.node(), _client_config())
             await client.refresh()
-            local = MODEL.build_local()
-            optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
-            for step in range(STEPS):
-                batches = [_batch(step, i) for i in range(MICRO_BATCHES)]
-                losses = await client.train(batches, F.cross_entropy)
+            local = model.build_local()
+            optimizer = adam.build(local.parameters())
+            batches = task.batches(rank=0, num_peers=1, batch_size=MICRO_BATCH, seed=0)
+            with torch.no_grad():
+                before = _loss(local(task.test_inputs), task.test_targets).item()
+            for step in range(steps):
+                micro_batches = [next(batches) for _ in range(MICRO_BATCHES)]
+                losses = await client.train(micro_batches, _loss)
                 # one process: the batch's mean loss, accumulated micro-batch by
                 # micro-batch, then one step
                 expected = []
-                for x, y in batches:
-                    loss = F.cross_entropy(local(x), y)
+                for x, y in micro_batches:
+                    loss = _loss(local(x), y)
                     (loss * x.shape[0] / (MICRO_BATCH * MICRO_BATCHES)).backward()
                     expected.append(loss.item())
                 optimizer.step()
                 optimizer.zero_grad()
-                assert losses == pytest.approx(expected, abs=1e-5), step
+                assert losses == pytest.approx(expected, abs=1e-4), step
 
             for stage in range(3):
                 first, second = hosted[2 * stage : 2 * stage + 2]
@@ -105,17 +133,25 @@ def test_stages_of_two_servers_step_together_like_one_process_accumulating(arun:
                 for name, value in local[stage].state_dict().items():
                     # the replicas are one model, bit for bit, and it is the local one
                     assert torch.equal(remote[name], other[name]), (stage, name)
-                    assert torch.allclose(remote[name], value, atol=1e-5), (stage, name)
+                    assert torch.allclose(remote[name], value, atol=1e-4), (stage, name)
                 # every sample went through the stage once, whichever server took it
                 served = _backward_samples(first) + _backward_samples(second)
-                assert served == STEPS * MICRO_BATCHES * MICRO_BATCH
+                assert served == steps * MICRO_BATCHES * MICRO_BATCH
                 for h in (first, second):
                     stats = h.server.statistics().server
                     assert stats is not None
                     (module,) = stats.modules.values()
-                    assert module.num_optimizer_steps == STEPS
+                    assert module.num_optimizer_steps == steps
             # the wiring spread the micro-batches: some server of a stage took some
             assert any(_backward_samples(h) for h in hosted[1::2])
+            # and the pipeline's test loss is the local model's (within 1%), having learnt
+            chunks = [(await client.forward([x]))[0][0] for x in task.test_inputs.split(64)]
+            remote_loss = _loss(torch.cat(chunks), task.test_targets).item()
+            with torch.no_grad():
+                local_loss = _loss(local(task.test_inputs), task.test_targets).item()
+            print(task_name, "test loss", before, "->", remote_loss, "local", local_loss)
+            assert remote_loss == pytest.approx(local_loss, rel=0.01)
+            assert local_loss < 0.9 * before
 
     arun(main())
 
