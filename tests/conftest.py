@@ -27,6 +27,7 @@ SWARM_MODULES = frozenset(
         "tests/swarm/test_hostile_state.py",
         "tests/swarm/test_pipeline_nat.py",
         "tests/swarm/test_pipeline_swarm.py",
+        "tests/swarm/test_pipeline_sync_swarm.py",
         "tests/swarm/test_train_nat.py",
         "tests/swarm/test_train_wan.py",
     }

@@ -21,7 +21,6 @@ micro-batch that finds them stale: no background task to own.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import random
@@ -35,6 +34,7 @@ import torch
 
 from peers.dht import DHT
 from peers.errors import PeersError, RemoteError
+from peers.identity import PeerID
 from peers.traffic import CallLatency, LatencyHistogram
 from swarm.experts.announce import ExpertLocation, find_experts
 from swarm.experts.calls import ExpertCallConfig, call_backward, call_forward, learn_addresses
@@ -50,10 +50,16 @@ R = TypeVar("R")
 #: Most attempts of one stage call: each failed attempt bans a server, so more than
 #: this many failures in a row means the stage is failing, not one server.
 MAX_ATTEMPTS = 16
+#: Tries of one synchronous step: each after redoing the work of the servers that died.
+MAX_STEP_ATTEMPTS = 3
 #: Seconds between re-reads of the DHT while a stage has no live server.
 WAIT_POLL_SECONDS = 0.5
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: A synchronous step's answer from one server, or why there is none.
+_Answer = StepResponse | PeersError | TimeoutError | OSError
+#: A backward pass a server served: the stage's inputs and the outputs' gradients.
+_Served = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,9 +110,10 @@ class PipelineConfig:
 
 @dataclass(frozen=True, slots=True)
 class StageCall:
-    """One stage of a micro-batch's forward: who computed it, on what."""
+    """One stage of a micro-batch's forward: who computed it (``None``: nobody kept its
+    graph, as for a backward redone elsewhere), on what."""
 
-    location: ExpertLocation
+    location: ExpertLocation | None
     inputs: list[torch.Tensor]
     forward_token: int
 
@@ -132,6 +139,9 @@ class PipelineStatistics:
     failed one (then retried elsewhere) counted as a failure."""
     num_steps: int = 0
     """Synchronous stages: steps this client ended (:meth:`PipelineClient.end_step`)."""
+    num_redone_backwards: int = 0
+    """Synchronous stages: backward passes redone on another server of their stage
+    because the server that had served them died before the step."""
 
 
 class PipelineClient:
@@ -148,6 +158,9 @@ class PipelineClient:
         self._counters: Counter[str] = Counter()
         self._latency: dict[tuple[int, str], LatencyHistogram] = {}
         self._step: int | None = None  # synchronous: the step under way (None: unknown)
+        # synchronous: per stage, per server, the backward passes it served in the step
+        # (the stage's inputs and output gradients): redone elsewhere if it dies
+        self._served: list[dict[PeerID, list[_Served]]] = [{} for _ in range(config.num_stages)]
 
     async def refresh(self) -> None:
         """Re-read every stage's servers from the DHT now."""
@@ -278,9 +291,11 @@ class PipelineClient:
             )
 
         n = done.inputs[0].shape[0]
-        _, got = await self._call(
+        location, got = await self._call(
             stage, n, attempt, first=done.location, measure=False, direction="backward"
         )
+        if self.config.synchronous:  # what it holds for the step, should it die before
+            self._served[stage].setdefault(location.peer_id, []).append((done.inputs, grads))
         return got
 
     async def backward(
@@ -347,71 +362,111 @@ class PipelineClient:
         """Synchronous stages: every stage's servers sum the gradients they accumulated
         and step, together (:mod:`swarm.pipeline.sync`); returns the steps the stages
         have taken. The servers asked are those the DHT lists now, read afresh (each may
-        hold some of the step's gradients). Raises StageStepError naming the stages
-        whose servers could not step or disagree on the step."""
-        await self.refresh()
-        now = time.monotonic()
-        servers = [wiring.live(now) for wiring in self.wirings]
-        for stage, listed in enumerate(servers):
-            if not listed:
-                raise StageUnavailable(f"stage {stage} has no live server to step", stage)
+        hold some of the step's gradients), and each stage steps only with all of them.
+        A server that cannot be reached (killed, cut off) takes its part of the step
+        with it: its backward passes of the step are redone on the stage's other
+        servers, which are asked again, so no sample is lost and none counted twice.
+        Raises StageStepError naming the stages that could not step after
+        ``MAX_STEP_ATTEMPTS`` tries, or whose servers disagree on the step."""
         if self._step is None:  # a new client: where the stages are
-            answers = await self._ask_all(servers, lambda _: StepRequest("", -1, end=False))
-            steps = {a.step for stage in answers for a in stage}
-            if len(steps) != 1:
-                raise StageStepError(
-                    f"the stages' servers disagree on the step they are at: {sorted(steps)} "
-                    "(a server that joined has not loaded its stage's state?)"
-                )
-            self._step = steps.pop()
-        step = self._step
-        answers = await self._ask_all(servers, lambda n: StepRequest("", step, group_size=n))
-        ahead = {a.step for stage in answers for a in stage} - {step + 1}
-        if ahead:  # they had ended this step before: some other client runs the stages
-            self._step = None
+            await self.refresh()
+            await self._learn_step()
+        assert self._step is not None
+        step, left = self._step, set(range(self.config.num_stages))
+        errors: list[str] = []
+        for attempt in range(MAX_STEP_ATTEMPTS):
+            await self.refresh()
+            now = time.monotonic()
+            servers = {stage: self.wirings[stage].live(now) for stage in left}
+            for stage, listed in servers.items():
+                if not listed:
+                    raise StageUnavailable(f"stage {stage} has no live server to step", stage)
+            answers = await self._ask_step(servers, step, attempt)
+            errors = []
+            for stage, got in answers.items():
+                stepped = [a for a in got.values() if isinstance(a, StepResponse)]
+                if any(a.step > step + 1 for a in stepped):
+                    self._step = None
+                    raise StageStepError(
+                        f"stage {stage}: asked to end step {step}, a server was past it: "
+                        "this client's view of the step was stale; it reads it again next time"
+                    )
+                if stepped:  # a round of all the servers asked: every gradient was in it
+                    left.discard(stage)
+                    continue
+                errors.extend(f"stage {stage} at {p}: {a}" for p, a in got.items())
+                gone = {p for p, a in got.items() if not isinstance(a, RemoteError)}
+                await self._redo(stage, gone, now)
+            if not left:
+                break
+        else:
             raise StageStepError(
-                f"asked to end step {step}, some servers were past it (at {sorted(ahead)}): "
-                "this client's view of the step was stale; it reads it again next time"
+                f"step {step}: stages {sorted(left)} could not step in {MAX_STEP_ATTEMPTS} "
+                f"attempts; last: " + "; ".join(errors[:6])
             )
+        for served in self._served:
+            served.clear()
         self._step = step + 1
         self._counters["steps"] += 1
         return self._step
 
-    async def _ask_all(
+    async def _learn_step(self) -> None:
+        now = time.monotonic()
+        listed = {stage: wiring.live(now) for stage, wiring in enumerate(self.wirings)}
+        answers = await self._ask_step(listed, -1, 0, end=False)
+        steps = {
+            a.step for got in answers.values() for a in got.values() if isinstance(a, StepResponse)
+        }
+        if len(steps) != 1:
+            raise StageStepError(
+                f"the stages' servers disagree on the step they are at: {sorted(steps)} "
+                "(a server that joined has not loaded its stage's state?)"
+            )
+        self._step = steps.pop()
+
+    async def _redo(self, stage: int, gone: set[PeerID], now: float) -> None:
+        """The backward passes the ``gone`` servers of ``stage`` served in this step,
+        again on the stage's other servers (their gradients died with them)."""
+        wiring = self.wirings[stage]
+        for peer_id in gone:
+            wiring.on_failure(peer_id, 0, now, busy=False)  # banned: not asked again
+        for peer_id in gone:
+            for inputs, grads in self._served[stage].pop(peer_id, []):
+                self._counters["redone_backwards"] += 1
+                await self._backward_stage(stage, StageCall(None, inputs, 0), grads)
+
+    async def _ask_step(
         self,
-        servers: Sequence[Sequence[ExpertLocation]],
-        request: Callable[[int], StepRequest],
-    ) -> list[list[StepResponse]]:
-        """``request(servers of the stage)`` (its uid filled in) to every listed server;
-        their answers by stage. StageStepError if any fails."""
+        servers: Mapping[int, Sequence[ExpertLocation]],
+        step: int,
+        attempt: int,
+        *,
+        end: bool = True,
+    ) -> dict[int, dict[PeerID, _Answer]]:
+        """Ask every listed server of each stage to end ``step`` (all of a stage's
+        servers named as the round's members); the answers, or why there is none, by
+        stage and server."""
         timeout = self.config.step_timeout
 
-        async def ask(location: ExpertLocation, n: int) -> StepResponse | BaseException:
+        async def ask(location: ExpertLocation, members: list[bytes]) -> _Answer:
             learn_addresses(self.peer, location)
-            message = dataclasses.replace(request(n), uid=location.uid)
+            request = StepRequest(location.uid, step, len(members), end, attempt, members)
             try:
                 return await self.peer.call_unary(
-                    location.peer_id, STEP_PROTOCOL, message, StepResponse, timeout=timeout
+                    location.peer_id, STEP_PROTOCOL, request, StepResponse, timeout=timeout
                 )
             except (PeersError, TimeoutError, OSError) as e:
                 return e
 
-        got = await asyncio.gather(
-            *(ask(location, len(listed)) for listed in servers for location in listed)
-        )
-        answers: list[list[StepResponse]] = []
-        failures: list[str] = []
-        it = iter(got)
-        for stage, listed in enumerate(servers):
-            answers.append([])
-            for location in listed:
-                answer = next(it)
-                if isinstance(answer, BaseException):
-                    failures.append(f"stage {stage} at {location.peer_id}: {answer!r}")
-                else:
-                    answers[-1].append(answer)
-        if failures:
-            raise StageStepError("; ".join(failures[:6]))
+        asked = [
+            (stage, location, [p.peer_id.to_bytes() for p in listed])
+            for stage, listed in servers.items()
+            for location in listed
+        ]
+        got = await asyncio.gather(*(ask(location, members) for _, location, members in asked))
+        answers: dict[int, dict[PeerID, _Answer]] = {stage: {} for stage in servers}
+        for (stage, location, _), answer in zip(asked, got, strict=True):
+            answers[stage][location.peer_id] = answer
         return answers
 
     def statistics(self) -> PipelineStatistics:
@@ -424,4 +479,5 @@ class PipelineClient:
             servers=tuple(w.statistics(now) for w in self.wirings),
             call_latency={key: h.snapshot() for key, h in sorted(self._latency.items())},
             num_steps=self._counters["steps"],
+            num_redone_backwards=self._counters["redone_backwards"],
         )

@@ -142,6 +142,9 @@ class StageReplica:
             state_sync=config.state_sync,
         )
         self.averager = Averager(dht, self.buffers, averager_config)
+        self.steps: Callable[[], int] | None = None
+        """A synchronous stage's step count, shared with the state (a newcomer must know
+        which step its download is the result of)."""
         self._version = 0
         self._counts = {"rounds": 0, "alone": 0, "shared": 0}
         self._loaded: int | None = None
@@ -197,11 +200,23 @@ class StageReplica:
     async def _hold(self, worker: ModuleWorker | None, fn: Callable[[], R]) -> R:
         return fn() if worker is None else await worker.exclusive(fn)
 
-    async def share(self, worker: ModuleWorker | None) -> None:
-        """Serve the current parameters and optimizer state as a new version."""
-        state = await self._hold(worker, self._state)
+    async def share(
+        self, worker: ModuleWorker | None, step: Callable[[], int] | None = None
+    ) -> None:
+        """Serve the current parameters and optimizer state as a new version (with a
+        synchronous stage's ``step()``, read with them while the module is held: the
+        steps they are the result of)."""
+
+        step = step or self.steps
+
+        def snapshot() -> tuple[dict[str, torch.Tensor], int | None]:
+            return self._state(), None if step is None else step()
+
+        state, steps = await self._hold(worker, snapshot)
         self._version = max(self._version + 1, int(dht_time() * 1000))
-        metadata = {"uid": self.backend.uid}
+        metadata: dict[str, object] = {"uid": self.backend.uid}
+        if steps is not None:
+            metadata["step"] = steps
         await self.averager.share_state(self._version, metadata, state, include_averaged=False)
         self._counts["shared"] += 1
 

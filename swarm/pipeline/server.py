@@ -208,7 +208,9 @@ class StageServer:
             if any(
                 a.location.peer_id != self.peer.peer_id for a in listed
             ):  # joining a served stage: start from where its replicas are
-                await replica.load_from_peers()
+                loaded = await replica.load_from_peers()
+                if sync is not None and loaded is not None:
+                    sync.start_at(loaded.metadata.get("step"))
             await replica.share(None)
             server_config = self.config.server
             async with ExpertServer(self.peer, [backend], server_config, dht=self.dht) as server:
@@ -235,7 +237,9 @@ class StageServer:
             replica.averager,
             {name: replica.buffers[f"param/{name}"] for name in replica.params},
             clip_grad_norm=self.config.clip_grad_norm,
+            on_step=replica.share,  # a newcomer downloads the stage as of its last step
         )
+        replica.steps = sync.steps  # and every share says which step that is
         self.peer.add_unary_handler(STEP_PROTOCOL, self.rpc_step, StepRequest)
         try:
             yield sync

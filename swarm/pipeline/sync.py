@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +39,8 @@ from averaging import (
     MatchmakingConfig,
     MatchmakingError,
 )
-from peers.errors import PeersError
+from peers.errors import IdentityError, PeersError
+from peers.identity import PeerID
 from swarm.experts.backend import ModuleBackend, clip_gradients
 from swarm.experts.worker import ModuleWorker
 from swarm.pipeline.errors import StageStepError
@@ -50,6 +51,9 @@ STEP_PROTOCOL = "/swarmtrain/pipeline/step/1.0.0"
 
 #: Most servers of one stage that a step request may ask to sum their gradients.
 MAX_STAGE_GROUP = 64
+#: Shares one background task makes before it ends (steps faster than shares: the next
+#: step starts another).
+MAX_SHARES_IN_A_ROW = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,10 @@ class StepRequest:
     """False: only answer how many steps this server has taken."""
     attempt: int = 0
     """Retries of this step (each a round of its own)."""
+    members: list[bytes] = field(default_factory=list)
+    """The servers of the stage asked (peer IDs): the step is taken only if the round's
+    group is exactly them, so no server's gradients are left out unnoticed. Empty: any
+    group of ``group_size``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +86,13 @@ class StepResponse:
 
 def _default_matchmaking() -> MatchmakingConfig:
     # The client names the group's size: it forms as soon as every server joined, and
-    # gathering waits only for a server that is slow to hear the request.
+    # gathering waits only for a server that is slow to hear the request. A server that
+    # never comes (killed after the client listed it) costs the search timeout: then the
+    # client redoes its part elsewhere and asks again.
     return MatchmakingConfig(
         target_group_size=MAX_STAGE_GROUP,
         min_group_size=2,
-        search_timeout=15.0,
+        search_timeout=5.0,
         gather_timeout=3.0,
         poll_interval_seconds=0.05,
         form_when_full=True,
@@ -96,6 +106,13 @@ class SyncConfig:
     matchmaking: MatchmakingConfig = field(default_factory=_default_matchmaking)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     """Round timeouts, chunk size and codec (``none`` keeps replicas bitwise equal)."""
+
+
+def _members(raw: list[bytes]) -> set[PeerID]:
+    try:
+        return {PeerID(b) for b in raw}
+    except (TypeError, IdentityError) as e:
+        raise StageStepError(f"members: not peer IDs ({e})") from None
 
 
 def part_counts(
@@ -126,9 +143,16 @@ class SyncStage:
         *,
         clip_grad_norm: float | None,
         step: int = 0,
+        on_step: Callable[[ModuleWorker, Callable[[], int]], Awaitable[None]] | None = None,
     ) -> None:
         """``averager`` averages ``buffers`` (a float32 CPU tensor per parameter of the
-        backend's module, by name), and nothing else while this stage uses it."""
+        backend's module, by name), and nothing else while this stage uses it.
+        ``on_step(worker, steps)`` runs in the background after each step (sharing the
+        new state: ``steps()`` read while the module is held is the step count its
+        parameters are at); its failure is logged."""
+        self._on_step = on_step
+        self._sharing: asyncio.Task[None] | None = None
+        self._share_again = False
         if backend.step_on_backward:
             raise ValueError("a synchronous stage's backend must not step on backward")
         self.backend = backend
@@ -144,10 +168,24 @@ class SyncStage:
         self._samples_before = 0  # backward samples served before the step under way
         self._last = StepResponse(step, 0, 1)
 
+    def start_at(self, step: object) -> None:
+        """Take ``step`` (from a downloaded state's metadata) as the steps taken; a value
+        that is not a step count leaves it as it is (logged)."""
+        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**62:
+            self.step = step
+            self._last = StepResponse(step, 0, 1)
+        else:
+            logger.warning("%s: downloaded state names step %r: ignored", self.backend.uid, step)
+
+    def steps(self) -> int:
+        """Steps taken (a callable for :meth:`StageReplica.share`)."""
+        return self.step
+
     def close(self) -> None:
-        """Stop a step under way (the server stops serving the stage)."""
-        if self._ending is not None:
-            self._ending.cancel()
+        """Stop a step or a share under way (the server stops serving the stage)."""
+        for task in (self._ending, self._sharing):
+            if task is not None:
+                task.cancel()
 
     async def end_step(self, worker: ModuleWorker, request: StepRequest) -> StepResponse:
         """Answer ``request`` (see :class:`StepRequest`): end the step it names if it is
@@ -160,8 +198,8 @@ class SyncStage:
                 f"{self.backend.uid}: asked to end step {request.step}, but this server has "
                 f"taken {self.step} steps (it joined late or missed a step)"
             )
-        if not 1 <= request.group_size <= MAX_STAGE_GROUP:
-            raise StageStepError(f"group_size must be in [1, {MAX_STAGE_GROUP}]")
+        if not 1 <= request.group_size <= MAX_STAGE_GROUP or len(request.members) > MAX_STAGE_GROUP:
+            raise StageStepError(f"group_size and members must be at most {MAX_STAGE_GROUP}")
         if self._ending is None:
             self._ending = asyncio.ensure_future(self._end(worker, request))
             self._ending.add_done_callback(self._ended)
@@ -181,11 +219,33 @@ class SyncStage:
             counts = part_counts(averaged, self.buffers)
             for name, buffer in self.buffers.items():
                 buffer.mul_(counts[name])
-        await worker.exclusive(self._apply)
-        self.step += 1
+        await worker.exclusive(self._apply)  # counts the step
         self._samples_before += samples
         self._last = StepResponse(self.step, samples, group)
+        self._share(worker)
         return self._last
+
+    def _share(self, worker: ModuleWorker) -> None:
+        """Run ``on_step`` in the background; once more after it if a step came meanwhile
+        (a newcomer gets the latest state, and no step waits for a share)."""
+        if self._on_step is None:
+            return
+        if self._sharing is not None and not self._sharing.done():
+            self._share_again = True
+            return
+        on_step = self._on_step
+
+        async def share() -> None:
+            for _ in range(MAX_SHARES_IN_A_ROW):
+                self._share_again = False
+                try:
+                    await on_step(worker, self.steps)
+                except (PeersError, TimeoutError, ValueError) as e:
+                    logger.warning("%s: sharing step %d: %r", self.backend.uid, self.step, e)
+                if not self._share_again:
+                    return
+
+        self._sharing = asyncio.ensure_future(share())
 
     async def _sum(self, request: StepRequest) -> AveragingStep:
         key = f"{request.step}.{request.attempt}"
@@ -196,6 +256,14 @@ class SyncStage:
                 f"{self.backend.uid}: step {request.step}: no round with the stage's other "
                 f"servers ({e}); nothing stepped, the gradients are kept"
             ) from e
+        expected = _members(request.members)
+        if expected and set(averaged.group.members) != expected:
+            missing = sorted(str(p) for p in expected - set(averaged.group.members))
+            raise StageStepError(
+                f"{self.backend.uid}: step {request.step}: the round's group is not the "
+                f"servers asked (missing {missing[:4]}); nothing stepped, the gradients "
+                "are kept"
+            )
         report = averaged.outcome.result.report
         if not averaged.outcome.transfer.agreed or report.fraction_averaged < 1.0:
             raise StageStepError(
@@ -230,5 +298,7 @@ class SyncStage:
                         "%s: the step's gradient is not finite: dropped", self.backend.uid
                     )
                     self.backend.discard_gradients()
+                    self.step += 1
                     return
         self.backend.step()
+        self.step += 1

@@ -2,7 +2,8 @@
 
 ``LocalSwarm().start(n, target="swarm.pipeline.testing:stage_server", options={...})``.
 Options: ``initial_peers``; ``stage`` (an int, or ``"auto"`` for the most under-served);
-``widths`` and ``seed`` (an :class:`MLPStages`; default the digits model); ``optimizer``
+``widths`` and ``seed`` (an :class:`MLPStages`; default the digits model) or ``model`` (a
+built-in name: ``charlm``); ``synchronous``; ``clip`` (``"none"``: no clipping); ``optimizer``
 (``sgd``, ``adam``), ``lr`` and ``momentum`` (SGD); ``announce_interval`` (entries live
 three times as long); ``average_interval``; ``run_id``; ``rebalance_interval`` (``null``:
 never move); ``max_batch_size``; ``linear_kernels`` (:class:`ServerConfig`'s). Reports
@@ -25,20 +26,26 @@ import torch
 from averaging import AllReduceConfig, MatchmakingConfig
 from peers.dht import DHT, DHTConfig
 from peers.testing import Node
+from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM
 from swarm.experts.server_config import ServerConfig
 from swarm.optim_spec import OptimizerSpec
+from swarm.pipeline.models import pipeline_model
 from swarm.pipeline.replicas import ReplicaConfig
 from swarm.pipeline.server import StageServer, StageServerConfig
-from swarm.pipeline.stages import DIGITS_STAGES, MLPStages
+from swarm.pipeline.stages import DIGITS_STAGES, MLPStages, PipelineModel
 
 
 def config_from_options(options: dict[str, Any]) -> StageServerConfig:
     """The server config the target's options describe (see the module docstring)."""
     widths = options.get("widths")
-    model = DIGITS_STAGES
-    if widths is not None:
-        model = MLPStages(widths=tuple(tuple(int(w) for w in s) for s in widths))
-    model = MLPStages(widths=model.widths, seed=int(options.get("seed", 0)))
+    model: PipelineModel
+    if "model" in options:
+        model = pipeline_model(str(options["model"]))
+    else:
+        mlp = DIGITS_STAGES
+        if widths is not None:
+            mlp = MLPStages(widths=tuple(tuple(int(w) for w in s) for s in widths))
+        model = MLPStages(widths=mlp.widths, seed=int(options.get("seed", 0)))
     interval = float(options.get("announce_interval", 1.0))
     average = float(options.get("average_interval", 5.0))
     stage = options.get("stage", "auto")
@@ -72,6 +79,8 @@ def config_from_options(options: dict[str, Any]) -> StageServerConfig:
             load_timeout=20.0,
         ),
         rebalance_interval_seconds=None if rebalance is None else float(rebalance),
+        synchronous=bool(options.get("synchronous", False)),
+        clip_grad_norm=None if options.get("clip") == "none" else DEFAULT_CLIP_GRAD_NORM,
     )
 
 

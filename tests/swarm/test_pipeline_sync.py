@@ -24,7 +24,7 @@ from swarm.pipeline import (
     PipelineModel,
     ReplicaConfig,
     StageServerConfig,
-    StageStepError,
+    StageUnavailable,
 )
 from swarm.pipeline.sync import STEP_PROTOCOL, StepRequest, StepResponse, SyncConfig
 from swarm.tasks import get_task
@@ -80,6 +80,16 @@ def _backward_samples(hosted: Hosted) -> int:
     stats = hosted.server.statistics().server
     assert stats is not None
     return sum(m.num_backward_samples for m in stats.modules.values())
+
+
+async def _assert_stages_are(local: torch.nn.Sequential, hosted: list[Hosted]) -> None:
+    """Every server of each stage holds the local model's part, all of them the same bits."""
+    for stage in range(len(local)):
+        servers = [h for h in hosted if h.server.statistics().stage == stage]
+        states = [await state_of(h) for h in servers]
+        for name, value in local[stage].state_dict().items():
+            assert all(torch.equal(states[0][name], s[name]) for s in states[1:])
+            assert torch.allclose(states[0][name], value, atol=1e-5), (stage, name)
 
 
 def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -188,7 +198,63 @@ def test_a_step_request_steps_once_and_a_server_behind_says_so(arun: Run) -> Non
             assert await client.end_step() == 2
 
             await swarm.kill(hosted[2])
-            with pytest.raises(StageStepError):
-                await client.end_step()  # no server of stage 2 is listed any more, or dead
+            with pytest.raises(StageUnavailable, match="stage 2"):
+                await client.end_step()  # its only server is gone: nobody can redo its part
+
+    arun(main())
+
+
+def test_a_server_lost_in_the_middle_of_a_step_has_its_part_redone_and_nothing_counted_twice(
+    arun: Run,
+) -> None:
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            hosted = [await swarm.serve(_config(stage)) for stage in range(3) for _ in range(2)]
+            client = PipelineClient(await swarm.node(), _client_config())
+            await client.refresh()
+            local = MODEL.build_local()
+            optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
+            total = MICRO_BATCH * MICRO_BATCHES
+            for step in range(3):
+                batches = [_batch(step, i) for i in range(MICRO_BATCHES)]
+                for x, y in batches:  # the step's backward passes, not yet ended
+                    await client.train_micro_batch(x, y, _loss, x.shape[0] / total)
+                    (_loss(local(x), y) * x.shape[0] / total).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step == 1:  # a server of stage 1 that holds some of the step goes
+                    victim = max(hosted[2:4], key=_backward_samples)
+                    assert _backward_samples(victim) > 0
+                    await swarm.kill(victim)
+                    hosted.remove(victim)
+                assert await client.end_step() == step + 1
+            assert client.statistics().num_redone_backwards > 0
+            await _assert_stages_are(local, hosted)
+
+    arun(main())
+
+
+def test_a_newcomer_downloads_the_stage_as_of_its_last_step_and_steps_with_it(arun: Run) -> None:
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            hosted = [await swarm.serve(_config(stage)) for stage in range(3)]
+            client = PipelineClient(await swarm.node(), _client_config())
+            await client.refresh()
+            local = MODEL.build_local()
+            optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
+            for step in range(4):
+                if step == 2:  # joins the stage where the most work waits (stage 1 here)
+                    newcomer = await swarm.serve(_config(1))
+                    stats = newcomer.server.statistics()
+                    assert stats.loaded_version is not None  # it downloaded the stage
+                    hosted.append(newcomer)
+                batches = [_batch(step, i) for i in range(MICRO_BATCHES)]
+                await client.train(batches, _loss)
+                for x, y in batches:
+                    (_loss(local(x), y) * x.shape[0] / (MICRO_BATCH * MICRO_BATCHES)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert _backward_samples(hosted[-1]) > 0  # it took part in the last two steps
+            await _assert_stages_are(local, hosted)
 
     arun(main())
