@@ -348,6 +348,7 @@ def _pipeline_seconds(
         "average_interval": 3600.0,  # one server per stage: no replicas to average
         "max_batch_size": plan.micro_batch * plan.in_flight,
         "linear_kernels": kernels,
+        "synchronous": False,  # a step per backward, as measured before (bench_pipeline.py)
     }
     with LocalSwarm(startup_timeout=STARTUP_TIMEOUT) as swarm:
         (boot,) = swarm.start(1, target="peers.dht.testing:dht_node")
@@ -361,7 +362,7 @@ def _pipeline_seconds(
         for server in servers:
             server.wait_report("serving", STARTUP_TIMEOUT)
         calls = ExpertCallConfig(forward_timeout=CALL_TIMEOUT, backward_timeout=CALL_TIMEOUT)
-        config = PipelineConfig(num_stages=len(widths), calls=calls, seed=0)
+        config = PipelineConfig(num_stages=len(widths), calls=calls, seed=0, synchronous=False)
         with BlockingDHT(config=DHTConfig(initial_peers=(boot.maddr,))) as dht:
             pipeline = RemoteSequential(dht, config)
             seconds = _timed_steps(

@@ -774,7 +774,12 @@ def _stage_flags() -> tuple[Flag, ...]:
     return (
         Flag("stage", _stage, help="stage index, or auto: the most under-served stage at start"),
         Flag("uid_prefix"),
-        Flag("synchronous"),
+        Flag(
+            "synchronous",
+            name="--asynchronous",
+            help="step on every backward served and average with the stage's other servers "
+            "every --average-interval, instead of stepping with them once per client step",
+        ),
         Flag("rebalance_interval_seconds", _positive_float, "SECONDS", name="--rebalance-interval"),
     )
 

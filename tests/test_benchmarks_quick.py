@@ -96,6 +96,16 @@ def test_handshake_flood_benchmark_runs() -> None:
         assert "flood_cpu" in ratios
 
 
+@pytest.mark.timeout(240)
+def test_pipeline_benchmark_runs_and_checks_the_synchronous_losses() -> None:
+    result = _run("bench_pipeline.py", "--quick", "--models", "wide", "--widths", "64", timeout=220)
+    assert result["benchmark"] == "pipeline"
+    figures, ratios = result["figures"], result["ratios"]
+    assert isinstance(figures, dict) and isinstance(ratios, dict)
+    assert set(ratios) == {"pipeline_vs_local_wide_sync", "pipeline_vs_local_wide_async"}
+    assert 0 <= figures["square_cube_d64_comm_share"] <= 1
+
+
 @pytest.mark.parametrize(
     ("script", "args", "says"),
     [
@@ -104,6 +114,8 @@ def test_handshake_flood_benchmark_runs() -> None:
         ("bench_wan.py", ["--scenarios", "dht,nowhere"], "unknown scenario(s) nowhere"),
         ("bench_wan.py", ["--train-tasks", "digits,imagenet"], "give each once, from digits"),
         ("bench_wan.py", ["--train-samples", "10"], "at least one DiLoCo period"),
+        ("bench_pipeline.py", ["--models", "wide,gpt5"], "unknown model(s) gpt5"),
+        ("bench_pipeline.py", ["--widths", "64,30"], "each a multiple of the 4 heads"),
     ],
 )
 def test_bad_benchmark_flags_fail_at_once_with_a_clear_error(

@@ -24,7 +24,7 @@ values can overflow in the backward) is dropped. See docs/experts-trust.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -208,6 +208,41 @@ class ModuleBackend:
                     total.add_(p.grad)
         for p in params:
             p.grad = None
+
+    def take_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The gradients accumulated for the next step (each caller's contribution
+        clipped, as :meth:`step` would use them), taken: the module holds none after.
+        For an owner that steps with them itself (a synchronous stage)."""
+        params = list(self.module.parameters())
+        if self.clip_grad_norm is not None and self.optimizer is not None:
+            self.end_contribution()
+            taken, self._summed, self._num_summed = self._summed, {}, 0
+        else:
+            taken = {p: p.grad for p in params if p.grad is not None}
+        for p in params:
+            p.grad = None
+        return taken
+
+    def step_with(self, grads: Mapping[nn.Parameter, torch.Tensor]) -> bool:
+        """Step the optimizer on ``grads`` (clipped as a whole to ``clip_grad_norm``)
+        instead of accumulated ones; False, and nothing stepped, if their norm is not
+        finite. Any gradients accumulated meanwhile are dropped."""
+        self.discard_gradients()
+        if self.optimizer is None:
+            return True
+        with torch.no_grad():
+            for p, grad in grads.items():
+                p.grad = grad.to(p.device, p.dtype, copy=True)
+            present = [p.grad for p in grads if p.grad is not None]
+            if self.clip_grad_norm is not None and present:
+                if not math.isfinite(clip_gradients(present, self.clip_grad_norm)):
+                    self.discard_gradients()
+                    return False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._num_steps += 1
+        self._version += 1
+        return True
 
     def discard_gradients(self) -> None:
         """Forget the gradients accumulated for the next step (a failed batch's)."""

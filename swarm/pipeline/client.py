@@ -83,10 +83,11 @@ class PipelineConfig:
     """Seconds a call waits for a stage with no live server to get one."""
     seed: int | None = None
     """Seeds the wiring's random choices (``None``: from the OS)."""
-    synchronous: bool = False
+    synchronous: bool = True
     """The stages step only when the client ends its step (:meth:`PipelineClient.end_step`),
     all their servers together, as one model would on the whole batch; their servers
-    must be synchronous too (:mod:`swarm.pipeline.sync`)."""
+    must be synchronous too (:mod:`swarm.pipeline.sync`). False: every server steps on
+    each backward it serves."""
     step_timeout: float = 60.0
     """Seconds the stages' servers have to end a step (their gradients' round included)."""
 

@@ -73,10 +73,12 @@ class StageServerConfig:
     """Batching and announcing of the stage."""
     replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
     """Averaging with the stage's other servers, and state sharing."""
-    synchronous: bool = False
+    synchronous: bool = True
     """Step together with the stage's other servers, once per global batch, when the
-    client ends its step (:mod:`swarm.pipeline.sync`), instead of on every backward.
-    The replicas then never average their parameters: they stay equal."""
+    client ends its step (:mod:`swarm.pipeline.sync`): the pipeline trains like one
+    model, and the replicas stay equal (they never average parameters). False: step on
+    every backward served, and average with the replicas every interval (clients must
+    be asynchronous too)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """How a synchronous stage's servers sum their gradients."""
     rebalance_interval_seconds: float | None = None
@@ -180,8 +182,7 @@ class StageServer:
             inputs=inputs,
             max_batch_size=self.config.max_batch_size,
             optimizer=None if spec is None else spec.build(module.parameters()),
-            # synchronous: the stage's summed gradient is clipped when it steps
-            clip_grad_norm=None if self.config.synchronous else self.config.clip_grad_norm,
+            clip_grad_norm=self.config.clip_grad_norm,
             step_on_backward=not self.config.synchronous,
         )
 

@@ -5,7 +5,8 @@ serves: their gradients accumulate. The client ends its global step by asking ev
 server of every stage to end it (:data:`STEP_PROTOCOL`, :meth:`SyncStage.end_step`).
 The servers of a stage then add up what they accumulated in one averaging round under
 ``{run_id}.{uid}`` (each brings its sum, with weight 1: the round's mean times the
-number of members it averages, per part, is the sum), clip that sum if configured, and
+number of members it averages, per part, is the sum), clip that sum if configured (each
+caller's contribution was clipped on its own as it came, as on any server), and
 step their optimizers with it. So the stage takes the step one process would take on the
 whole global batch, whichever server computed which micro-batch: stochastic wiring
 changes who computes, not what is computed (SWARM, Ryabinin et al. 2023). Replicas that
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -41,7 +41,7 @@ from averaging import (
 )
 from peers.errors import IdentityError, PeersError
 from peers.identity import PeerID
-from swarm.experts.backend import ModuleBackend, clip_gradients
+from swarm.experts.backend import ModuleBackend
 from swarm.experts.worker import ModuleWorker
 from swarm.pipeline.errors import StageStepError
 
@@ -155,6 +155,8 @@ class SyncStage:
         self._share_again = False
         if backend.step_on_backward:
             raise ValueError("a synchronous stage's backend must not step on backward")
+        if backend.clip_grad_norm != clip_grad_norm:
+            raise ValueError("clip each caller's contribution with the step's own bound")
         self.backend = backend
         self.averager = averager
         self.clip_grad_norm = clip_grad_norm
@@ -164,6 +166,8 @@ class SyncStage:
         if set(buffers) != set(self.params):
             raise ValueError("give one buffer per parameter of the module")
         self.buffers = dict(buffers)
+        # the step's gradients taken from the module so far (kept across failed attempts)
+        self._pending = {name: torch.zeros_like(b) for name, b in self.buffers.items()}
         self._ending: asyncio.Future[StepResponse] | None = None
         self._samples_before = 0  # backward samples served before the step under way
         self._last = StepResponse(step, 0, 1)
@@ -274,31 +278,24 @@ class SyncStage:
         return averaged
 
     def _snapshot(self) -> int:
-        """This server's accumulated gradients into the round's buffers (zeros where a
-        parameter got none); the backward samples they hold."""
+        """This server's gradients of the step (taken from the module: each caller's
+        contribution clipped, if configured; added to those of a failed attempt) into
+        the round's buffers; the backward samples they hold."""
+        taken = self.backend.take_gradients()
         with torch.no_grad():
             for name, p in self.params.items():
-                if p.grad is None:
-                    self.buffers[name].zero_()
-                else:
-                    self.buffers[name].copy_(p.grad)
+                grad = taken.get(p)
+                if grad is not None:
+                    self._pending[name].add_(grad.detach().to("cpu", torch.float32))
+                self.buffers[name].copy_(self._pending[name])
         served = self.backend.statistics().num_backward_samples
         return served - self._samples_before
 
     def _apply(self) -> None:
-        """The stage's summed gradient into the parameters' ``grad``, clipped, stepped."""
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.grad = self.buffers[name].to(p.device, p.dtype, copy=True)
-            if self.clip_grad_norm is not None:
-                grads = [p.grad for p in self.params.values() if p.grad is not None]
-                norm = clip_gradients(grads, self.clip_grad_norm)
-                if not math.isfinite(norm):
-                    logger.warning(
-                        "%s: the step's gradient is not finite: dropped", self.backend.uid
-                    )
-                    self.backend.discard_gradients()
-                    self.step += 1
-                    return
-        self.backend.step()
+        """Step on the stage's summed gradient (clipped as a whole, if configured)."""
+        for pending in self._pending.values():
+            pending.zero_()
+        grads = {p: self.buffers[name] for name, p in self.params.items()}
+        if not self.backend.step_with(grads):
+            logger.warning("%s: the step's gradient is not finite: dropped", self.backend.uid)
         self.step += 1

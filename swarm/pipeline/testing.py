@@ -2,15 +2,17 @@
 
 ``LocalSwarm().start(n, target="swarm.pipeline.testing:stage_server", options={...})``.
 Options: ``initial_peers``; ``stage`` (an int, or ``"auto"`` for the most under-served);
-``widths`` and ``seed`` (an :class:`MLPStages`; default the digits model) or ``model`` (a
-built-in name: ``charlm``); ``synchronous``; ``clip`` (``"none"``: no clipping); ``optimizer``
-(``sgd``, ``adam``), ``lr`` and ``momentum`` (SGD); ``announce_interval`` (entries live
-three times as long); ``average_interval``; ``run_id``; ``rebalance_interval`` (``null``:
-never move); ``max_batch_size``; ``linear_kernels`` (:class:`ServerConfig`'s). Reports
-``serving`` (``stage``, ``loaded_version``) each time it serves a stage, and answers
-``{"op": "stats"}`` with ``stats``: ``stage``, ``forward_samples``, ``backward_samples``,
-``steps``, ``rounds`` (averaged with others), ``alone``, ``moves``, and the peer's
-``reachability`` and ``advertised_addrs`` (see :mod:`peers.nat`); ``{"op":
+the model: ``widths`` and ``seed`` (an :class:`MLPStages`; default the digits model), or
+``model`` (a built-in name: ``charlm``), or ``charlm`` (a transformer's ``d_model``,
+``num_heads``, ``num_layers`` (3), ``context``, ``bottleneck``); ``synchronous``; ``clip``
+(``"none"``: no clipping); ``optimizer`` (``sgd``, ``adam``), ``lr`` and ``momentum``
+(SGD); ``announce_interval`` (entries live three times as long); ``average_interval``;
+``run_id``; ``rebalance_interval`` (``null``: never move); ``max_batch_size``;
+``linear_kernels`` (:class:`ServerConfig`'s). Reports ``serving`` (``stage``,
+``loaded_version``) each time it serves a stage, and answers ``{"op": "stats"}`` with
+``stats``: ``stage``, ``forward_samples``, ``backward_samples``, ``steps``,
+``compute_seconds``, ``rounds`` (averaged with others), ``alone``, ``moves``, and the
+peer's ``reachability`` and ``advertised_addrs`` (see :mod:`peers.nat`); ``{"op":
 "wait_private", "timeout": S}`` answers the same once the peer found itself behind NAT
 and holds a relay reservation (or after S seconds).
 """
@@ -33,13 +35,22 @@ from swarm.pipeline.models import pipeline_model
 from swarm.pipeline.replicas import ReplicaConfig
 from swarm.pipeline.server import StageServer, StageServerConfig
 from swarm.pipeline.stages import DIGITS_STAGES, MLPStages, PipelineModel
+from swarm.pipeline.transformer import CharLMStages
+from swarm.tasks.charlm import CharLMConfig
 
 
 def config_from_options(options: dict[str, Any]) -> StageServerConfig:
     """The server config the target's options describe (see the module docstring)."""
     widths = options.get("widths")
     model: PipelineModel
-    if "model" in options:
+    if "charlm" in options:  # a transformer's shape: d_model, num_layers, heads, bottleneck
+        shape = dict(options["charlm"])
+        bottleneck = shape.pop("bottleneck", None)
+        model = CharLMStages(
+            config=CharLMConfig(**{"num_layers": 3, **shape}),
+            bottleneck=None if bottleneck is None else int(bottleneck),
+        )
+    elif "model" in options:
         model = pipeline_model(str(options["model"]))
     else:
         mlp = DIGITS_STAGES
@@ -79,8 +90,8 @@ def config_from_options(options: dict[str, Any]) -> StageServerConfig:
             load_timeout=20.0,
         ),
         rebalance_interval_seconds=None if rebalance is None else float(rebalance),
-        synchronous=bool(options.get("synchronous", False)),
         clip_grad_norm=None if options.get("clip") == "none" else DEFAULT_CLIP_GRAD_NORM,
+        synchronous=bool(options.get("synchronous", StageServerConfig.synchronous)),
     )
 
 
@@ -133,6 +144,7 @@ def _stats(server: StageServer) -> dict[str, Any]:
         "forward_samples": sum(m.num_forward_samples for m in modules.values()),
         "backward_samples": sum(m.num_backward_samples for m in modules.values()),
         "steps": sum(m.num_optimizer_steps for m in modules.values()),
+        "compute_seconds": sum(m.compute_seconds for m in modules.values()),
         "rounds": 0 if replica is None else replica.num_rounds,
         "alone": 0 if replica is None else replica.num_alone,
         "moves": stats.num_moves,

@@ -40,11 +40,11 @@ PINNED = {
         "--swarm-key --uids"
     ),
     "serve-stage": (
-        "--allow --allow-file --announce --announce-interval --average-interval "
-        "--clip-grad-norm --identity --initial-peers --linear-kernels --listen --lr "
-        "--max-batch-size --metrics --model --no-relay --optimizer --reachability "
-        "--rebalance-interval --run-id --stage --status-interval --swarm-key "
-        "--synchronous --uid-prefix"
+        "--allow --allow-file --announce --announce-interval --asynchronous "
+        "--average-interval --clip-grad-norm --identity --initial-peers --linear-kernels "
+        "--listen --lr --max-batch-size --metrics --model --no-relay --optimizer "
+        "--reachability --rebalance-interval --run-id --stage --status-interval --swarm-key "
+        "--uid-prefix"
     ),
     "train": _TRAINING,
     "join": _TRAINING,

@@ -73,7 +73,7 @@ def test_three_stage_servers_from_the_cli_take_every_stage_and_train(
 ) -> None:
     torch.set_num_threads(1)
     # synchronous: one step per train_step (on its 4 micro-batches), not one per backward
-    mode = ("--synchronous", "--lr", "1e-2") if synchronous else ("--lr", "3e-3")
+    mode = ("--lr", "1e-2") if synchronous else ("--asynchronous", "--lr", "3e-3")
     first, maddr, serving = _start("--stage", "1", *mode)
     processes.append(first)
     assert serving == "serving stage.1 of 3 stages"

@@ -48,7 +48,7 @@ def _config(stage: int | None, *, lr: float = 0.0, **kwargs: Any) -> StageServer
         server=ServerConfig(announce_interval=0.5, announce_ttl=1.5),
         replicas=ReplicaConfig(run_id="loop", interval_seconds=3600.0, load_timeout=10.0),
         probe_timeout=1.0,
-        **kwargs,
+        **{"synchronous": False, **kwargs},  # the asynchronous mode (test_pipeline_sync.py)
     )
 
 
@@ -60,6 +60,7 @@ def _client_config(**kwargs: Any) -> PipelineConfig:
         refresh_seconds=0.2,
         server_wait_timeout=1.0,
         seed=0,
+        synchronous=False,
     )
 
 

@@ -61,7 +61,13 @@ def test_a_pipeline_trains_survives_a_killed_server_and_takes_a_newcomer() -> No
     torch.set_num_threads(1)
     task = get_task("digits")
     data = task.batches(rank=0, num_peers=1, batch_size=MICRO_BATCH, seed=0)
-    options = {"optimizer": "adam", "lr": LR, "average_interval": 1.0, "announce_interval": 1.0}
+    options = {
+        "optimizer": "adam",
+        "lr": LR,
+        "average_interval": 1.0,
+        "announce_interval": 1.0,
+        "synchronous": False,  # each server steps on every backward, replicas average
+    }
     with LocalSwarm() as local:
         (boot,) = local.start(1, target="peers.dht.testing:dht_node")
         boot.wait_report("joined", REPORT_TIMEOUT)
@@ -79,6 +85,7 @@ def test_a_pipeline_trains_survives_a_killed_server_and_takes_a_newcomer() -> No
             calls=ExpertCallConfig(forward_timeout=10.0, backward_timeout=10.0),
             refresh_seconds=1.0,
             seed=0,
+            synchronous=False,
         )
         losses: list[float] = []
         seen: list[Batch] = []

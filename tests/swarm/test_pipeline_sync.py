@@ -4,6 +4,7 @@ exactly like one process doing the same gradient accumulation."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from averaging import AllReduceConfig
 from peers import RemoteError
 from swarm.experts import ExpertCallConfig, ServerConfig
+from swarm.experts.announce import find_experts
+from swarm.experts.calls import call_backward
 from swarm.optim_spec import OptimizerSpec
 from swarm.pipeline import (
     CHARLM_STAGES,
@@ -256,5 +259,36 @@ def test_a_newcomer_downloads_the_stage_as_of_its_last_step_and_steps_with_it(ar
                 optimizer.zero_grad()
             assert _backward_samples(hosted[-1]) > 0  # it took part in the last two steps
             await _assert_stages_are(local, hosted)
+
+    arun(main())
+
+
+def test_a_synchronous_step_is_clipped_whatever_a_caller_sends(arun: Run) -> None:
+    """Stage servers train on strangers' gradients: synchronous too, each caller's
+    contribution is clipped on its own and the step's sum again, so one huge gradient
+    moves a stage by at most ``lr * clip_grad_norm`` (docs/experts-trust.md)."""
+
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            config = dataclasses.replace(
+                _config(2), optimizer=OptimizerSpec(kind="sgd", lr=LR), clip_grad_norm=1.0
+            )
+            hosted = [await swarm.serve(_config(0)), await swarm.serve(_config(1))]
+            hosted.append(await swarm.serve(config))
+            client = PipelineClient(await swarm.node(), _client_config())
+            await client.refresh()
+            before = await state_of(hosted[2])
+            x = torch.randn(4, 16)
+            (location,) = (await find_experts(client.dht, ["stage.2"]))["stage.2"]
+            huge = torch.full((4, 4), 1e6)
+            await call_backward(
+                client.peer, location.location, [x], [huge], config=ExpertCallConfig()
+            )
+            assert await client.end_step() == 1
+            after = await state_of(hosted[2])
+            moved = torch.linalg.vector_norm(
+                torch.cat([(after[k] - before[k]).flatten() for k in before])
+            )
+            assert 0 < moved <= LR * 1.0 + 1e-6
 
     arun(main())
