@@ -247,6 +247,16 @@ def print_table(title: str, rows: Sequence[Sequence[str]]) -> None:
             print("  " + "  ".join("-" * w for w in widths))
 
 
+def timed_steps(steps: Sequence[Any], warmup: int, train: Callable[[Any], object]) -> float:
+    """Seconds ``train(step)`` takes over ``steps[warmup:]`` (after the warm-up ones)."""
+    started = 0.0
+    for i, step in enumerate(steps):
+        if i == warmup:
+            started = time.perf_counter()
+        train(step)
+    return time.perf_counter() - started
+
+
 def emit_result(
     benchmark: str, figures: dict[str, Any], ratios: dict[str, Any], **extra: Any
 ) -> None:

@@ -63,6 +63,7 @@ from _common import (
     receive_from,
     remove_shared_memory_of,
     stop_pids,
+    timed_steps,
 )
 from _common import PipeChild as Child
 from _experts_peers import child_entry
@@ -299,16 +300,6 @@ QUICK_PIPELINE = PipelinePlan(steps={"digits": 10, "wide": 3})
 FULL_PIPELINE = PipelinePlan(steps={"digits": 60, "wide": 15})
 
 
-def _timed_steps(steps: list[Any], warmup: int, train: Any) -> float:
-    """Seconds ``train(step)`` takes over ``steps[warmup:]`` (after the warm-up ones)."""
-    started = 0.0
-    for i, step in enumerate(steps):
-        if i == warmup:
-            started = time.perf_counter()
-        train(step)
-    return time.perf_counter() - started
-
-
 def _local_seconds(
     widths: tuple[tuple[int, ...], ...], steps: list[Any], warmup: int, kernels: str
 ) -> float:
@@ -328,7 +319,7 @@ def _local_seconds(
             F.cross_entropy(local(x), y).backward()
             optimizer.step()
 
-    return _timed_steps(steps, warmup, train)
+    return timed_steps(steps, warmup, train)
 
 
 def _pipeline_seconds(
@@ -365,7 +356,7 @@ def _pipeline_seconds(
         config = PipelineConfig(num_stages=len(widths), calls=calls, seed=0, synchronous=False)
         with BlockingDHT(config=DHTConfig(initial_peers=(boot.maddr,))) as dht:
             pipeline = RemoteSequential(dht, config)
-            seconds = _timed_steps(
+            seconds = timed_steps(
                 steps, plan.warmup_steps, lambda step: pipeline.train_step(step, F.cross_entropy)
             )
             if pipeline.statistics().num_failed_calls:

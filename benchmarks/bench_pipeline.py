@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a module
 
-from _common import BenchError, emit_result
+from _common import BenchError, emit_result, timed_steps
 
 #: Seconds a child has to import its stack and start.
 STARTUP_TIMEOUT = 120.0
@@ -121,15 +119,6 @@ def _loss(outputs: Any, targets: Any) -> Any:
     return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
 
 
-def _timed(steps: list[Any], warmup: int, train: Callable[[Any], None]) -> float:
-    started = 0.0
-    for i, step in enumerate(steps):
-        if i == warmup:
-            started = time.perf_counter()
-        train(step)
-    return time.perf_counter() - started
-
-
 def local_seconds(
     model: Model,
     steps: list[Any],
@@ -159,7 +148,7 @@ def local_seconds(
             optimizer.step()
             optimizer.zero_grad()
 
-    return _timed(steps, warmup, train)
+    return timed_steps(steps, warmup, train)
 
 
 @dataclass(frozen=True)
@@ -215,7 +204,7 @@ def pipeline_seconds(model: Model, steps: list[Any], warmup: int, synchronous: b
             for step in steps[:warmup]:
                 losses += pipeline.train_step(step, _loss)
             before = compute()
-            seconds = _timed(
+            seconds = timed_steps(
                 steps[warmup:], 0, lambda step: losses.extend(pipeline.train_step(step, _loss))
             )
             spent = compute() - before
