@@ -233,14 +233,27 @@ class ModuleWorker:
         await _finish(_in_thread(self._step))
 
     def _compute(self, kind: Kind, jobs: Sequence[_Job]) -> list[tuple[Result, KeptForward | None]]:
-        """Join, compute, split. A forward keeps its graph only if it ran alone. A
-        backward runs caller by caller, each caller's gradients closed as its own
-        contribution to the step; within a caller, a request with a kept graph runs on
-        its own, the others together."""
+        """Join, compute, split. A forward keeps its graph if it ran alone; on a module
+        that steps only when its owner says (a synchronous stage: graphs stay fresh
+        until the step), a forward asked to keep its graph always runs on its own, so
+        its backward skips the recomputation (a third of a forward and backward's
+        compute). A backward runs caller by caller, each caller's gradients closed as
+        its own contribution to the step; within a caller, a request with a kept graph
+        runs on its own, the others together."""
         if kind == "forward":
-            keep = len(jobs) == 1 and jobs[0].keep
-            outputs, kept = self.backend.forward(_join([j.parts[0] for j in jobs]), keep=keep)
-            return [(r, kept) for r in _split(outputs, [_size(j) for j in jobs])]
+            done: dict[int, tuple[Result, KeptForward | None]] = {}
+            separate = len(jobs) == 1 or not self.backend.step_on_backward
+            keepers = {i for i, j in enumerate(jobs) if j.keep} if separate else set()
+            joint = [i for i in range(len(jobs)) if i not in keepers]
+            for i, job in enumerate(jobs):
+                if i in keepers:
+                    outputs, kept = self.backend.forward(job.parts[0], keep=True)
+                    done[i] = (list(outputs), kept)
+            if joint:
+                outputs, _ = self.backend.forward(_join([jobs[i].parts[0] for i in joint]))
+                split = _split(outputs, [_size(jobs[i]) for i in joint])
+                done.update((i, (r, None)) for i, r in zip(joint, split, strict=True))
+            return [done[i] for i in range(len(jobs))]
         by_caller: dict[Hashable, list[int]] = {}
         for i, job in enumerate(jobs):
             by_caller.setdefault(job.caller, []).append(i)

@@ -155,6 +155,8 @@ def test_stages_of_two_servers_step_together_like_one_process_accumulating(
                     assert stats is not None
                     (module,) = stats.modules.values()
                     assert module.num_optimizer_steps == steps
+                    # forwards kept their graphs, batched or not: no backward recomputed
+                    assert module.num_recomputed_samples == 0
             # the wiring spread the micro-batches: some server of a stage took some
             assert any(_backward_samples(h) for h in hosted[1::2])
             # and the pipeline's test loss is the local model's (within 1%), having learnt
