@@ -215,10 +215,11 @@ def pipeline_seconds(model: Model, steps: list[Any], warmup: int, synchronous: b
 
 def check_synchronous(model: Model, steps: list[Any], run: PipelineRun) -> None:
     """A synchronous pipeline trains as the local model does: the same losses at every
-    micro-batch (else what was timed is not training)."""
+    micro-batch, within 0.1% (else what was timed is not that training)."""
     expected: list[float] = []
     local_seconds(model, steps, 0, True, expected)
-    worst = max(abs(a - b) for a, b in zip(run.losses, expected, strict=True))
+    # relative: Adam magnifies the sums' float rounding (other orders than one process's)
+    worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(run.losses, expected, strict=True))
     if worst > 1e-3:
         raise BenchError(
             f"{model.name}: the pipeline's losses differ from one process's by {worst}"

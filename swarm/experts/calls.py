@@ -104,13 +104,14 @@ async def call_forward(
     config: ExpertCallConfig,
     info: ExpertInfo | None = None,
     keep: bool = False,
+    step: int = -1,
 ) -> Forwarded:
     """The expert's outputs for ``inputs`` (batch-first). Inputs are sent as they are:
     the server checks them (see the module docstring for errors). With ``keep`` the
     server may keep the forward's graph: pass the returned token to the backward."""
     learn_addresses(peer, location)
     wire = [encode(t, config.codec) for t in inputs]
-    request = ForwardRequest(location.uid, wire, config.codec, keep)
+    request = ForwardRequest(location.uid, wire, config.codec, keep, step)
     response = await peer.call_unary(
         location.peer_id,
         FORWARD_PROTOCOL,
@@ -133,10 +134,12 @@ async def call_backward(
     config: ExpertCallConfig,
     info: ExpertInfo | None = None,
     forward_token: int = 0,
+    step: int = -1,
 ) -> list[torch.Tensor | None]:
     """Gradients of ``inputs`` given the outputs' gradients (``None`` for integer
     inputs); the server also trains the expert on them. ``forward_token`` (from the
-    forward) lets it skip recomputing the forward."""
+    forward) lets it skip recomputing the forward. ``step`` (a synchronous pipeline
+    stage's) is refused by a server at another step."""
     learn_addresses(peer, location)
     request = BackwardRequest(
         location.uid,
@@ -144,6 +147,7 @@ async def call_backward(
         [encode(g, config.codec) for g in grad_outputs],
         config.codec,
         forward_token,
+        step,
     )
     response = await peer.call_unary(
         location.peer_id,

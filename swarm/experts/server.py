@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -131,6 +131,9 @@ class ExpertServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._num_announcements = 0
         self._num_refused_trainings = 0
+        self.step_guard: Callable[[str, int], None] | None = None
+        """Called with a request's uid and step (when it names one) before it is queued;
+        raises to refuse it (a synchronous pipeline stage at another step)."""
         # hosted uids only: a request names one before it is timed
         self._latency: dict[tuple[str, str], LatencyHistogram] = {}
 
@@ -201,6 +204,7 @@ class ExpertServer:
 
     async def rpc_forward(self, request: ForwardRequest, context: CallContext) -> ForwardResponse:
         worker = self._worker(request.uid)
+        self._check_step(request.uid, request.step)
         info = worker.backend.info
         codec = _codec(request.reply_codec)
         inputs, batch = _decode(
@@ -229,6 +233,7 @@ class ExpertServer:
                 f"gradients of its allowed trainers, and {caller} is not one of them; "
                 "forward calls are open to you"
             )
+        self._check_step(request.uid, request.step)
         info = worker.backend.info
         codec = _codec(request.reply_codec)
         what = f"backward {info.uid}"
@@ -246,6 +251,10 @@ class ExpertServer:
                 "backward", (inputs, grads), batch, kept=kept, caller=caller
             )
         return BackwardResponse([None if g is None else encode(g, codec) for g in grad_inputs])
+
+    def _check_step(self, uid: str, step: int) -> None:
+        if step >= 0 and self.step_guard is not None:
+            self.step_guard(uid, step)
 
     # --- announcing ----------------------------------------------------------------
 

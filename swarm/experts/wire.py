@@ -63,6 +63,8 @@ class ForwardRequest:
     reply_codec: str = "none"
     keep: bool = False
     """The caller will send a backward: keep this forward's graph for it if possible."""
+    step: int = -1
+    """A synchronous pipeline stage's step the caller computes for; -1: none named."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,8 @@ class BackwardRequest:
     reply_codec: str = "none"
     forward_token: int = 0
     """From the forward's response; the server recomputes the forward without it."""
+    step: int = -1
+    """A synchronous pipeline stage's step the caller computes for; -1: none named."""
 
 
 @dataclass(frozen=True, slots=True)

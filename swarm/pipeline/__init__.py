@@ -28,6 +28,7 @@ from swarm.pipeline.client import (
 )
 from swarm.pipeline.errors import (
     PipelineError,
+    StageBehind,
     StageFailed,
     StageStateError,
     StageStepError,
@@ -59,6 +60,7 @@ __all__ = [
     "ReplicaConfig",
     "ReplicaStatistics",
     "ServerRecord",
+    "StageBehind",
     "StageCall",
     "StageFailed",
     "StageLoad",

@@ -159,6 +159,7 @@ class PipelineClient:
         self._counters: Counter[str] = Counter()
         self._latency: dict[tuple[int, str], LatencyHistogram] = {}
         self._step: int | None = None  # synchronous: the step under way (None: unknown)
+        self._learn_lock = asyncio.Lock()  # one look at where the stages are at a time
         # synchronous: per stage, per server, the backward passes it served in the step
         # (the stage's inputs and output gradients): redone elsewhere if it dies
         self._served: list[dict[PeerID, list[_Served]]] = [{} for _ in range(config.num_stages)]
@@ -254,9 +255,11 @@ class PipelineClient:
     async def _forward_stage(
         self, stage: int, inputs: list[torch.Tensor], keep: bool
     ) -> tuple[StageCall, list[torch.Tensor]]:
+        step = self._call_step()
+
         async def attempt(location: ExpertLocation) -> tuple[list[torch.Tensor], int]:
             done = await call_forward(
-                self.peer, location, inputs, config=self.config.calls, keep=keep
+                self.peer, location, inputs, config=self.config.calls, keep=keep, step=step
             )
             return done.outputs, done.forward_token
 
@@ -268,6 +271,8 @@ class PipelineClient:
     ) -> tuple[list[torch.Tensor], Trace]:
         """The last stage's outputs for ``inputs`` (batch-first), and the trace a
         :meth:`backward` needs. With ``keep`` servers keep their graphs for it."""
+        if self.config.synchronous and self._step is None:  # the step the calls name
+            await self._learn_step()
         current = [t.detach().cpu() for t in inputs]
         calls = []
         for stage in range(self.config.num_stages):
@@ -280,6 +285,8 @@ class PipelineClient:
     async def _backward_stage(
         self, stage: int, done: StageCall, grads: list[torch.Tensor]
     ) -> list[torch.Tensor | None]:
+        step = self._call_step()
+
         async def attempt(location: ExpertLocation) -> list[torch.Tensor | None]:
             token = done.forward_token if location == done.location else 0
             return await call_backward(
@@ -289,6 +296,7 @@ class PipelineClient:
                 grads,
                 config=self.config.calls,
                 forward_token=token,
+                step=step,
             )
 
         n = done.inputs[0].shape[0]
@@ -370,7 +378,6 @@ class PipelineClient:
         Raises StageStepError naming the stages that could not step after
         ``MAX_STEP_ATTEMPTS`` tries, or whose servers disagree on the step."""
         if self._step is None:  # a new client: where the stages are
-            await self.refresh()
             await self._learn_step()
         assert self._step is not None
         step, left = self._step, set(range(self.config.num_stages))
@@ -397,6 +404,13 @@ class PipelineClient:
                     continue
                 errors.extend(f"stage {stage} at {p}: {a}" for p, a in got.items())
                 gone = {p for p, a in got.items() if not isinstance(a, RemoteError)}
+                behind = {  # it refused this step's calls: nothing of it to redo
+                    p
+                    for p, a in got.items()
+                    if isinstance(a, RemoteError) and a.remote_type == "StageBehind"
+                }
+                for peer_id in behind:  # not asked again in this step
+                    self.wirings[stage].on_failure(peer_id, 0, now, busy=False)
                 await self._redo(stage, gone, now)
             if not left:
                 break
@@ -411,19 +425,35 @@ class PipelineClient:
         self._counters["steps"] += 1
         return self._step
 
+    def _call_step(self) -> int:
+        """The step a synchronous stage call names (-1: none)."""
+        if not self.config.synchronous or self._step is None:
+            return -1
+        return self._step
+
     async def _learn_step(self) -> None:
+        """Where the stages are (a new client, or one told its step was stale)."""
+        async with self._learn_lock:
+            if self._step is not None:
+                return
+            await self.refresh()
+            await self._ask_where()
+
+    async def _ask_where(self) -> None:
         now = time.monotonic()
         listed = {stage: wiring.live(now) for stage, wiring in enumerate(self.wirings)}
         answers = await self._ask_step(listed, -1, 0, end=False)
-        steps = {
-            a.step for got in answers.values() for a in got.values() if isinstance(a, StepResponse)
-        }
-        if len(steps) != 1:
+        got = [a for stage in answers.values() for a in stage.values()]
+        steps = [a.step for a in got if isinstance(a, StepResponse)]
+        if not steps:
+            reasons = "; ".join(str(a) for a in got[:3]) or "no server listed"
             raise StageStepError(
-                f"the stages' servers disagree on the step they are at: {sorted(steps)} "
-                "(a server that joined has not loaded its stage's state?)"
+                "no stage server says which step it is at (are they asynchronous, "
+                f"`swarm serve-stage --asynchronous`, while this client is not?): {reasons}"
             )
-        self._step = steps.pop()
+        # the stages' step: a server behind it (it missed a step) refuses calls until it
+        # has loaded the stage's state
+        self._step = max(steps)
 
     async def _redo(self, stage: int, gone: set[PeerID], now: float) -> None:
         """The backward passes the ``gone`` servers of ``stage`` served in this step,

@@ -43,3 +43,8 @@ class StageStepError(PipelineError):
     """A synchronous stage could not end a step (:mod:`swarm.pipeline.sync`): a server
     asked to end a step it has not reached, or its round with the stage's other servers
     found no group or was not agreed. Nothing stepped; the gradients are kept."""
+
+
+class StageBehind(StageStepError):
+    """A synchronous stage's server is behind its stage (it missed a step, or loaded the
+    state just before one): it refuses calls and steps until it has caught up."""

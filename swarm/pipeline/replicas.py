@@ -158,15 +158,15 @@ class StageReplica:
 
     # --- joining ---------------------------------------------------------------------
 
-    async def load_from_peers(self) -> LoadedState | None:
-        """Download the stage's newest shared state and load it (before serving: the
-        module is not in use). ``None`` if none could be had or it does not fit (logged;
-        the replica keeps its own initialisation)."""
+    async def load_from_peers(self, worker: ModuleWorker | None = None) -> LoadedState | None:
+        """Download the stage's newest shared state and load it (while no batch runs, if
+        ``worker`` serves the module). ``None`` if none could be had or it does not fit
+        (logged; the replica keeps what it has)."""
         try:
             loaded = await self.averager.load_state_from_peers(
                 timeout=self.config.load_timeout, apply=False
             )
-            self._apply_loaded(loaded)
+            await self._hold(worker, lambda: self._apply_loaded(loaded))
         except (PeersError, TimeoutError, StageStateError) as e:
             logger.warning("%s: no state loaded from peers: %s", self.backend.uid, e)
             return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -47,6 +48,11 @@ from swarm.pipeline.sync import STEP_PROTOCOL, StepRequest, StepResponse, SyncCo
 
 logger = logging.getLogger(__name__)
 
+#: Loads a synchronous server behind its stage makes in a row before it waits for a
+#: call to show it behind again.
+MAX_CATCH_UP_LOADS = 5
+#: Seconds between those loads (for the stage's servers to share a newer step).
+CATCH_UP_RETRY_SECONDS = 0.5
 #: Announced servers probed at once when judging the stages' loads.
 MAX_CONCURRENT_PROBES = 32
 
@@ -214,7 +220,10 @@ class StageServer:
                     sync.start_at(loaded.metadata.get("step"))
             await replica.share(None)
             server_config = self.config.server
-            async with ExpertServer(self.peer, [backend], server_config, dht=self.dht) as server:
+            server = ExpertServer(self.peer, [backend], server_config, dht=self.dht)
+            if sync is not None:  # calls for another step than the stage's are refused
+                server.step_guard = lambda _uid, step: sync.check_step(step)
+            async with server:
                 self.stage, self._server, self._replica = stage, server, replica
                 self._sync = sync
                 try:
@@ -239,6 +248,7 @@ class StageServer:
             {name: replica.buffers[f"param/{name}"] for name in replica.params},
             clip_grad_norm=self.config.clip_grad_norm,
             on_step=replica.share,  # a newcomer downloads the stage as of its last step
+            catch_up=lambda: self._catch_up(replica, sync),
         )
         replica.steps = sync.steps  # and every share says which step that is
         self.peer.add_unary_handler(STEP_PROTOCOL, self.rpc_step, StepRequest)
@@ -247,6 +257,24 @@ class StageServer:
         finally:
             self.peer.remove_stream_handler(STEP_PROTOCOL)
             sync.close()
+
+    async def _catch_up(self, replica: StageReplica, sync: SyncStage) -> None:
+        """This server fell behind its stage: load the stage's newest state (held), again
+        while callers name a later step than the one loaded (the stage's servers share
+        theirs after each step, in the background), a bounded number of times."""
+        for _ in range(MAX_CATCH_UP_LOADS):
+            worker = self.worker
+            if worker is None:
+                return
+            loaded = await replica.load_from_peers(worker)
+            if loaded is not None:
+                await worker.exclusive(
+                    functools.partial(sync.caught_up, loaded.metadata.get("step"))
+                )
+                logger.info("%s: loaded the stage at step %d", replica.backend.uid, sync.step)
+            if sync.step >= sync.seen:
+                return
+            await asyncio.sleep(CATCH_UP_RETRY_SECONDS)
 
     async def rpc_step(self, request: StepRequest, context: CallContext) -> StepResponse:
         """End (or report) a synchronous stage's step: :meth:`SyncStage.end_step`."""

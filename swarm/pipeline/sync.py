@@ -43,7 +43,7 @@ from peers.errors import IdentityError, PeersError
 from peers.identity import PeerID
 from swarm.experts.backend import ModuleBackend
 from swarm.experts.worker import ModuleWorker
-from swarm.pipeline.errors import StageStepError
+from swarm.pipeline.errors import StageBehind, StageStepError
 
 logger = logging.getLogger(__name__)
 
@@ -144,13 +144,21 @@ class SyncStage:
         clip_grad_norm: float | None,
         step: int = 0,
         on_step: Callable[[ModuleWorker, Callable[[], int]], Awaitable[None]] | None = None,
+        catch_up: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """``averager`` averages ``buffers`` (a float32 CPU tensor per parameter of the
         backend's module, by name), and nothing else while this stage uses it.
         ``on_step(worker, steps)`` runs in the background after each step (sharing the
         new state: ``steps()`` read while the module is held is the step count its
-        parameters are at); its failure is logged."""
+        parameters are at); its failure is logged. ``catch_up()`` runs when a call shows
+        this server behind the stage: it loads the stage's state (then
+        :meth:`caught_up`)."""
         self._on_step = on_step
+        self._catch_up = catch_up
+        self._catching: asyncio.Future[None] | None = None
+        self.seen = step
+        """The latest step a caller named: a server behind loads the state until it is
+        there."""
         self._sharing: asyncio.Task[None] | None = None
         self._share_again = False
         if backend.step_on_backward:
@@ -181,13 +189,45 @@ class SyncStage:
         else:
             logger.warning("%s: downloaded state names step %r: ignored", self.backend.uid, step)
 
+    def check_step(self, step: int) -> None:
+        """Refuse a forward or backward computed for another step than this stage's
+        (StageStepError): a server behind the stage (it missed a step, or downloaded
+        the state just before one) would compute on old parameters, and it starts to
+        catch up (``catch_up``); a client behind is told so."""
+        if step == self.step:
+            return
+        if step > self.step:
+            self._start_catching_up(step)
+            raise StageBehind(
+                f"{self.backend.uid}: this server is at step {self.step}, behind the "
+                f"caller's {step}: it is loading the stage's state; try another server"
+            )
+        raise StageStepError(
+            f"{self.backend.uid}: the caller computes for step {step}, this stage is at "
+            f"{self.step}: ask the stages where they are"
+        )
+
+    def _start_catching_up(self, seen: int) -> None:
+        self.seen = max(self.seen, seen)
+        if self._catch_up is not None and (self._catching is None or self._catching.done()):
+            self._catching = asyncio.ensure_future(self._catch_up())
+
+    def caught_up(self, step: object) -> None:
+        """The state of ``step`` was loaded (the module holds it): the gradients of the
+        old step are void."""
+        self.backend.take_gradients()
+        for pending in self._pending.values():
+            pending.zero_()
+        self.start_at(step)
+        self._samples_before = self.backend.statistics().num_backward_samples
+
     def steps(self) -> int:
         """Steps taken (a callable for :meth:`StageReplica.share`)."""
         return self.step
 
     def close(self) -> None:
         """Stop a step or a share under way (the server stops serving the stage)."""
-        for task in (self._ending, self._sharing):
+        for task in (self._ending, self._sharing, self._catching):
             if task is not None:
                 task.cancel()
 
@@ -198,9 +238,10 @@ class SyncStage:
         if not request.end or request.step < self.step:
             return self._last
         if request.step > self.step:
-            raise StageStepError(
+            self._start_catching_up(request.step)
+            raise StageBehind(
                 f"{self.backend.uid}: asked to end step {request.step}, but this server has "
-                f"taken {self.step} steps (it joined late or missed a step)"
+                f"taken {self.step} steps (it joined late or missed a step): catching up"
             )
         if not 1 <= request.group_size <= MAX_STAGE_GROUP or len(request.members) > MAX_STAGE_GROUP:
             raise StageStepError(f"group_size and members must be at most {MAX_STAGE_GROUP}")

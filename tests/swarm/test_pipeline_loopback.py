@@ -321,7 +321,7 @@ def test_a_new_server_joins_the_thin_stage_and_a_server_moves_to_relieve_it(arun
             stats = mover.server.statistics()
             assert stats.num_moves == 1 and stats.loaded_version is not None
 
-            config = PipelineConfig(num_stages=2, refresh_seconds=0.2, seed=1)
+            config = PipelineConfig(num_stages=2, refresh_seconds=0.2, seed=1, synchronous=False)
             client = PipelineClient(await swarm.node(), config)
             for seed in range(40):  # it receives traffic (the others too)
                 x, y = _data(4, seed)

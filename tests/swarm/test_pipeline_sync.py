@@ -4,6 +4,7 @@ exactly like one process doing the same gradient accumulation."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -26,6 +27,8 @@ from swarm.pipeline import (
     PipelineConfig,
     PipelineModel,
     ReplicaConfig,
+    StageBehind,
+    StageServer,
     StageServerConfig,
     StageUnavailable,
 )
@@ -292,5 +295,55 @@ def test_a_synchronous_step_is_clipped_whatever_a_caller_sends(arun: Run) -> Non
                 torch.cat([(after[k] - before[k]).flatten() for k in before])
             )
             assert 0 < moved <= LR * 1.0 + 1e-6
+
+    arun(main())
+
+
+def _fall_behind(server: StageServer) -> None:
+    """As if it had loaded the state just before the last step: one step, old values."""
+    sync = server._sync
+    assert sync is not None
+    sync.step -= 1
+    with torch.no_grad():
+        for p in sync.params.values():
+            p.add_(1.0)
+
+
+def test_a_server_behind_its_stage_refuses_calls_and_catches_up(arun: Run) -> None:
+    """A server that missed a step (here: one made to look like it downloaded the state
+    just before the last step, with older parameters) would compute on old parameters:
+    it refuses every call naming the stage's step, the client reroutes to the stage's
+    other server and leaves it out of the step, and it loads the stage's state."""
+
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            hosted = [await swarm.serve(_config(stage)) for stage in (0, 1, 1, 2)]
+            client = PipelineClient(await swarm.node(), _client_config())
+            await client.refresh()
+            local = MODEL.build_local()
+            optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
+            late = hosted[2].server
+            for step in range(6):
+                if step == 2:
+                    assert late._sync is not None and late.worker is not None
+                    await late.worker.exclusive(lambda: _fall_behind(late))
+                batches = [_batch(step, i) for i in range(MICRO_BATCHES)]
+                await client.train(batches, _loss)
+                for x, y in batches:
+                    (_loss(local(x), y) * x.shape[0] / (MICRO_BATCH * MICRO_BATCHES)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            sync = late._sync
+            assert sync is not None
+            # the client reroutes its calls while it is banned; the next that names a
+            # later step (here, one made directly) has it load the stage again
+            with pytest.raises(StageBehind):
+                sync.check_step(6)
+            for _ in range(100):  # bounded: 10 s
+                if sync.step == 6:
+                    break
+                await asyncio.sleep(0.1)
+            assert sync.step == 6
+            await _assert_stages_are(local, hosted)  # and equal to the others, bit for bit
 
     arun(main())
