@@ -481,7 +481,7 @@ class PipelineClient:
 
         async def ask(location: ExpertLocation, members: list[bytes]) -> _Answer:
             learn_addresses(self.peer, location)
-            request = StepRequest(location.uid, step, len(members), end, attempt, members)
+            request = StepRequest(location.uid, step, len(members), end, attempt, members=members)
             try:
                 return await self.peer.call_unary(
                     location.peer_id, STEP_PROTOCOL, request, StepResponse, timeout=timeout

@@ -26,14 +26,15 @@ import functools
 import logging
 import math
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from peers.dht import DHT
+from peers.errors import PeersError
 from peers.rpc import CallContext
-from swarm.experts.announce import Announcement, find_experts
+from swarm.experts.announce import Announcement, ExpertLocation, find_experts
 from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM, ModuleBackend, check_clip_grad_norm
-from swarm.experts.calls import call_info
+from swarm.experts.calls import call_info, learn_addresses
 from swarm.experts.schema import MAX_BATCH_SIZE
 from swarm.experts.server import ExpertServer, ServerStatistics
 from swarm.experts.server_config import ServerConfig
@@ -215,6 +216,8 @@ class StageServer:
             if any(
                 a.location.peer_id != self.peer.peer_id for a in listed
             ):  # joining a served stage: start from where its replicas are
+                if sync is not None:
+                    await self._ask_to_share(uid, listed)
                 loaded = await replica.load_from_peers()
                 if sync is not None and loaded is not None:
                     sync.start_at(loaded.metadata.get("step"))
@@ -266,6 +269,8 @@ class StageServer:
             worker = self.worker
             if worker is None:
                 return
+            uid = replica.backend.uid
+            await self._ask_to_share(uid, (await find_experts(self.dht, [uid]))[uid])
             loaded = await replica.load_from_peers(worker)
             if loaded is not None:
                 await worker.exclusive(
@@ -275,6 +280,25 @@ class StageServer:
             if sync.step >= sync.seen:
                 return
             await asyncio.sleep(CATCH_UP_RETRY_SECONDS)
+
+    async def _ask_to_share(self, uid: str, listed: Sequence[Announcement]) -> None:
+        """Ask the stage's other servers to share their state as of their step now (a
+        synchronous server shares on request, not after every step); failures are
+        theirs to have, the download picks among those that did."""
+        others = [a.location for a in listed if a.location.peer_id != self.peer.peer_id]
+        request = StepRequest(uid, -1, end=False, share=True)
+        timeout = self.config.probe_timeout + self.config.replicas.load_timeout / 4
+
+        async def ask(location: ExpertLocation) -> None:
+            learn_addresses(self.peer, location)
+            try:
+                await self.peer.call_unary(
+                    location.peer_id, STEP_PROTOCOL, request, StepResponse, timeout=timeout
+                )
+            except (PeersError, TimeoutError, OSError) as e:
+                logger.info("%s at %s did not share: %r", uid, location.peer_id, e)
+
+        await asyncio.gather(*(ask(location) for location in others[:MAX_CONCURRENT_PROBES]))
 
     async def rpc_step(self, request: StepRequest, context: CallContext) -> StepResponse:
         """End (or report) a synchronous stage's step: :meth:`SyncStage.end_step`."""

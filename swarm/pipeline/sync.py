@@ -51,9 +51,6 @@ STEP_PROTOCOL = "/swarmtrain/pipeline/step/1.0.0"
 
 #: Most servers of one stage that a step request may ask to sum their gradients.
 MAX_STAGE_GROUP = 64
-#: Shares one background task makes before it ends (steps faster than shares: the next
-#: step starts another).
-MAX_SHARES_IN_A_ROW = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +65,9 @@ class StepRequest:
     """False: only answer how many steps this server has taken."""
     attempt: int = 0
     """Retries of this step (each a round of its own)."""
+    share: bool = False
+    """Before answering, share the state as it is now, with its step (a newcomer or a
+    server behind the stage is about to download it)."""
     members: list[bytes] = field(default_factory=list)
     """The servers of the stage asked (peer IDs): the step is taken only if the round's
     group is exactly them, so no server's gradients are left out unnoticed. Empty: any
@@ -148,19 +148,18 @@ class SyncStage:
     ) -> None:
         """``averager`` averages ``buffers`` (a float32 CPU tensor per parameter of the
         backend's module, by name), and nothing else while this stage uses it.
-        ``on_step(worker, steps)`` runs in the background after each step (sharing the
-        new state: ``steps()`` read while the module is held is the step count its
-        parameters are at); its failure is logged. ``catch_up()`` runs when a call shows
-        this server behind the stage: it loads the stage's state (then
-        :meth:`caught_up`)."""
+        ``on_step(worker, steps)`` shares the state when a request asks (``steps()``
+        read while the module is held is the step count its parameters are at).
+        ``catch_up()`` runs when a call shows this server behind the stage: it loads
+        the stage's state (then :meth:`caught_up`)."""
         self._on_step = on_step
         self._catch_up = catch_up
         self._catching: asyncio.Future[None] | None = None
         self.seen = step
         """The latest step a caller named: a server behind loads the state until it is
         there."""
-        self._sharing: asyncio.Task[None] | None = None
-        self._share_again = False
+        self._share_lock = asyncio.Lock()
+        self._shared = -1  # the step last shared
         if backend.step_on_backward:
             raise ValueError("a synchronous stage's backend must not step on backward")
         if backend.clip_grad_norm != clip_grad_norm:
@@ -227,7 +226,7 @@ class SyncStage:
 
     def close(self) -> None:
         """Stop a step or a share under way (the server stops serving the stage)."""
-        for task in (self._ending, self._sharing, self._catching):
+        for task in (self._ending, self._catching):
             if task is not None:
                 task.cancel()
 
@@ -235,6 +234,8 @@ class SyncStage:
         """Answer ``request`` (see :class:`StepRequest`): end the step it names if it is
         this server's current one. Raises StageStepError if it names a later step, or
         if the round found no group or was not agreed (nothing stepped)."""
+        if request.share:
+            await self._share_now(worker)
         if not request.end or request.step < self.step:
             return self._last
         if request.step > self.step:
@@ -267,30 +268,22 @@ class SyncStage:
         await worker.exclusive(self._apply)  # counts the step
         self._samples_before += samples
         self._last = StepResponse(self.step, samples, group)
-        self._share(worker)
         return self._last
 
-    def _share(self, worker: ModuleWorker) -> None:
-        """Run ``on_step`` in the background; once more after it if a step came meanwhile
-        (a newcomer gets the latest state, and no step waits for a share)."""
+    async def _share_now(self, worker: ModuleWorker) -> None:
+        """``on_step`` for the current step, unless it was shared already (one share at
+        a time: a request during another waits for it, then shares if still behind)."""
         if self._on_step is None:
             return
-        if self._sharing is not None and not self._sharing.done():
-            self._share_again = True
-            return
-        on_step = self._on_step
-
-        async def share() -> None:
-            for _ in range(MAX_SHARES_IN_A_ROW):
-                self._share_again = False
-                try:
-                    await on_step(worker, self.steps)
-                except (PeersError, TimeoutError, ValueError) as e:
-                    logger.warning("%s: sharing step %d: %r", self.backend.uid, self.step, e)
-                if not self._share_again:
-                    return
-
-        self._sharing = asyncio.ensure_future(share())
+        async with self._share_lock:
+            if self._shared == self.step:
+                return
+            step = self.step
+            try:
+                await self._on_step(worker, self.steps)
+            except (PeersError, TimeoutError, ValueError) as e:
+                raise StageStepError(f"{self.backend.uid}: sharing step {step}: {e!r}") from e
+            self._shared = step
 
     async def _sum(self, request: StepRequest) -> AveragingStep:
         key = f"{request.step}.{request.attempt}"
