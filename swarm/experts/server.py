@@ -131,9 +131,10 @@ class ExpertServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._num_announcements = 0
         self._num_refused_trainings = 0
-        self.step_guard: Callable[[str, int], None] | None = None
-        """Called with a request's uid and step (when it names one) before it is queued;
-        raises to refuse it (a synchronous pipeline stage at another step)."""
+        self.step_guard: Callable[[str, int, str], None] | None = None
+        """Called with a request's uid, step (-1: none named) and kind (``forward``,
+        ``backward``) before it is queued; raises to refuse it (a synchronous pipeline
+        stage at another step)."""
         # hosted uids only: a request names one before it is timed
         self._latency: dict[tuple[str, str], LatencyHistogram] = {}
 
@@ -204,7 +205,7 @@ class ExpertServer:
 
     async def rpc_forward(self, request: ForwardRequest, context: CallContext) -> ForwardResponse:
         worker = self._worker(request.uid)
-        self._check_step(request.uid, request.step)
+        self._check_step(request.uid, request.step, "forward")
         info = worker.backend.info
         codec = _codec(request.reply_codec)
         inputs, batch = _decode(
@@ -233,7 +234,7 @@ class ExpertServer:
                 f"gradients of its allowed trainers, and {caller} is not one of them; "
                 "forward calls are open to you"
             )
-        self._check_step(request.uid, request.step)
+        self._check_step(request.uid, request.step, "backward")
         info = worker.backend.info
         codec = _codec(request.reply_codec)
         what = f"backward {info.uid}"
@@ -252,9 +253,9 @@ class ExpertServer:
             )
         return BackwardResponse([None if g is None else encode(g, codec) for g in grad_inputs])
 
-    def _check_step(self, uid: str, step: int) -> None:
-        if step >= 0 and self.step_guard is not None:
-            self.step_guard(uid, step)
+    def _check_step(self, uid: str, step: int, kind: str) -> None:
+        if self.step_guard is not None:
+            self.step_guard(uid, step, kind)
 
     # --- announcing ----------------------------------------------------------------
 

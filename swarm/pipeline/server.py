@@ -225,7 +225,7 @@ class StageServer:
             server_config = self.config.server
             server = ExpertServer(self.peer, [backend], server_config, dht=self.dht)
             if sync is not None:  # calls for another step than the stage's are refused
-                server.step_guard = lambda _uid, step: sync.check_step(step)
+                server.step_guard = lambda _uid, step, kind: sync.check_step(step, kind)
             async with server:
                 self.stage, self._server, self._replica = stage, server, replica
                 self._sync = sync

@@ -188,12 +188,22 @@ class SyncStage:
         else:
             logger.warning("%s: downloaded state names step %r: ignored", self.backend.uid, step)
 
-    def check_step(self, step: int) -> None:
+    def check_step(self, step: int, kind: str = "forward") -> None:
         """Refuse a forward or backward computed for another step than this stage's
         (StageStepError): a server behind the stage (it missed a step, or downloaded
         the state just before one) would compute on old parameters, and it starts to
-        catch up (``catch_up``); a client behind is told so."""
+        catch up (``catch_up``); a client behind is told so. A call naming no step
+        (``-1``) is an asynchronous client's: its forwards are served (inference), its
+        backward refused, since nobody would ever step on its gradients."""
         if step == self.step:
+            return
+        if step < 0:
+            if kind == "backward":
+                raise StageStepError(
+                    f"{self.backend.uid} is a synchronous stage: a backward must name the "
+                    "client's step (PipelineConfig(synchronous=True)); an asynchronous "
+                    "client's gradients would accumulate here and never be stepped"
+                )
             return
         if step > self.step:
             self._start_catching_up(step)

@@ -28,6 +28,7 @@ from swarm.pipeline import (
     PipelineModel,
     ReplicaConfig,
     StageBehind,
+    StageFailed,
     StageServer,
     StageServerConfig,
     StageUnavailable,
@@ -287,7 +288,7 @@ def test_a_synchronous_step_is_clipped_whatever_a_caller_sends(arun: Run) -> Non
             (location,) = (await find_experts(client.dht, ["stage.2"]))["stage.2"]
             huge = torch.full((4, 4), 1e6)
             await call_backward(
-                client.peer, location.location, [x], [huge], config=ExpertCallConfig()
+                client.peer, location.location, [x], [huge], config=ExpertCallConfig(), step=0
             )
             assert await client.end_step() == 1
             after = await state_of(hosted[2])
@@ -345,5 +346,22 @@ def test_a_server_behind_its_stage_refuses_calls_and_catches_up(arun: Run) -> No
                 await asyncio.sleep(0.1)
             assert sync.step == 6
             await _assert_stages_are(local, hosted)  # and equal to the others, bit for bit
+
+    arun(main())
+
+
+def test_an_asynchronous_client_may_infer_but_not_train_on_synchronous_stages(arun: Run) -> None:
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            for stage in range(3):
+                await swarm.serve(_config(stage))
+            config = dataclasses.replace(_client_config(), synchronous=False, max_attempts=1)
+            client = PipelineClient(await swarm.node(), config)
+            await client.refresh()
+            x, y = _batch(0, 0)
+            outputs, _ = await client.forward([x])  # inference names no step: served
+            assert outputs[0].shape == (MICRO_BATCH, 4)
+            with pytest.raises(StageFailed, match="a backward must name the client's step"):
+                await client.train_micro_batch(x, y, _loss)
 
     arun(main())
