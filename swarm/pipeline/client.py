@@ -163,6 +163,8 @@ class PipelineClient:
         # synchronous: per stage, per server, the backward passes it served in the step
         # (the stage's inputs and output gradients): redone elsewhere if it dies
         self._served: list[dict[PeerID, list[_Served]]] = [{} for _ in range(config.num_stages)]
+        # ... and where those servers are: each is asked to the step, banned or not
+        self._served_at: list[dict[PeerID, ExpertLocation]] = [{} for _ in range(config.num_stages)]
 
     async def refresh(self) -> None:
         """Re-read every stage's servers from the DHT now."""
@@ -305,6 +307,7 @@ class PipelineClient:
         )
         if self.config.synchronous:  # what it holds for the step, should it die before
             self._served[stage].setdefault(location.peer_id, []).append((done.inputs, grads))
+            self._served_at[stage][location.peer_id] = location
         return got
 
     async def backward(
@@ -385,7 +388,7 @@ class PipelineClient:
         for attempt in range(MAX_STEP_ATTEMPTS):
             await self.refresh()
             now = time.monotonic()
-            servers = {stage: self.wirings[stage].live(now) for stage in left}
+            servers = {stage: self._holders(stage, now) for stage in left}
             for stage, listed in servers.items():
                 if not listed:
                     raise StageUnavailable(f"stage {stage} has no live server to step", stage)
@@ -419,11 +422,21 @@ class PipelineClient:
                 f"step {step}: stages {sorted(left)} could not step in {MAX_STEP_ATTEMPTS} "
                 f"attempts; last: " + "; ".join(errors[:6])
             )
-        for served in self._served:
+        for served, where in zip(self._served, self._served_at, strict=True):
             served.clear()
+            where.clear()
         self._step = step + 1
         self._counters["steps"] += 1
         return self._step
+
+    def _holders(self, stage: int, now: float) -> list[ExpertLocation]:
+        """Who is asked to end ``stage``'s step: its live servers, and every server that
+        served one of the step's backward passes even if the wiring has banned it since
+        (slow, busy): it holds gradients of the step, which must be in the round."""
+        listed = {location.peer_id: location for location in self.wirings[stage].live(now)}
+        for peer_id, location in self._served_at[stage].items():
+            listed.setdefault(peer_id, location)
+        return list(listed.values())
 
     def _call_step(self) -> int:
         """The step a synchronous stage call names (-1: none)."""
@@ -462,6 +475,7 @@ class PipelineClient:
         for peer_id in gone:
             wiring.on_failure(peer_id, 0, now, busy=False)  # banned: not asked again
         for peer_id in gone:
+            self._served_at[stage].pop(peer_id, None)
             for inputs, grads in self._served[stage].pop(peer_id, []):
                 self._counters["redone_backwards"] += 1
                 await self._backward_stage(stage, StageCall(None, inputs, 0), grads)

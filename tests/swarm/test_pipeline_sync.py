@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -67,12 +68,12 @@ def _config(
 def _client_config(num_stages: int = 3) -> PipelineConfig:
     return PipelineConfig(
         num_stages=num_stages,
-        calls=ExpertCallConfig(forward_timeout=10.0, backward_timeout=10.0),
+        calls=ExpertCallConfig(forward_timeout=30.0, backward_timeout=30.0),
         refresh_seconds=0.2,
         server_wait_timeout=1.0,
         seed=0,
         synchronous=True,
-        step_timeout=20.0,
+        step_timeout=60.0,
     )
 
 
@@ -363,5 +364,36 @@ def test_an_asynchronous_client_may_infer_but_not_train_on_synchronous_stages(ar
             assert outputs[0].shape == (MICRO_BATCH, 4)
             with pytest.raises(StageFailed, match="a backward must name the client's step"):
                 await client.train_micro_batch(x, y, _loss)
+
+    arun(main())
+
+
+def test_a_server_banned_for_slowness_still_steps_with_the_gradients_it_holds(arun: Run) -> None:
+    """The wiring bans a server that failed a call (slow, busy) for a while; if it served
+    backward passes of the step before that, its gradients are part of the step: it is
+    asked to the step's round all the same."""
+
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            hosted = [await swarm.serve(_config(stage)) for stage in range(3) for _ in range(2)]
+            client = PipelineClient(await swarm.node(), _client_config())
+            await client.refresh()
+            local = MODEL.build_local()
+            optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
+            total = MICRO_BATCH * MICRO_BATCHES
+            for step in range(2):
+                batches = [_batch(step, i) for i in range(MICRO_BATCHES)]
+                for x, y in batches:
+                    await client.train_micro_batch(x, y, _loss, x.shape[0] / total)
+                    (_loss(local(x), y) * x.shape[0] / total).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step == 1:  # (banned, a server with no part in a step sits it out)
+                    busiest = max(hosted[2:4], key=_backward_samples)
+                    peer_id = busiest.server.peer.peer_id
+                    client.wirings[1].on_failure(peer_id, 0, time.monotonic(), busy=False)
+                    assert client.wirings[1].is_banned(peer_id, time.monotonic())
+                assert await client.end_step() == step + 1
+            await _assert_stages_are(local, hosted)
 
     arun(main())

@@ -95,7 +95,7 @@ def test_a_bottlenecked_transformer_trains_with_8_bit_activations_and_refuses_ba
             for stage in range(3):
                 await swarm.serve(_config(stage, model))
             calls = ExpertCallConfig(
-                forward_timeout=10.0, backward_timeout=10.0, codec="blockwise8"
+                forward_timeout=30.0, backward_timeout=30.0, codec="blockwise8"
             )
             client = PipelineClient(
                 await swarm.node(),
