@@ -100,6 +100,15 @@ async def _assert_stages_are(local: torch.nn.Sequential, hosted: list[Hosted]) -
             assert torch.allclose(states[0][name], value, atol=1e-5), (stage, name)
 
 
+async def _backward_passes(client: PipelineClient, local: torch.nn.Sequential, step: int) -> None:
+    """The step's micro-batches through the pipeline and the local model alike, each
+    loss weighted by its share of the batch; nobody steps."""
+    total = MICRO_BATCH * MICRO_BATCHES
+    for x, y in (_batch(step, i) for i in range(MICRO_BATCHES)):
+        await client.train_micro_batch(x, y, _loss, x.shape[0] / total)
+        (_loss(local(x), y) * x.shape[0] / total).backward()
+
+
 def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over every position (the transformer's logits are per position)."""
     return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
@@ -224,12 +233,8 @@ def test_a_server_lost_in_the_middle_of_a_step_has_its_part_redone_and_nothing_c
             await client.refresh()
             local = MODEL.build_local()
             optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
-            total = MICRO_BATCH * MICRO_BATCHES
             for step in range(3):
-                batches = [_batch(step, i) for i in range(MICRO_BATCHES)]
-                for x, y in batches:  # the step's backward passes, not yet ended
-                    await client.train_micro_batch(x, y, _loss, x.shape[0] / total)
-                    (_loss(local(x), y) * x.shape[0] / total).backward()
+                await _backward_passes(client, local, step)  # the step's, not yet ended
                 optimizer.step()
                 optimizer.zero_grad()
                 if step == 1:  # a server of stage 1 that holds some of the step goes
@@ -380,12 +385,8 @@ def test_a_server_banned_for_slowness_still_steps_with_the_gradients_it_holds(ar
             await client.refresh()
             local = MODEL.build_local()
             optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
-            total = MICRO_BATCH * MICRO_BATCHES
             for step in range(2):
-                batches = [_batch(step, i) for i in range(MICRO_BATCHES)]
-                for x, y in batches:
-                    await client.train_micro_batch(x, y, _loss, x.shape[0] / total)
-                    (_loss(local(x), y) * x.shape[0] / total).backward()
+                await _backward_passes(client, local, step)
                 optimizer.step()
                 optimizer.zero_grad()
                 if step == 1:  # (banned, a server with no part in a step sits it out)
