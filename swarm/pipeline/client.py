@@ -37,11 +37,11 @@ from peers.errors import PeersError, RemoteError
 from peers.identity import PeerID
 from peers.traffic import CallLatency, LatencyHistogram
 from swarm.experts.announce import ExpertLocation, find_experts
-from swarm.experts.calls import ExpertCallConfig, call_backward, call_forward, learn_addresses
+from swarm.experts.calls import ExpertCallConfig, call_backward, call_forward
 from swarm.experts.uids import check_name
 from swarm.pipeline.errors import StageFailed, StageStepError, StageUnavailable
 from swarm.pipeline.stages import MAX_STAGES
-from swarm.pipeline.sync import STEP_PROTOCOL, StepRequest, StepResponse
+from swarm.pipeline.sync import StepRequest, StepResponse, call_step
 from swarm.pipeline.wiring import ServerRecord, Wiring, WiringConfig
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _Answer = StepResponse | PeersError | TimeoutError | OSError
 #: A backward pass a server served: the stage's inputs and the outputs' gradients.
 _Served = tuple[list[torch.Tensor], list[torch.Tensor]]
+#: A server holding gradients of the step: where it is, and the passes it served.
+_Held = tuple[ExpertLocation, list[_Served]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,9 +164,7 @@ class PipelineClient:
         self._learn_lock = asyncio.Lock()  # one look at where the stages are at a time
         # synchronous: per stage, per server, the backward passes it served in the step
         # (the stage's inputs and output gradients): redone elsewhere if it dies
-        self._served: list[dict[PeerID, list[_Served]]] = [{} for _ in range(config.num_stages)]
-        # ... and where those servers are: each is asked to the step, banned or not
-        self._served_at: list[dict[PeerID, ExpertLocation]] = [{} for _ in range(config.num_stages)]
+        self._served: list[dict[PeerID, _Held]] = [{} for _ in range(config.num_stages)]
 
     async def refresh(self) -> None:
         """Re-read every stage's servers from the DHT now."""
@@ -306,8 +306,8 @@ class PipelineClient:
             stage, n, attempt, first=done.location, measure=False, direction="backward"
         )
         if self.config.synchronous:  # what it holds for the step, should it die before
-            self._served[stage].setdefault(location.peer_id, []).append((done.inputs, grads))
-            self._served_at[stage][location.peer_id] = location
+            held = self._served[stage].setdefault(location.peer_id, (location, []))
+            held[1].append((done.inputs, grads))
         return got
 
     async def backward(
@@ -422,9 +422,8 @@ class PipelineClient:
                 f"step {step}: stages {sorted(left)} could not step in {MAX_STEP_ATTEMPTS} "
                 f"attempts; last: " + "; ".join(errors[:6])
             )
-        for served, where in zip(self._served, self._served_at, strict=True):
+        for served in self._served:
             served.clear()
-            where.clear()
         self._step = step + 1
         self._counters["steps"] += 1
         return self._step
@@ -434,7 +433,7 @@ class PipelineClient:
         served one of the step's backward passes even if the wiring has banned it since
         (slow, busy): it holds gradients of the step, which must be in the round."""
         listed = {location.peer_id: location for location in self.wirings[stage].live(now)}
-        for peer_id, location in self._served_at[stage].items():
+        for peer_id, (location, _) in self._served[stage].items():
             listed.setdefault(peer_id, location)
         return list(listed.values())
 
@@ -475,8 +474,8 @@ class PipelineClient:
         for peer_id in gone:
             wiring.on_failure(peer_id, 0, now, busy=False)  # banned: not asked again
         for peer_id in gone:
-            self._served_at[stage].pop(peer_id, None)
-            for inputs, grads in self._served[stage].pop(peer_id, []):
+            _, passes = self._served[stage].pop(peer_id, (None, []))
+            for inputs, grads in passes:
                 self._counters["redone_backwards"] += 1
                 await self._backward_stage(stage, StageCall(None, inputs, 0), grads)
 
@@ -494,14 +493,8 @@ class PipelineClient:
         timeout = self.config.step_timeout
 
         async def ask(location: ExpertLocation, members: list[bytes]) -> _Answer:
-            learn_addresses(self.peer, location)
             request = StepRequest(location.uid, step, len(members), end, attempt, members=members)
-            try:
-                return await self.peer.call_unary(
-                    location.peer_id, STEP_PROTOCOL, request, StepResponse, timeout=timeout
-                )
-            except (PeersError, TimeoutError, OSError) as e:
-                return e
+            return await call_step(self.peer, location, request, timeout)
 
         asked = [
             (stage, location, [p.peer_id.to_bytes() for p in listed])

@@ -30,11 +30,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from peers.dht import DHT
-from peers.errors import PeersError
 from peers.rpc import CallContext
 from swarm.experts.announce import Announcement, ExpertLocation, find_experts
 from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM, ModuleBackend, check_clip_grad_norm
-from swarm.experts.calls import call_info, learn_addresses
+from swarm.experts.calls import call_info
 from swarm.experts.schema import MAX_BATCH_SIZE
 from swarm.experts.server import ExpertServer, ServerStatistics
 from swarm.experts.server_config import ServerConfig
@@ -45,7 +44,14 @@ from swarm.pipeline.errors import StageStepError
 from swarm.pipeline.rebalance import StageLoad, stage_to_join, stage_to_move
 from swarm.pipeline.replicas import ReplicaConfig, ReplicaStatistics, StageReplica
 from swarm.pipeline.stages import PipelineModel
-from swarm.pipeline.sync import STEP_PROTOCOL, StepRequest, StepResponse, SyncConfig, SyncStage
+from swarm.pipeline.sync import (
+    STEP_PROTOCOL,
+    StepRequest,
+    StepResponse,
+    SyncConfig,
+    SyncStage,
+    call_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -290,13 +296,9 @@ class StageServer:
         timeout = self.config.probe_timeout + self.config.replicas.load_timeout / 4
 
         async def ask(location: ExpertLocation) -> None:
-            learn_addresses(self.peer, location)
-            try:
-                await self.peer.call_unary(
-                    location.peer_id, STEP_PROTOCOL, request, StepResponse, timeout=timeout
-                )
-            except (PeersError, TimeoutError, OSError) as e:
-                logger.info("%s at %s did not share: %r", uid, location.peer_id, e)
+            answer = await call_step(self.peer, location, request, timeout)
+            if not isinstance(answer, StepResponse):
+                logger.info("%s at %s did not share: %r", uid, location.peer_id, answer)
 
         await asyncio.gather(*(ask(location) for location in others[:MAX_CONCURRENT_PROBES]))
 

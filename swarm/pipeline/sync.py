@@ -40,8 +40,11 @@ from averaging import (
     MatchmakingError,
 )
 from peers.errors import IdentityError, PeersError
+from peers.host import Peer
 from peers.identity import PeerID
+from swarm.experts.announce import ExpertLocation
 from swarm.experts.backend import ModuleBackend
+from swarm.experts.calls import learn_addresses
 from swarm.experts.worker import ModuleWorker
 from swarm.pipeline.errors import StageBehind, StageStepError
 
@@ -106,6 +109,20 @@ class SyncConfig:
     matchmaking: MatchmakingConfig = field(default_factory=_default_matchmaking)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     """Round timeouts, chunk size and codec (``none`` keeps replicas bitwise equal)."""
+
+
+async def call_step(
+    peer: Peer, location: ExpertLocation, request: StepRequest, timeout: float
+) -> StepResponse | PeersError | TimeoutError | OSError:
+    """``request`` to ``location``'s server: its answer, or why there is none (returned,
+    not raised: a step asks many servers at once and judges the answers together)."""
+    learn_addresses(peer, location)
+    try:
+        return await peer.call_unary(
+            location.peer_id, STEP_PROTOCOL, request, StepResponse, timeout=timeout
+        )
+    except (PeersError, TimeoutError, OSError) as e:
+        return e
 
 
 def _members(raw: list[bytes]) -> set[PeerID]:
