@@ -273,6 +273,7 @@ class SyncStage:
             )
         if not 1 <= request.group_size <= MAX_STAGE_GROUP or len(request.members) > MAX_STAGE_GROUP:
             raise StageStepError(f"group_size and members must be at most {MAX_STAGE_GROUP}")
+        _members(request.members)  # garbage is refused before it costs a round
         if self._ending is None:
             self._ending = asyncio.ensure_future(self._end(worker, request))
             self._ending.add_done_callback(self._ended)

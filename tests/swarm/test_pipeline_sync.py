@@ -398,3 +398,32 @@ def test_a_server_banned_for_slowness_still_steps_with_the_gradients_it_holds(ar
             await _assert_stages_are(local, hosted)
 
     arun(main())
+
+
+def test_garbage_step_requests_are_refused_and_the_server_keeps_serving(arun: Run) -> None:
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            hosted = [await swarm.serve(_config(stage)) for stage in range(3)]
+            client = PipelineClient(await swarm.node(), _client_config())
+            await client.refresh()
+            server = hosted[1].server.peer.peer_id
+
+            async def ask(request: StepRequest) -> StepResponse:
+                return await client.peer.call_unary(
+                    server, STEP_PROTOCOL, request, StepResponse, timeout=10.0
+                )
+
+            for request, says in (
+                (StepRequest("stage.1", 0, group_size=0), "group_size and members"),
+                (StepRequest("stage.1", 0, group_size=10**6), "group_size and members"),
+                (StepRequest("stage.1", 0, 2, members=[b"\\x00junk", b"x"]), "not peer IDs"),
+                (StepRequest("stage.1", 0, 2, members=[b"p"] * 100), "group_size and members"),
+                (StepRequest("x" * 10_000, 0), "does not serve"),
+            ):
+                with pytest.raises(RemoteError, match=says):
+                    await ask(request)
+            # nothing stepped, and the stages train and step as before
+            await client.train([_batch(0, 0)], _loss)
+            assert (await ask(StepRequest("stage.1", -1, end=False))).step == 1
+
+    arun(main())
