@@ -451,10 +451,14 @@ class GroupSearch:
 
     def _form(self) -> Formed | Failed:
         members = [self.me, *(h.member for h in self._held.values())]
+        # The size waited for is the size planned: a joiner expecting more peers than
+        # our own target (our view lagged) must not see the group it waited in cut in
+        # two under it, each half averaging alone.
+        size = self.config.target_group_size
+        if self.config.form_when_full:
+            size = max([size, *self._expected_sizes()])
         self._held.clear()
-        groups, left_over = plan_groups(
-            members, self.config.target_group_size, self.config.min_group_size
-        )
+        groups, left_over = plan_groups(members, size, self.config.min_group_size)
         if not groups:
             reason = (
                 f"only {len(members)} peer(s) joined by the deadline "
@@ -474,8 +478,7 @@ class GroupSearch:
                     self._answers.append((member.peer_id, Placed(group)))
         reason = (
             f"{len(members)} peers joined: {len(left_over)} left over after forming "
-            f"{len(groups)} group(s) of {self.config.min_group_size} to "
-            f"{self.config.target_group_size}"
+            f"{len(groups)} group(s) of {self.config.min_group_size} to {size}"
         )
         for member in left_over:
             self._answers.append((member.peer_id, Rejected(reason)))

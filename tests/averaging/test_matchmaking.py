@@ -405,6 +405,27 @@ def test_a_better_ranked_joiner_is_held_not_sent_to_itself() -> None:
     assert peer_id == better.peer_id and isinstance(answer, Placed) and len(answer.group) == 2
 
 
+def test_a_leader_expecting_fewer_forms_one_group_of_the_size_its_joiners_wait_for() -> None:
+    # The collaborative optimizer sets each peer's target to the peers it expects in the
+    # round. A leader whose view lagged expects 3 of 5; its joiners expect all 5, so it
+    # waits for them, and must then place them in one group: two groups would be two
+    # rounds, each averaging alone, and the swarm would split.
+    config = replace(CONFIG, target_group_size=3, form_when_full=True)
+    ids = sorted(_ids(5), key=lambda p: rank("key", p))
+    leader, *joiners = (_member(p) for p in ids)
+    search = GroupSearch(key="key", me=leader, config=config, now=0.0, timeout=10.0)
+    search.on_declarations([m.candidate() for m in joiners], 0.0)
+    for i, joiner in enumerate(joiners[:2]):
+        assert search.on_join(joiner, 0.1 + i / 10, 8.0, expected_size=5) is None
+    assert not isinstance(search.next_action(0.5), Formed)  # 3 joined, 5 are expected
+    for i, joiner in enumerate(joiners[2:]):
+        assert search.on_join(joiner, 0.6 + i / 10, 8.0, expected_size=5) is None
+    formed = search.next_action(0.8)
+    assert isinstance(formed, Formed) and len(formed.group) == 5
+    answers = search.take_answers()
+    assert len(answers) == 4 and all(a == Placed(formed.group) for _, a in answers)
+
+
 def test_keys_are_checked() -> None:
     check_key("a/normal-key.round-3")
     for bad in ("", "x" * 300, "[owner:12D3KooW]"):
