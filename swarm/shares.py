@@ -75,11 +75,19 @@ def my_slot(order: list[PeerID], me: PeerID, step: int, global_batch: int) -> Sl
 
 
 def takeover_slots(
-    order: list[PeerID], me: PeerID, delivered: Collection[PeerID], step: int, global_batch: int
+    order: list[PeerID],
+    me: PeerID,
+    delivered: Collection[PeerID],
+    step: int,
+    global_batch: int,
+    *,
+    every_one: bool = False,
 ) -> dict[PeerID, Slot]:
     """The slots ``me`` fills for members that delivered nothing to the step, by member:
-    each such slot goes to the nearest member before it (cyclically) that did deliver.
-    ``me`` is taken to have delivered."""
+    each such slot goes to the nearest member before it (cyclically) that did deliver;
+    with ``every_one``, each is ``me``'s (the last resort when a member the rule chose
+    left it unfilled: it dealt the step among other members). ``me`` is taken to have
+    delivered."""
     if me not in order:
         return {}
     n = len(order)
@@ -91,7 +99,7 @@ def takeover_slots(
         before = index - 1
         while order[before % n] not in done:
             before -= 1
-        if order[before % n] == me:
+        if every_one or order[before % n] == me:
             mine[peer] = slot_of(index, n, step, global_batch)
     return mine
 

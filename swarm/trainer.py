@@ -380,7 +380,9 @@ class _Dealer:
     done and the swarm has not stepped within ``max_wait_seconds``, the slots it is to
     fill for members that delivered nothing and stopped publishing (a dead peer; after
     ``slow_peer_seconds``, any that delivered nothing; at once, one that used up that
-    patience before and has delivered nothing since); then nothing (``None``: wait).
+    patience before and has delivered nothing since): each such slot is filled by one
+    member, the nearest before it in the epoch's order that delivered; past twice the
+    patience with the batch still short, by this peer; then nothing (``None``: wait).
     DiLoCo mode: its slot of global step ``epoch * inner_steps + inner_step`` each local
     step."""
 
@@ -420,23 +422,32 @@ class _Dealer:
         elif not self._pending:
             now = self._clock()
             self._done_at = self._done_at or now
+            waited = now - self._done_at
             delivered = opt.delivered()
             self._slow -= delivered  # it delivered (again): patience, as for anyone
             delivered |= self._taken
-            if now - self._done_at < self._patience:
+            if waited < self._patience:
                 # a member still publishing is slow, not gone: its slot stays its own
                 delivered |= opt.working(within=LIVE_RECORD_SECONDS) - self._slow
             else:
                 self._slow |= set(self._order) - delivered
-            taken = takeover_slots(self._order, self._me, delivered, opt.epoch, target)
+            # Peers deal an epoch among the members each of them sees, and views differ
+            # (a record read late, or expired on a loaded machine): a member that dealt
+            # among fewer never fills a slot our view left to it, and the batch would
+            # stay short forever. Past twice the patience, every unfilled slot is ours.
+            last_resort = waited >= 2 * self._patience
+            taken = takeover_slots(
+                self._order, self._me, delivered, opt.epoch, target, every_one=last_resort
+            )
             for peer, slot in taken.items():
                 self._pending += self._pieces(slot)
                 self._taken.add(peer)
             if taken:
                 logger.info(
-                    "epoch %d: taking the slots of %d peers that delivered nothing in time",
+                    "epoch %d: taking the slots of %d peers that delivered nothing in time%s",
                     opt.epoch,
                     len(taken),
+                    f" (the batch still short {waited:.0f} s after ours)" if last_resort else "",
                 )
         return self._pending.pop(0) if self._pending else None
 

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 from peers import KeyPair, PeerID
 from swarm.collaborative.machine import GradientPolicy, StepMachine
 from swarm.collaborative.progress import PeerProgress
-from swarm.shares import Slot, my_slot, share_order
+from swarm.shares import Slot, my_slot, share_order, slot_of
 from swarm.trainer import RunPlan, _Dealer
 
 TARGET = 64
 PATIENCE = 5.0
 T0 = 1000.0
-ME, RIDER = (KeyPair.from_seed(bytes([i]) * 32).peer_id for i in (1, 2))
+ME, RIDER, OTHER = (KeyPair.from_seed(bytes([i]) * 32).peer_id for i in (1, 2, 3))
 
 
 class _Optimizer:
@@ -128,3 +128,31 @@ def test_a_slow_member_that_adds_samples_again_gets_patience_again() -> None:
     assert dealer.next_slot() is None
     clock.now += 0.2
     assert dealer.next_slot() == _slot_of(RIDER, 2)
+
+
+def test_a_slot_left_to_a_member_that_dealt_among_fewer_is_ours_after_twice_the_patience() -> None:
+    # Three members in our view; the rider's slot goes, by the rule, to the member before
+    # it in the order, OTHER. But OTHER dealt the epoch among two (the rider's record
+    # had expired in its view), so it never fills that slot, and the batch stays short.
+    # Find an epoch whose order puts OTHER right before the rider.
+    epoch = next(
+        e
+        for e in range(100)
+        if (order := share_order([ME, RIDER, OTHER], "run", e)).index(RIDER)
+        == (order.index(OTHER) + 1) % 3
+    )
+    order = share_order([ME, RIDER, OTHER], "run", epoch)
+    opt, clock = _Optimizer(), _Clock()
+    opt.machine.epoch = epoch
+    dealer = _dealer(opt, clock)
+    opt.record(RIDER, epoch=epoch)
+    opt.record(OTHER, epoch=epoch, samples=32)  # its slot of two
+    mine = dealer.next_slot()
+    assert mine == my_slot(order, ME, epoch, TARGET)
+    _train(opt, mine)
+    assert dealer.next_slot() is None
+    clock.now += PATIENCE + 0.1
+    assert dealer.next_slot() is None  # the rider's slot is OTHER's to fill
+    clock.now += PATIENCE
+    assert dealer.next_slot() == slot_of(order.index(RIDER), 3, epoch, TARGET)
+    assert dealer.next_slot() is None  # taken once
