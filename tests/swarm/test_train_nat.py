@@ -56,7 +56,7 @@ def test_four_laptops_behind_nat_join_as_told_and_train_the_single_process_model
     for out in outputs:
         assert f"done: {STEPS} epochs, {BATCH * STEPS:,} global samples" in out, out
     for err in [err_first, *(err for _, err in results)]:
-        assert "the swarm split" not in err, err
+        assert " split; following the majority" not in err, err  # mid-run or the last epoch
     metrics = [re.search(r"test metrics: loss (\S+), accuracy (\S+)", out) for out in outputs]
     assert all(m is not None for m in metrics), outputs
     # One model: gradient averaging gives every peer the same parameters.
