@@ -268,15 +268,31 @@ class StageServer:
             sync.close()
 
     async def _catch_up(self, replica: StageReplica, sync: SyncStage) -> None:
-        """This server fell behind its stage: load the stage's newest state (held), again
-        while callers name a later step than the one loaded (the stage's servers share
-        theirs after each step, in the background), a bounded number of times."""
+        """A caller named a later step than this server's: if the stage's other servers
+        confirm one, load the stage's newest state (held), again while they are past the
+        one loaded, a bounded number of times. A step nobody else has taken is a
+        caller's mistake or a lie, and downloads nothing: one call naming a far step
+        would otherwise cost this server and every other of the stage a state transfer
+        (the others serialize theirs to share it), over and over."""
+        uid = replica.backend.uid
         for _ in range(MAX_CATCH_UP_LOADS):
             worker = self.worker
             if worker is None:
                 return
-            uid = replica.backend.uid
-            await self._ask_to_share(uid, (await find_experts(self.dht, [uid]))[uid])
+            listed = (await find_experts(self.dht, [uid]))[uid]
+            ahead = await self._step_of_others(uid, listed)
+            if ahead <= sync.step:
+                logger.info(
+                    "%s: a caller named step %d, the stage's other servers are at most at "
+                    "%d: nothing to load",
+                    uid,
+                    sync.seen,
+                    ahead,
+                )
+                sync.seen = sync.step
+                return
+            sync.seen = ahead
+            await self._ask_to_share(uid, listed)
             loaded = await replica.load_from_peers(worker)
             if loaded is not None:
                 await worker.exclusive(
@@ -286,6 +302,18 @@ class StageServer:
             if sync.step >= sync.seen:
                 return
             await asyncio.sleep(CATCH_UP_RETRY_SECONDS)
+
+    async def _step_of_others(self, uid: str, listed: Sequence[Announcement]) -> int:
+        """The latest step the stage's other servers say they are at (-1: none answers)."""
+        others = [a.location for a in listed if a.location.peer_id != self.peer.peer_id]
+        request = StepRequest(uid, -1, end=False)
+        answers = await asyncio.gather(
+            *(
+                call_step(self.peer, location, request, self.config.probe_timeout)
+                for location in others[:MAX_CONCURRENT_PROBES]
+            )
+        )
+        return max((a.step for a in answers if isinstance(a, StepResponse)), default=-1)
 
     async def _ask_to_share(self, uid: str, listed: Sequence[Announcement]) -> None:
         """Ask the stage's other servers to share their state as of their step now (a

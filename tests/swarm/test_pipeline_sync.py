@@ -356,6 +356,55 @@ def test_a_server_behind_its_stage_refuses_calls_and_catches_up(arun: Run) -> No
     arun(main())
 
 
+def test_a_caller_naming_a_far_step_downloads_nothing_unless_the_stage_is_there(
+    arun: Run,
+) -> None:
+    """A call naming a later step than the server's makes it catch up, but only to a step
+    the stage's other servers say they took: a hostile caller naming step 10**9 would
+    otherwise have it download the stage's state (and the others share theirs) again and
+    again."""
+
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            hosted = [await swarm.serve(_config(stage)) for stage in (0, 1, 1, 2)]
+            client = PipelineClient(await swarm.node(), _client_config())
+            await client.refresh()
+            await client.train([_batch(0, i) for i in range(2)], _loss)  # step 0 ended
+            target, other = hosted[1].server, hosted[2].server
+            sync = target._sync
+            assert sync is not None and sync.step == 1
+            assert target.statistics().loaded_version is None  # the stage's first server
+
+            def shared() -> int:
+                replica = other.statistics().replica
+                assert replica is not None
+                return replica.num_shared
+
+            shares_before = shared()
+            with pytest.raises(RemoteError, match="asked to end step 1000000"):
+                await client.peer.call_unary(
+                    target.peer.peer_id,
+                    STEP_PROTOCOL,
+                    StepRequest("stage.1", 10**6),
+                    StepResponse,
+                    timeout=10.0,
+                )
+            for _ in range(3):
+                with pytest.raises(StageBehind):
+                    sync.check_step(10**9)
+                catching = sync._catching
+                assert catching is not None
+                await asyncio.wait_for(asyncio.shield(catching), 10.0)
+            assert target.statistics().loaded_version is None  # nothing downloaded
+            assert shared() == shares_before  # nor asked of the other server
+            assert (sync.step, sync.seen) == (1, 1)
+            # it serves and steps as before
+            await client.train([_batch(1, i) for i in range(2)], _loss)
+            assert sync.step == 2
+
+    arun(main())
+
+
 def test_an_asynchronous_client_may_infer_but_not_train_on_synchronous_stages(arun: Run) -> None:
     async def main() -> None:
         async with local_swarm() as swarm:
