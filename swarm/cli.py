@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -993,6 +994,36 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: The environment variable that sets what ``swarm`` logs: ``warning`` (the default:
+#: warnings and errors, one line each), ``info`` (also what each layer decides: rounds,
+#: relays, hole punches, slots taken over) or ``debug``.
+LOG_LEVEL_ENV = "SWARM_LOG_LEVEL"
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+
+
+def log_level() -> int:
+    """The level :data:`LOG_LEVEL_ENV` names (UsageError for another word)."""
+    raw = os.environ.get(LOG_LEVEL_ENV, "warning")
+    level = _LOG_LEVELS.get(raw.strip().lower())
+    if level is None:
+        raise UsageError(f"{LOG_LEVEL_ENV}={raw[:40]!r}: give one of {', '.join(_LOG_LEVELS)}")
+    return level
+
+
+def _start_logging() -> None:
+    level = log_level()
+    if level >= logging.WARNING:
+        logging.basicConfig(level=level, format="warning: %(message)s")
+        return
+    # A log to read after the fact: when, how bad, and which layer said it. Only our own
+    # packages go below warning (a dependency's debug lines would bury ours).
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for package in ("peers", "averaging", "swarm"):
+        logging.getLogger(package).setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command ``argv`` names; returns its exit code: 0, 1 for a failure while
     it ran, 2 for a bad command line (one line on stderr, before anything else), 130
@@ -1013,7 +1044,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UsageError as e:
             return exit_usage(e, name)
     args = build_parser(() if name is None else (name,)).parse_args(words)
-    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    try:
+        _start_logging()
+    except UsageError as e:
+        return exit_usage(e, args.command)
     try:
         return COMMANDS[args.command].run(args)
     except UsageError as e:

@@ -290,3 +290,43 @@ def test_a_bad_run_key_exits_2_before_anything_starts(tmp_path: Path) -> None:
     _assert_usage_error(
         run_cli(*join, "--trust-run-key", "nope"), "--trust-run-key: 'nope' is not a peer ID"
     )
+
+
+_LOGS = """
+import logging
+from swarm.cli import _start_logging
+_start_logging()
+logging.getLogger("peers.relay").info("a relay slot reserved")
+logging.getLogger("swarm.trainer").debug("a slot taken over")
+logging.getLogger("multiaddr.transforms").debug("a dependency's chatter")
+logging.getLogger("multiaddr.transforms").warning("a dependency's warning")
+"""
+
+
+@pytest.mark.parametrize(
+    ("level", "shown", "hidden"),
+    [
+        (None, ["warning: a dependency's warning"], ["relay slot", "taken over", "chatter"]),
+        ("info", [" INFO peers.relay: a relay slot reserved", "warning"], ["taken", "chatter"]),
+        ("DEBUG", [" DEBUG swarm.trainer: a slot taken over", "relay slot"], ["chatter"]),
+    ],
+)
+def test_swarm_log_level_shows_our_layers_decisions_not_our_dependencies(
+    level: str | None, shown: list[str], hidden: list[str]
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SWARM_LOG_LEVEL"}
+    if level is not None:
+        env["SWARM_LOG_LEVEL"] = level
+    out = subprocess.run(
+        [sys.executable, "-c", _LOGS], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    for text in shown:
+        assert text in out.stderr, out.stderr
+    for text in hidden:
+        assert text not in out.stderr, out.stderr
+
+
+def test_a_bad_swarm_log_level_exits_2_before_anything_starts() -> None:
+    out = _swarm("ping", DEAD_PEER, env={**os.environ, "SWARM_LOG_LEVEL": "loud"})
+    _assert_usage_error(out, "SWARM_LOG_LEVEL='loud': give one of debug, info, warning")
