@@ -13,7 +13,7 @@ member, and runs in it the processes of ``bench_allreduce.py``, one after anothe
    the same namespaces; its all-reduce is timed inside its process.
 
 Scenarios (``--scenarios``), every link 20 ms one way (80 ms round trip between two
-members):
+members) unless said:
 
 - ``equal``: 4 members on 100 Mbit/s links (each way); 64M elements;
 - ``unequal``: links of 1000, 100, 100 and 20 Mbit/s; 8M elements (a first round with
@@ -23,7 +23,9 @@ members):
   part shares and the rates measured are reported. hivemind is told each link's true rate
   (its ``bandwidth`` argument: it sizes parts by what its user declares);
 - ``lossy``: as ``equal``, with 1% of frames dropped on every link, each way (a frame
-  between two members crosses two links).
+  between two members crosses two links);
+- ``far2`` and ``far`` (long fat pipes): 2 and 4 members on 200 Mbit/s links, 50 ms one
+  way (200 ms round trip); 16M elements.
 
 Three more scenarios, every link 100 Mbit/s and 20 ms one way (80 ms round trip):
 
@@ -212,6 +214,12 @@ SCENARIOS = {
         full_sizes=("8M",),
     ),
     "lossy": Scenario(name="lossy", rates_mbit=(100.0,) * 4, one_way_ms=20.0, loss=0.01),
+    # Long fat pipes: 200 ms round trips at 200 Mbit/s hold 5 MB in flight, past what one
+    # TCP connection's default window covers (Linux's tcp_rmem tops out at 6 MB of
+    # buffer, about half of it window). Two members move each byte over one connection;
+    # four spread their upload over three.
+    "far2": Scenario(name="far2", rates_mbit=(200.0,) * 2, one_way_ms=50.0, full_sizes=("16M",)),
+    "far": Scenario(name="far", rates_mbit=(200.0,) * 4, one_way_ms=50.0, full_sizes=("16M",)),
 }
 
 #: Every scenario's name: the all-reduce's and the DHT's.
@@ -1254,7 +1262,11 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     for scenario in scenarios:
         sizes = tuple(args.sizes.split(",")) if args.sizes else scenario.full_sizes
-        scenario_plan = replace(plan, sizes=("4M",) if args.quick and not args.sizes else sizes)
+        scenario_plan = replace(
+            plan,
+            sizes=("4M",) if args.quick and not args.sizes else sizes,
+            num_peers=len(scenario.rates_mbit),
+        )
         scenario_plan = replace(scenario_plan, sizes=sizes_that_fit(scenario_plan, notes))
         if not scenario_plan.sizes:
             notes.append(f"{scenario.name}: no size fits in the memory available")

@@ -35,6 +35,9 @@ MAX_STREAMS = 512
 # Largest receive window one stream may grow to: go-yamux's (and go-libp2p's) default
 # MaxStreamWindowSize; it keeps ~1 Gbit/s flowing at 130 ms RTT.
 MAX_WINDOW_BYTES = 16 * 1024 * 1024
+# Bytes a stream must have delivered to the application before it is granted the
+# window the session's streams learned (a quarter of the initial window: one bulk frame).
+WARM_AFTER_BYTES = INITIAL_WINDOW_BYTES // 4
 # Window growth beyond the initial windows, summed over all streams of one session. Without
 # it a remote could make the application buffer MAX_STREAMS * MAX_WINDOW_BYTES (8 GiB); with
 # it, at most MAX_STREAMS * INITIAL_WINDOW_BYTES + this. Four streams at full size fit.
@@ -191,6 +194,7 @@ class _Stream:
     local_closed: bool = False
     remote_closed: bool = False
     ack_pending: bool = False  # opened by the remote, not yet acknowledged
+    warmed: bool = False  # granted the session's learned window already
 
 
 def _data_frame(stream_id: int, pieces: list[_Buffer], num_bytes: int) -> OutgoingFrame:
@@ -245,6 +249,10 @@ class YamuxSession:
         self._num_inbound = 0
         self._num_outbound = 0
         self._window_growth_bytes = 0
+        # The largest window a stream of this session grew to: a new stream is granted it
+        # at once instead of doubling up from 256 KiB again (at a 200 ms round trip the
+        # doubling took a second of every bulk transfer).
+        self._learned_window = INITIAL_WINDOW_BYTES
         self._out: list[OutgoingFrame] = []
         self._unacked: dict[int, _Stream] = {}  # remote-opened streams awaiting our ACK
         self._header_buf = bytearray()
@@ -539,8 +547,11 @@ class YamuxSession:
         stream.num_consumed_since_growth += num_bytes
         if stream.remote_closed:
             return
+        # A stream that carries bulk data gets the session's learned window at once (a
+        # question or an answer of a few KiB never takes the session's budget).
+        warmed = self._warm(stream) if stream.num_consumed_since_growth >= WARM_AFTER_BYTES else 0
         delta = stream.recv_window - stream.recv_credit - stream.num_unconsumed
-        if delta < stream.recv_window // 2:
+        if delta < stream.recv_window // 2 and not warmed:
             return
         if stream.num_consumed_since_growth >= stream.recv_window:
             growth = min(
@@ -551,11 +562,28 @@ class YamuxSession:
             if growth > 0:
                 stream.recv_window += growth
                 self._window_growth_bytes += growth
+                self._learned_window = max(self._learned_window, stream.recv_window)
                 delta += growth
             stream.num_consumed_since_growth = 0
         stream.recv_credit += delta
         self._ack(stream)
         self._queue(_WINDOW_UPDATE, 0, stream_id, delta)
+
+    def _warm(self, stream: _Stream) -> int:
+        """Raise a new stream's receive window to the session's learned one, within the
+        growth budget, once; returns the bytes added (for its first window update)."""
+        if stream.warmed:
+            return 0
+        stream.warmed = True
+        grant = min(
+            self._learned_window - stream.recv_window,
+            self._max_window_growth_bytes - self._window_growth_bytes,
+        )
+        if grant <= 0:
+            return 0
+        stream.recv_window += grant
+        self._window_growth_bytes += grant
+        return grant
 
     def close_stream(self, stream_id: int) -> None:
         """Half-close: queue FIN. Idempotent. Raises YamuxStreamError if it is unknown."""

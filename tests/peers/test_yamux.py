@@ -17,6 +17,7 @@ from peers.yamux import (
     MAX_FRAME_PAYLOAD_BYTES,
     MAX_OWED_ACKS,
     MAX_QUEUED_REPLIES,
+    WARM_AFTER_BYTES,
     YAMUX_PROTOCOL_ID,
     DataReceived,
     GoAwayReceived,
@@ -304,6 +305,39 @@ def test_window_growth_is_bounded_per_session() -> None:
     client.reset_stream(first)
     pump(client, server)
     assert server.statistics().window_growth_bytes == 0
+
+
+def test_a_new_bulk_stream_starts_at_the_window_the_session_learned() -> None:
+    # At a 200 ms round trip, doubling a window from 256 KiB to 8 MiB takes five round
+    # trips of every bulk transfer; a session that learned the window grants it to the
+    # next stream that carries bulk data with its first update.
+    client, server = pair(max_window_bytes=8 * 1024 * 1024)
+    first = client.open_stream()
+    transfer(client, server, first, 32 * 1024 * 1024)
+    assert server.statistics().window_growth_bytes == 8 * 1024 * 1024 - INITIAL_WINDOW_BYTES
+    client.close_stream(first)
+    server.close_stream(first)
+    pump(client, server)
+    assert server.statistics().window_growth_bytes == 0  # the stream's growth returned
+
+    second = client.open_stream()
+    assert client.send_data(second, bytes(1 << 20)) == INITIAL_WINDOW_BYTES
+    pump(client, server)
+    server.acknowledge_received(second, WARM_AFTER_BYTES)  # one bulk frame read
+    client_events, _ = pump(client, server)
+    assert client_events == [SendWindowUpdated(second)]
+    # the learned window, less what the server holds unread
+    unread = INITIAL_WINDOW_BYTES - WARM_AFTER_BYTES
+    assert client.send_window(second) == 8 * 1024 * 1024 - unread
+    assert server.statistics().window_growth_bytes == 8 * 1024 * 1024 - INITIAL_WINDOW_BYTES
+
+    # a stream of small messages is not granted it (nor takes the session's budget)
+    third = client.open_stream()
+    client.send_data(third, bytes(1000))
+    pump(client, server)
+    server.acknowledge_received(third, 1000)
+    assert server.data_to_send() == b""
+    assert client.send_window(third) == INITIAL_WINDOW_BYTES - 1000
 
 
 def test_acknowledging_more_than_received_is_local_misuse() -> None:
