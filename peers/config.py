@@ -78,6 +78,13 @@ class PeerConfig:
     first; never one carrying a relay reservation of ours)."""
     max_streams_per_connection: int = limits.MAX_STREAMS_PER_CONNECTION
     """Concurrent yamux streams on one connection."""
+    keepalive_interval: float = limits.KEEPALIVE_INTERVAL_SECONDS
+    """A connection that received nothing for this long is pinged, and closed if nothing
+    comes back within ``keepalive_timeout``: its path died silently (a NAT mapping
+    dropped, a laptop asleep), and the next call dials afresh instead of timing out on
+    it. 0 turns the check off."""
+    keepalive_timeout: float = limits.KEEPALIVE_TIMEOUT_SECONDS
+    """Seconds a pinged connection has to show any sign of life."""
     allowed_peers: frozenset[PeerID] | None = None
     """A private swarm: only these peers may connect to us, and we dial no one else
     (relays included). Checked once Noise has proved the remote's identity, on every
@@ -103,9 +110,12 @@ class PeerConfig:
             "stream_negotiation_timeout",
             "handshake_rate_per_ip",
             "idle_connection_seconds",
+            "keepalive_timeout",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.keepalive_interval < 0:
+            raise ValueError("keepalive_interval must be >= 0 (0: no keepalive)")
         for name in (
             "max_connections",
             "max_connections_per_peer",

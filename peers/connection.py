@@ -387,7 +387,10 @@ class Connection:
         initial_plaintext: bytes,
         on_inbound_stream: Callable[[Stream], Awaitable[None]],
         traffic: TrafficBook | None = None,
+        keepalive: tuple[float, float] = (0.0, 0.0),
     ) -> None:
+        """``keepalive``: (interval, timeout) seconds of :meth:`_keep_alive`; an
+        interval of 0, none."""
         self._reader = reader
         self._writer = writer
         self._socket_writer = SocketWriter(writer)
@@ -414,6 +417,8 @@ class Connection:
         self._flush_scheduled = False
         self._releasing: asyncio.Task[None] | None = None  # held replies, once drained
         self._reading_paused = False
+        self._keepalive = keepalive
+        self._last_received = time.monotonic()  # any bytes at all from the remote
 
     @property
     def is_closed(self) -> bool:
@@ -456,6 +461,7 @@ class Connection:
                     def receive(data: bytes | memoryview) -> None:
                         if ended.done():
                             return
+                        self._last_received = time.monotonic()
                         self._session.hold_replies(self._backlogged())
                         try:
                             for plaintext in self._transport.receive_frames(data):
@@ -475,6 +481,9 @@ class Connection:
 
                     if self._closed is None:
                         self._reader.divert(receive, end)
+                        if self._keepalive[0] > 0:
+                            keeping = group.create_task(self._keep_alive(*self._keepalive))
+                            self._tasks.add(keeping)  # (cancelled with the connection)
                         error = await ended
                         if error is not None:  # the future keeps the original
                             raise raisable_copy(error) from None
@@ -488,6 +497,40 @@ class Connection:
                     self._shutdown(self._closed or reason)
         finally:
             self._closed_event.set()
+
+    async def _keep_alive(self, interval: float, timeout: float) -> None:
+        """Ping the remote once nothing came from it for ``interval`` seconds, and close
+        the connection if nothing at all comes back within ``timeout``: the path died
+        without a word (a NAT mapping dropped, a cable pulled), and TCP would retransmit
+        into it for many minutes while every call on it timed out. Closed, the next call
+        dials afresh. Runs as long as the connection; each turn sleeps."""
+        nonce = 0
+        while self._closed is None:
+            quiet = time.monotonic() - self._last_received
+            if quiet < interval:
+                await asyncio.sleep(interval - quiet)
+                continue
+            pinged_at = time.monotonic()
+            nonce = (nonce + 1) % (1 << 32)
+            with contextlib.suppress(YamuxError):
+                self._session.ping(nonce)
+            self._flush_quietly()
+            await asyncio.sleep(timeout)
+            if self._closed is None and self._last_received < pinged_at:
+                logger.info(
+                    "closing the connection to %s: nothing from it for %.0f s, not even "
+                    "an answer to a ping",
+                    self.remote_peer_id,
+                    time.monotonic() - self._last_received,
+                )
+                self._shutdown(
+                    ConnectionClosed(
+                        f"{self.remote_peer_id} did not answer a keepalive ping in "
+                        f"{timeout:g} s: the path to it died"
+                    )
+                )
+                self._writer.transport.abort()  # what is buffered for it will never go
+                return
 
     def _backlogged(self) -> bool:
         """Whether our writes to the remote wait (above the transport's high-water mark):

@@ -437,6 +437,7 @@ class Peer:
             initial_plaintext=upgraded.leftover_plaintext,
             on_inbound_stream=self._on_inbound_stream,
             traffic=self.traffic,
+            keepalive=(self.config.keepalive_interval, self.config.keepalive_timeout),
         )
 
     def _register(self, conn: Connection) -> bool:

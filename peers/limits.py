@@ -56,6 +56,14 @@ MAX_IDENTIFY_BYTES = 64 * 1024
 #: a DHT contact or an averaging partner opens a stream every few seconds to a minute;
 #: one that opened nothing for this long is cheap to reconnect later.
 IDLE_CONNECTION_SECONDS = 30.0
+#: A connection that received nothing for this long is pinged (a yamux ping: 12 bytes),
+#: and closed if nothing at all comes back within KEEPALIVE_TIMEOUT_SECONDS: its path
+#: died silently (a home router dropped the NAT mapping, a laptop slept, a cable was
+#: pulled), and TCP alone would keep retransmitting into it for about fifteen minutes
+#: while every call on it timed out. Closed, the next call dials afresh. go-libp2p's
+#: yamux pings every 30 s and gives a write 10 s.
+KEEPALIVE_INTERVAL_SECONDS = 15.0
+KEEPALIVE_TIMEOUT_SECONDS = 10.0
 
 #: At most this many idle connections are closed to make room for one new one: enough
 #: that a full peer takes newcomers in again, few enough that a burst of connections
