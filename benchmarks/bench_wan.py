@@ -250,8 +250,17 @@ QUICK = replace(
 )
 
 
-def run_scenario(scenario: Scenario, plan: Plan, hivemind: str | None, notes: list[str]) -> Results:
-    """Build the scenario's lab, measure raw TCP, ours and hivemind in it, tear it down."""
+def run_scenario(
+    scenario: Scenario,
+    plan: Plan,
+    hivemind: str | None,
+    notes: list[str],
+    *,
+    slow_start_after_idle: bool = True,
+) -> Results:
+    """Build the scenario's lab, measure raw TCP, ours and hivemind in it, tear it down.
+    ``slow_start_after_idle=False`` sets Linux's ``tcp_slow_start_after_idle`` to 0 in
+    every member's namespace (TCP keeps its window across idle gaps)."""
     print(f"\n== {scenario.name}: {scenario.describe()}", flush=True)
     rates = scenario.payload_rates()
     with Lab() as lab:
@@ -261,6 +270,9 @@ def run_scenario(scenario: Scenario, plan: Plan, hivemind: str | None, notes: li
         ]
         for rank, host in enumerate(hosts):
             lab.delay(host, one_way_ms=scenario.one_way_ms, loss=scenario.loss, seed=rank)
+            if not slow_start_after_idle:
+                sysctl = "net.ipv4.tcp_slow_start_after_idle=0"
+                host.run(["sysctl", "-q", "-w", sysctl], timeout=10)
         placement = Placement(
             namespaces=tuple(h.namespace for h in hosts), hosts=tuple(h.address for h in hosts)
         )
@@ -1196,6 +1208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codecs", help="comma-separated: none,float16,uint8,blockwise8")
     parser.add_argument("--rounds", type=int, help="timed rounds per size and codec")
     parser.add_argument("--step-rounds", type=int, help="timed full steps (0: none of ours)")
+    parser.add_argument(
+        "--no-slow-start-after-idle",
+        action="store_true",
+        help="all-reduce scenarios: set net.ipv4.tcp_slow_start_after_idle=0 in every"
+        " member's namespace (TCP keeps its window across the gaps between rounds)",
+    )
     args = parser.parse_args(argv)
     names = (args.scenarios or (QUICK_SCENARIOS if args.quick else ",".join(ALL_SCENARIOS))).split(
         ","
@@ -1271,7 +1289,13 @@ def main(argv: list[str] | None = None) -> int:
         if not scenario_plan.sizes:
             notes.append(f"{scenario.name}: no size fits in the memory available")
             continue
-        results = run_scenario(scenario, scenario_plan, hivemind, notes)
+        results = run_scenario(
+            scenario,
+            scenario_plan,
+            hivemind,
+            notes,
+            slow_start_after_idle=not args.no_slow_start_after_idle,
+        )
         scenario_notes: list[str] = []
         found, found_ratios, found_failures, tables = summarize(results, scenario_notes)
         notes.extend(f"{scenario.name}: {note}" for note in scenario_notes)
