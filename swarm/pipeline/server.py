@@ -303,32 +303,33 @@ class StageServer:
                 return
             await asyncio.sleep(CATCH_UP_RETRY_SECONDS)
 
+    async def _ask_others(
+        self, listed: Sequence[Announcement], request: StepRequest, timeout: float
+    ) -> list[tuple[ExpertLocation, StepResponse | Exception]]:
+        """``request`` to the stage's other listed servers at once (a bounded number):
+        each one's answer, or why there is none."""
+        others = [a.location for a in listed if a.location.peer_id != self.peer.peer_id]
+        others = others[:MAX_CONCURRENT_PROBES]
+        answers = await asyncio.gather(
+            *(call_step(self.peer, location, request, timeout) for location in others)
+        )
+        return list(zip(others, answers, strict=True))
+
     async def _step_of_others(self, uid: str, listed: Sequence[Announcement]) -> int:
         """The latest step the stage's other servers say they are at (-1: none answers)."""
-        others = [a.location for a in listed if a.location.peer_id != self.peer.peer_id]
         request = StepRequest(uid, -1, end=False)
-        answers = await asyncio.gather(
-            *(
-                call_step(self.peer, location, request, self.config.probe_timeout)
-                for location in others[:MAX_CONCURRENT_PROBES]
-            )
-        )
-        return max((a.step for a in answers if isinstance(a, StepResponse)), default=-1)
+        answers = await self._ask_others(listed, request, self.config.probe_timeout)
+        return max((a.step for _, a in answers if isinstance(a, StepResponse)), default=-1)
 
     async def _ask_to_share(self, uid: str, listed: Sequence[Announcement]) -> None:
         """Ask the stage's other servers to share their state as of their step now (a
         synchronous server shares on request, not after every step); failures are
         theirs to have, the download picks among those that did."""
-        others = [a.location for a in listed if a.location.peer_id != self.peer.peer_id]
         request = StepRequest(uid, -1, end=False, share=True)
         timeout = self.config.probe_timeout + self.config.replicas.load_timeout / 4
-
-        async def ask(location: ExpertLocation) -> None:
-            answer = await call_step(self.peer, location, request, timeout)
+        for location, answer in await self._ask_others(listed, request, timeout):
             if not isinstance(answer, StepResponse):
                 logger.info("%s at %s did not share: %r", uid, location.peer_id, answer)
-
-        await asyncio.gather(*(ask(location) for location in others[:MAX_CONCURRENT_PROBES]))
 
     async def rpc_step(self, request: StepRequest, context: CallContext) -> StepResponse:
         """End (or report) a synchronous stage's step: :meth:`SyncStage.end_step`."""
