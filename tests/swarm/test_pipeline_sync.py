@@ -36,7 +36,7 @@ from swarm.pipeline import (
 )
 from swarm.pipeline.sync import STEP_PROTOCOL, StepRequest, StepResponse, SyncConfig
 from swarm.tasks import get_task
-from tests.swarm.pipeline_loop import Hosted, local_swarm, state_of
+from tests.swarm.pipeline_loop import Hosted, Swarm, local_swarm, state_of
 
 torch.set_num_threads(1)
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -114,6 +114,20 @@ def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
 
 
+async def _client(swarm: Swarm) -> PipelineClient:
+    """A synchronous client of ``swarm``'s stages that has read where they are."""
+    client = PipelineClient(await swarm.node(), _client_config())
+    await client.refresh()
+    return client
+
+
+async def _ask_step(client: PipelineClient, server: Hosted, request: StepRequest) -> StepResponse:
+    """``request`` sent to ``server``'s step protocol as any peer could send it."""
+    return await client.peer.call_unary(
+        server.server.peer.peer_id, STEP_PROTOCOL, request, StepResponse, timeout=10.0
+    )
+
+
 #: (task, its model cut in 3 stages, steps): the digits MLP and the charlm transformer.
 CASES = {"digits": (DIGITS_STAGES, 12), "charlm": (CHARLM_STAGES, 6)}
 
@@ -133,8 +147,7 @@ def test_stages_of_two_servers_step_together_like_one_process_accumulating(
                 for stage in range(3)
                 for _ in range(2)
             ]
-            client = PipelineClient(await swarm.node(), _client_config())
-            await client.refresh()
+            client = await _client(swarm)
             local = model.build_local()
             optimizer = adam.build(local.parameters())
             batches = task.batches(rank=0, num_peers=1, batch_size=MICRO_BATCH, seed=0)
@@ -189,16 +202,11 @@ def test_a_step_request_steps_once_and_a_server_behind_says_so(arun: Run) -> Non
     async def main() -> None:
         async with local_swarm() as swarm:
             hosted = [await swarm.serve(_config(stage)) for stage in range(3)]
-            client = PipelineClient(await swarm.node(), _client_config())
-            await client.refresh()
+            client = await _client(swarm)
             await client.train([_batch(0, 0)], F.cross_entropy)  # step 0 ended
-            server = hosted[1].server.peer.peer_id
-            peer = client.peer
 
-            async def ask(request: StepRequest) -> StepResponse:
-                return await peer.call_unary(
-                    server, STEP_PROTOCOL, request, StepResponse, timeout=10.0
-                )
+            def ask(request: StepRequest) -> Coroutine[Any, Any, StepResponse]:
+                return _ask_step(client, hosted[1], request)
 
             # step 0 again (a retry whose answer was lost): answered, not stepped
             again = await ask(StepRequest("stage.1", 0))
@@ -229,8 +237,7 @@ def test_a_server_lost_in_the_middle_of_a_step_has_its_part_redone_and_nothing_c
     async def main() -> None:
         async with local_swarm() as swarm:
             hosted = [await swarm.serve(_config(stage)) for stage in range(3) for _ in range(2)]
-            client = PipelineClient(await swarm.node(), _client_config())
-            await client.refresh()
+            client = await _client(swarm)
             local = MODEL.build_local()
             optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
             for step in range(3):
@@ -253,8 +260,7 @@ def test_a_newcomer_downloads_the_stage_as_of_its_last_step_and_steps_with_it(ar
     async def main() -> None:
         async with local_swarm() as swarm:
             hosted = [await swarm.serve(_config(stage)) for stage in range(3)]
-            client = PipelineClient(await swarm.node(), _client_config())
-            await client.refresh()
+            client = await _client(swarm)
             local = MODEL.build_local()
             optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
             for step in range(4):
@@ -287,8 +293,7 @@ def test_a_synchronous_step_is_clipped_whatever_a_caller_sends(arun: Run) -> Non
             )
             hosted = [await swarm.serve(_config(0)), await swarm.serve(_config(1))]
             hosted.append(await swarm.serve(config))
-            client = PipelineClient(await swarm.node(), _client_config())
-            await client.refresh()
+            client = await _client(swarm)
             before = await state_of(hosted[2])
             x = torch.randn(4, 16)
             (location,) = (await find_experts(client.dht, ["stage.2"]))["stage.2"]
@@ -325,8 +330,7 @@ def test_a_server_behind_its_stage_refuses_calls_and_catches_up(arun: Run) -> No
     async def main() -> None:
         async with local_swarm() as swarm:
             hosted = [await swarm.serve(_config(stage)) for stage in (0, 1, 1, 2)]
-            client = PipelineClient(await swarm.node(), _client_config())
-            await client.refresh()
+            client = await _client(swarm)
             local = MODEL.build_local()
             optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
             late = hosted[2].server
@@ -367,8 +371,7 @@ def test_a_caller_naming_a_far_step_downloads_nothing_unless_the_stage_is_there(
     async def main() -> None:
         async with local_swarm() as swarm:
             hosted = [await swarm.serve(_config(stage)) for stage in (0, 1, 1, 2)]
-            client = PipelineClient(await swarm.node(), _client_config())
-            await client.refresh()
+            client = await _client(swarm)
             await client.train([_batch(0, i) for i in range(2)], _loss)  # step 0 ended
             target, other = hosted[1].server, hosted[2].server
             sync = target._sync
@@ -382,13 +385,7 @@ def test_a_caller_naming_a_far_step_downloads_nothing_unless_the_stage_is_there(
 
             shares_before = shared()
             with pytest.raises(RemoteError, match="asked to end step 1000000"):
-                await client.peer.call_unary(
-                    target.peer.peer_id,
-                    STEP_PROTOCOL,
-                    StepRequest("stage.1", 10**6),
-                    StepResponse,
-                    timeout=10.0,
-                )
+                await _ask_step(client, hosted[1], StepRequest("stage.1", 10**6))
             for _ in range(3):
                 with pytest.raises(StageBehind):
                     sync.check_step(10**9)
@@ -430,8 +427,7 @@ def test_a_server_banned_for_slowness_still_steps_with_the_gradients_it_holds(ar
     async def main() -> None:
         async with local_swarm() as swarm:
             hosted = [await swarm.serve(_config(stage)) for stage in range(3) for _ in range(2)]
-            client = PipelineClient(await swarm.node(), _client_config())
-            await client.refresh()
+            client = await _client(swarm)
             local = MODEL.build_local()
             optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
             for step in range(2):
@@ -453,14 +449,10 @@ def test_garbage_step_requests_are_refused_and_the_server_keeps_serving(arun: Ru
     async def main() -> None:
         async with local_swarm() as swarm:
             hosted = [await swarm.serve(_config(stage)) for stage in range(3)]
-            client = PipelineClient(await swarm.node(), _client_config())
-            await client.refresh()
-            server = hosted[1].server.peer.peer_id
+            client = await _client(swarm)
 
-            async def ask(request: StepRequest) -> StepResponse:
-                return await client.peer.call_unary(
-                    server, STEP_PROTOCOL, request, StepResponse, timeout=10.0
-                )
+            def ask(request: StepRequest) -> Coroutine[Any, Any, StepResponse]:
+                return _ask_step(client, hosted[1], request)
 
             for request, says in (
                 (StepRequest("stage.1", 0, group_size=0), "group_size and members"),
