@@ -138,3 +138,14 @@ def test_counts_follow_admits_and_releases(events: list[tuple[str, bool]]) -> No
 def test_config_refuses_bounds_that_admit_nothing(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
         PeerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_keepalive_settings_are_checked() -> None:
+    for bad in (
+        {"keepalive_interval": -1.0},
+        {"keepalive_timeout": 0.0},
+        {"keepalive_timeout": -2},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PeerConfig(**bad)  # type: ignore[arg-type]
+    assert PeerConfig(keepalive_interval=0).keepalive_interval == 0  # off
