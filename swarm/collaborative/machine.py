@@ -235,7 +235,14 @@ class DiLoCoPolicy:
         ]
         if busy and now < wait.deadline:
             return wait
-        return machine.begin_average(machine.view(now), now)
+        # Every member trains in DiLoCo, so every one is expected in the round, also one
+        # whose record, read a while ago, shows it an epoch or two behind: outer steps can
+        # follow each other faster than records travel (a small model's inner steps take
+        # milliseconds), and counting only the records that show this epoch formed groups
+        # without a member that was right behind, which then searched alone until the
+        # search timed out. A member truly behind costs the gather window once (it
+        # resyncs when it sees the swarm ahead).
+        return machine.begin_average(machine.view(now), now, at_least=len(machine.members(now)))
 
 
 @dataclass
@@ -464,13 +471,14 @@ class StepMachine:
         wanted = max((r.expect for r in live.values() if r.epoch == 0), default=1)
         return len(live) >= wanted or any(r.epoch > 0 for r in live.values())
 
-    def begin_average(self, view: SwarmProgress, now: float) -> Average:
-        """This peer enters its epoch's round now (policies call it)."""
+    def begin_average(self, view: SwarmProgress, now: float, *, at_least: int = 0) -> Average:
+        """This peer enters its epoch's round now (policies call it), expecting
+        :meth:`expected_group` peers, or ``at_least``."""
         self.averaging = True
         return Average(
             epoch=self.epoch,
             weight=float(max(self.samples, 1)),
-            group_size=max(self.expected_group(now), 2),
+            group_size=max(self.expected_group(now), at_least, 2),
             alone=view.num_peers <= 1,
         )
 

@@ -250,6 +250,22 @@ def test_diloco_averages_every_inner_steps_once_the_others_are_done() -> None:
     assert m.batch(4, T0 + 1) == Train()  # the next outer step's first inner step
 
 
+def test_diloco_expects_every_member_in_its_round_also_one_whose_record_lags() -> None:
+    # Outer steps of a small model follow each other faster than records travel: the
+    # others read two epochs ago are right behind, and come (a group formed without them
+    # left them searching alone until the search timed out).
+    m = _machine(DiLoCoPolicy(inner_steps=1))
+    m.restarted(2)
+    behind, current, ahead = _ids(3)
+    m.records = {
+        behind: _record(epoch=0, samples=4),
+        current: _record(epoch=2, samples=4, averaging=True),
+        ahead: _record(epoch=3),
+    }
+    decision = m.batch(4, T0)
+    assert isinstance(decision, Average) and decision.group_size == 3  # not the one ahead
+
+
 def test_diloco_stops_waiting_for_a_slow_peer_at_the_deadline() -> None:
     m = _machine(DiLoCoPolicy(inner_steps=1))
     (slow,) = _ids(1)
