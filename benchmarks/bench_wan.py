@@ -566,7 +566,9 @@ TRAIN_SCENARIO = AlikeLinks(name="train")
 TRAIN_PEERS = 4
 #: The training modes, ours and hivemind's counterpart: our gradient averaging against
 #: ``hivemind.Optimizer`` (hivemind's default), our DiLoCo against its local updates.
-TRAIN_MODES = ("gradient", "diloco")
+#: ``diloco-overlap`` (``--diloco-overlap``: each round runs during the next inner steps)
+#: has no hivemind counterpart: it is measured against our plain DiLoCo.
+TRAIN_MODES = ("gradient", "diloco", "diloco-overlap")
 HIVEMIND_MODE = {"gradient": "gradient", "diloco": "local"}
 #: A run whose final test loss is within this share of the single process's reached it.
 TRAIN_LOSS_TOLERANCE = 0.05
@@ -749,8 +751,10 @@ def run_ours_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -> Tr
         "--listen", "/ip4/0.0.0.0/tcp/0", "--num-samples", str(plan.num_samples),
         "--run-id", f"bench-{plan.task}-{mode}-{secrets.token_hex(4)}", *flags,
     ]  # fmt: skip
-    if mode == "diloco":
+    if mode.startswith("diloco"):
         argv += ["--diloco", str(plan.inner_steps)]
+    if mode == "diloco-overlap":
+        argv.append("--diloco-overlap")
     procs: list[subprocess.Popen[str]] = []
     readers: list[tuple[LineReader, LineReader]] = []
 
@@ -805,8 +809,10 @@ def run_ours_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -> Tr
     return run
 
 
-#: Where an epoch of ours goes (``OptimizerStatistics``' ``{phase}_seconds``).
-STEP_PHASES = ("wait", "matchmaking", "allreduce")
+#: Where an epoch of ours goes (``OptimizerStatistics``' ``{phase}_seconds``; with
+#: overlap, matchmaking and all-reduce run during the inner steps, and ``late_round`` is
+#: what the training loop waited for a round at the next outer step).
+STEP_PHASES = ("wait", "matchmaking", "allreduce", "late_round")
 
 
 def close_children(children: list[JsonChild]) -> None:
@@ -946,9 +952,10 @@ def run_train_scenario(
     figures: dict[str, Any],
     ratios: dict[str, float],
     failures: dict[str, str],
+    modes: tuple[str, ...] = TRAIN_MODES,
 ) -> list[list[str]]:
     """Per task: the single-process baseline, then in one lab of ``TRAIN_PEERS`` hosts
-    ours and hivemind in each mode, one run after another. Figures and ratios
+    ours and hivemind in each of ``modes``, one run after another. Figures and ratios
     (``train_{task}_{mode}_...``) are added in place; returns the table's rows."""
     print(f"\n== {scenario.name}: {describe_train(scenario, plans)}", flush=True)
     notes.extend(f"{scenario.name}: {note}" for note in TRAIN_NOTES if hivemind)
@@ -977,8 +984,9 @@ def run_train_scenario(
         runs: dict[tuple[str, str], TrainRun] = {}
         with Lab() as lab:
             hosts, _ = scenario.hosts(lab, [f"t{i}" for i in range(TRAIN_PEERS)])
-            for mode in TRAIN_MODES:
-                for system in ("ours", "hivemind") if hivemind else ("ours",):
+            for mode in modes:
+                systems = ("ours", "hivemind") if hivemind and mode in HIVEMIND_MODE else ("ours",)
+                for system in systems:
                     began = time.monotonic()
                     if system == "ours":
                         run = run_ours_training(hosts, plan, mode)
@@ -1011,7 +1019,7 @@ def run_train_scenario(
                             + (f"; per epoch{phases} s" if phases else ""),
                             flush=True,
                         )
-        for mode in TRAIN_MODES:
+        for mode in modes:
             rows += [
                 _train_row(plan, found, single, key, figures)
                 for system in ("ours", "hivemind")
@@ -1027,6 +1035,17 @@ def run_train_scenario(
                 ratios[f"{key}_{mode}_loss_vs_hivemind"] = round(
                     hers.metrics["loss"] / mine.metrics["loss"], 3
                 )
+        plain, overlap = runs.get(("ours", "diloco")), runs.get(("ours", "diloco-overlap"))
+        if plain and overlap and plain.ok and overlap.ok and plain.epochs and overlap.epochs:
+            per_step = {run.mode: run.train_seconds / run.epochs for run in (plain, overlap)}
+            for mode, seconds in per_step.items():
+                figures[f"{key}_{mode}_seconds_per_outer_step_ours"] = round(seconds, 4)
+            ratios[f"{key}_diloco_overlap_outer_step_speedup"] = round(
+                per_step["diloco"] / per_step["diloco-overlap"], 3
+            )
+            ratios[f"{key}_diloco_overlap_loss_vs_plain"] = round(
+                plain.metrics["loss"] / overlap.metrics["loss"], 3
+            )
         for system in ("ours", "hivemind"):
             gradient, diloco = runs.get((system, "gradient")), runs.get((system, "diloco"))
             if gradient and diloco and gradient.ok and diloco.ok:
@@ -1204,6 +1223,11 @@ def main(argv: list[str] | None = None) -> int:
         help="global batches between DiLoCo's (and hivemind's local) averaging rounds in the"
         " train scenario (default 10; --quick: 4)",
     )
+    parser.add_argument(
+        "--train-modes",
+        help=f"comma-separated modes of the train scenario: {', '.join(TRAIN_MODES)}"
+        " (default: all)",
+    )
     parser.add_argument("--sizes", help="comma-separated sizes in elements, e.g. 4M,64M")
     parser.add_argument("--codecs", help="comma-separated: none,float16,uint8,blockwise8")
     parser.add_argument("--rounds", type=int, help="timed rounds per size and codec")
@@ -1242,6 +1266,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--train-tasks {args.train_tasks}: give each once, from {', '.join(TRAIN_FULL)}"
         )
+    train_modes = tuple(args.train_modes.split(",")) if args.train_modes else TRAIN_MODES
+    if not set(train_modes) <= set(TRAIN_MODES) or len(set(train_modes)) < len(train_modes):
+        parser.error(f"--train-modes {args.train_modes}: give each once, from {TRAIN_MODES}")
     train_plans = tuple((TRAIN_QUICK if args.quick else TRAIN_FULL)[t] for t in train_tasks)
     for flag, name, value in (
         ("--train-samples", "num_samples", args.train_samples),
@@ -1263,9 +1290,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if hivemind is None:
         notes.append(f"hivemind not measured: {why}")
-    mode = "quick" if args.quick else "full"
+    run_kind = "quick" if args.quick else "full"
     print(
-        f"WAN benchmark ({mode}): all-reduce in float32, codecs {', '.join(plan.codecs)};"
+        f"WAN benchmark ({run_kind}): all-reduce in float32, codecs {', '.join(plan.codecs)};"
         f" {os.cpu_count()} CPUs; hivemind {hivemind or 'absent'}",
         flush=True,
     )
@@ -1333,7 +1360,7 @@ def main(argv: list[str] | None = None) -> int:
     if TRAIN_SCENARIO.name in names:
         # Last: its single-process baselines run in this process (torch on one thread).
         train_rows = run_train_scenario(
-            TRAIN_SCENARIO, train_plans, hivemind, notes, figures, ratios, failures
+            TRAIN_SCENARIO, train_plans, hivemind, notes, figures, ratios, failures, train_modes
         )
         print_table(
             f"[{TRAIN_SCENARIO.name}] {describe_train(TRAIN_SCENARIO, train_plans)}:"
@@ -1389,7 +1416,7 @@ def main(argv: list[str] | None = None) -> int:
         "wan",
         figures,
         ratios,
-        mode=mode,
+        mode=run_kind,
         hivemind=hivemind,
         hivemind_failures=failures,
         notes=notes,

@@ -461,7 +461,7 @@ async def _ping(args: argparse.Namespace) -> int:
 
 def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
     """The TrainerConfig the flags of ``swarm train``/``swarm join`` describe."""
-    from swarm.collaborative.config import DiLoCoConfig
+    from swarm.collaborative.config import DiLoCoConfig, OptimizerError
     from swarm.trainer import TrainerConfig
 
     flags = _train_flags(args.command)
@@ -469,6 +469,8 @@ def _trainer_config(args: argparse.Namespace) -> TrainerConfig:
     if values["run_key"] is not None:
         load_identity(str(values["run_key"]), option="--run-key")
     diloco = None
+    if args.overlap and args.inner_steps is None:
+        raise OptimizerError("--diloco-overlap needs --diloco H")
     if args.inner_steps is not None:
         diloco = DiLoCoConfig(**flag_values(args, DiLoCoConfig, _diloco_flags()))
     return TrainerConfig(**values, diloco=diloco)
@@ -590,6 +592,13 @@ def _diloco_flags() -> tuple[Flag, ...]:
         ),
         Flag("outer_lr", _positive_float),
         Flag("outer_momentum", float),
+        Flag(
+            "overlap",
+            name="--diloco-overlap",
+            help="DiLoCo: average each outer step's change while the next inner steps "
+            "run, and apply it when the round ends (up to one outer step late); every "
+            "peer of a run must choose the same",
+        ),
     )
 
 

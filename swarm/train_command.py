@@ -25,6 +25,7 @@ from peers.config import PeerConfig
 from peers.dht import BlockingDHT
 from peers.identity import KeyPair
 from peers.pnet import load_swarm_key
+from swarm.collaborative.config import DiLoCoConfig
 from swarm.errors import TaskError
 from swarm.metrics import MetricsServer
 from swarm.status import STATUS_INTERVAL_SECONDS, StatusSources, publish_status_forever
@@ -58,8 +59,15 @@ def join_command(config: TrainerConfig, initial_peers: Sequence[str]) -> str:
         parts += ["--num-samples", str(config.num_samples)]
     if config.target_batch_size:
         parts += ["--target-batch-size", str(config.target_batch_size)]
-    if config.diloco is not None:
+    if config.diloco is not None:  # (every peer of a run must use the same)
         parts += ["--diloco", str(config.diloco.inner_steps)]
+        default = DiLoCoConfig()
+        if config.diloco.outer_lr != default.outer_lr:
+            parts += ["--outer-lr", str(config.diloco.outer_lr)]
+        if config.diloco.outer_momentum != default.outer_momentum:
+            parts += ["--outer-momentum", str(config.diloco.outer_momentum)]
+        if config.diloco.overlap:
+            parts.append("--diloco-overlap")
     if config.centered_clip:
         parts.append("--centered-clip")
     if config.reducers_per_part != 1:

@@ -320,7 +320,7 @@ def train(
             first_step = time.monotonic()
             with _Interrupts() as interrupts:
                 try:
-                    while opt.epoch < total_epochs:
+                    while opt.phase < total_epochs:
                         interrupts.check()
                         network.maybe_report()
                         slot = dealer.next_slot()
@@ -348,6 +348,7 @@ def train(
                             "interrupted: saved %s at epoch %d", config.checkpoint, opt.epoch
                         )
                     raise
+            opt.finish_round()  # (overlap: the last outer step's round is part of training)
             train_seconds = time.monotonic() - first_step
             if opt.epoch >= total_epochs:
                 opt.finish()  # a peer whose last round failed can still load the end
@@ -383,8 +384,8 @@ class _Dealer:
     patience before and has delivered nothing since): each such slot is filled by one
     member, the nearest before it in the epoch's order that delivered; past twice the
     patience with the batch still short, by this peer; then nothing (``None``: wait).
-    DiLoCo mode: its slot of global step ``epoch * inner_steps + inner_step`` each local
-    step."""
+    DiLoCo mode: its slot of global step ``phase * inner_steps + inner_step`` each local
+    step (``phase``: the epoch, or the next while an overlapped round is in flight)."""
 
     def __init__(
         self,
@@ -410,7 +411,7 @@ class _Dealer:
     def next_slot(self) -> Slot | None:
         opt, target = self._opt, self._plan.target_batch_size
         if opt.config.diloco is not None:
-            step = opt.epoch * opt.config.diloco.inner_steps + opt.inner_step
+            step = opt.phase * opt.config.diloco.inner_steps + opt.inner_step
             return my_slot(share_order(opt.members(), self._run_id, step), self._me, step, target)
         if opt.epoch != self._epoch or (not self._pending and not opt.accumulated):
             # a new epoch, or our samples were dropped (a resync): deal this epoch afresh

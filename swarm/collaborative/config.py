@@ -35,6 +35,12 @@ class DiLoCoConfig:
     """The outer optimizer's Nesterov momentum (the paper's 0.9)."""
     codec: str = "float16"
     """How the parameter change travels: "none", "float16" or "uint8"."""
+    overlap: bool = False
+    """Average each outer step's parameter change in the background while the next
+    inner steps run, and apply the swarm's average when the round ends (at the latest
+    at the next outer step), keeping the local steps taken meanwhile: the round's time
+    hides behind computation, and the outer update arrives up to one outer step late
+    (one-step-delayed DiLoCo). Every peer of a run must choose the same."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
@@ -43,6 +49,8 @@ class DiLoCoConfig:
             raise OptimizerError("need outer_lr > 0 and 0 <= outer_momentum < 1")
         if self.codec not in ("none", "float16", "uint8"):
             raise OptimizerError("codec must be 'none', 'float16' or 'uint8'")
+        if not isinstance(self.overlap, bool):
+            raise OptimizerError("overlap must be True or False")
 
 
 def _default_matchmaking() -> MatchmakingConfig:
@@ -215,6 +223,10 @@ class OptimizerStatistics:
     """Seconds the training loop waited for the others' samples (gradient mode: this
     peer had its share of the global batch; DiLoCo: the others' inner steps), outside
     the rounds."""
+    late_round_seconds: float = 0.0
+    """DiLoCo with ``overlap``: seconds the training loop waited for a round in flight
+    (at the next outer step, or when the swarm took it in first): the round's time
+    that the inner steps did not hide."""
     round_latency: CallLatency = EMPTY_LATENCY
     """Each round that formed a group (matchmaking and all-reduce), as a histogram in
     ``peers.traffic.LATENCY_BUCKETS``: ``round_seconds`` split by duration."""

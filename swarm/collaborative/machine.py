@@ -24,6 +24,12 @@ The events, in a step's order:
 3. After :class:`Resync`, the driver downloads state and reports
    :meth:`StepMachine.loaded` or :meth:`StepMachine.load_failed`.
 
+Overlapped DiLoCo (``overlap``): after :class:`Average` the driver may start the round
+and report :meth:`StepMachine.launched` instead of waiting for it; training goes on, the
+epoch stays until the round's outcome is reported (:meth:`StepMachine.round_ended`, as
+above), which the driver does when :meth:`StepMachine.round_due` says so: at the latest
+before the batch that ends the next outer step's inner steps.
+
 Two policies decide when to average: :class:`GradientPolicy` (hivemind.Optimizer's
 model: when the swarm's samples reach the global batch) and :class:`DiLoCoPolicy` (every
 ``inner_steps`` local steps, once the others in the epoch are done with theirs).
@@ -157,6 +163,7 @@ class Counts:
     matchmaking_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     wait_seconds: float = 0.0
+    late_round_seconds: float = 0.0
     reducer_spread: float = 0.0
 
     @property
@@ -218,10 +225,14 @@ class DiLoCoPolicy:
             return Train()
         machine.samples += samples
         machine.inner_steps += 1
-        if machine.inner_steps % self.inner_steps:
+        if not self.ends_outer_step(machine.inner_steps):
             return Train()
         machine.averaging = True
         return self.poll(machine, Wait(now + machine.max_wait_seconds, "the outer step", now), now)
+
+    def ends_outer_step(self, inner_steps: int) -> bool:
+        """Whether the local step numbered ``inner_steps`` (from 1) ends an outer step."""
+        return inner_steps % self.inner_steps == 0
 
     def poll(self, machine: StepMachine, wait: Wait, now: float) -> Decision:
         me = machine.me
@@ -254,6 +265,8 @@ class StepMachine:
     target_batch_size: int
     progress_expiration: float
     max_wait_seconds: float
+    overlap: bool = False
+    """DiLoCo's rounds run while training goes on (:meth:`launched`)."""
 
     epoch: int = 0
     samples: int = 0
@@ -272,6 +285,9 @@ class StepMachine:
     samples_per_second: float = 0.0
     refused_branches: set[bytes] = field(default_factory=set)
     """Branches whose state could not be had: identities claiming one are no majority."""
+    in_flight: int | None = None
+    """Overlap: the samples of the round in flight (launched, outcome not yet
+    reported); those added since belong to the next epoch. None: no round in flight."""
     _rate_since: float | None = None
     _rate_samples: int = 0
     _last_view: SwarmProgress | None = None
@@ -300,8 +316,44 @@ class StepMachine:
             self.counts.wait_seconds += now - wait.since
         return decision
 
+    def launched(self) -> None:
+        """Overlap: the driver started the round :class:`Average` asked for and trains on;
+        it reports :meth:`round_ended` later, when :meth:`round_due` says so."""
+        if not self.overlap or self.in_flight is not None:
+            raise RuntimeError("launched: not overlapping, or a round is in flight already")
+        self.in_flight = self.samples
+
+    @property
+    def phase(self) -> int:
+        """The epoch this peer's samples count toward now: ``epoch``, or the next one
+        while the round ending ``epoch`` is in flight."""
+        return self.epoch + (self.in_flight is not None)
+
+    def round_due(self, ended: bool, samples: int, now: float) -> bool:
+        """Overlap, a round in flight: whether the driver must report its outcome (and
+        wait for it if it has not ``ended``) before a batch of ``samples`` is counted:
+        it ended; or the batch ends the next outer step's inner steps (a round is at
+        most one outer step late, and there is never a second in flight); or a peer
+        of the swarm has taken it in already (its epoch is past ours: counting the
+        batch first would call this peer behind and resync it)."""
+        if ended:
+            return True
+        if (
+            samples
+            and isinstance(self.policy, DiLoCoPolicy)
+            and self.policy.ends_outer_step(self.inner_steps + 1)
+        ):
+            return True
+        return self.view(now).epoch > self.epoch
+
     def round_ended(self, outcome: RoundOutcome, now: float) -> Step | Resync:
         """The averaging that :class:`Average` asked for ended."""
+        decision = self._round_ended(outcome, now)
+        if isinstance(decision, Resync):
+            self.in_flight = None  # (its update is dropped; what came after it stays)
+        return decision
+
+    def _round_ended(self, outcome: RoundOutcome, now: float) -> Step | Resync:
         if outcome.kind in (Round.AGREED, Round.NOT_AGREED):
             self.counts.rounds += 1
             self.counts.bytes_sent += outcome.bytes_sent
@@ -351,20 +403,30 @@ class StepMachine:
         return None
 
     def finish_epoch(self) -> None:
-        """The update was applied: the epoch is over."""
+        """The update was applied: the epoch is over. Overlap: the samples added since
+        the round's launch count toward the new epoch."""
         self.epoch += 1
         self.averaging = False
-        self.samples = 0
+        self.samples = 0 if self.in_flight is None else self.samples - self.in_flight
+        self.in_flight = None
 
     def loaded(self, epoch: int, fingerprint: bytes) -> None:
         """The driver loaded the swarm's state of ``epoch``, of branch ``fingerprint``."""
         self.epoch = epoch
         self.fingerprint = fingerprint
         self.samples = 0
-        self.inner_steps = 0
+        if not self.overlap:  # (overlap: a load comes mid-way through the inner steps,
+            self.inner_steps = 0  # which the others go on counting from where they are)
         self.averaging = False
+        self.in_flight = None
         self.counts.loads += 1
         self.refused_branches.clear()
+
+    def abandoned(self) -> None:
+        """Overlap: the round in flight was given up before its outcome was known (this
+        peer resyncs or restarts): its update is dropped."""
+        self.in_flight = None
+        self.averaging = False
 
     def load_failed(self, resync: Resync) -> None:
         """No state could be had for ``resync``: this peer goes on with its own."""
@@ -380,6 +442,7 @@ class StepMachine:
         self.samples = 0
         self.inner_steps = 0
         self.averaging = False
+        self.in_flight = None
 
     # --- the view ----------------------------------------------------------------------
 

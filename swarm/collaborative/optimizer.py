@@ -24,6 +24,7 @@ need an answer (a round, a state download).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -88,6 +89,9 @@ STATE_QUORUM = 2
 #: bug or a stalled event loop, never on a slow round, which ends by its own deadline.
 HUNG_CALL_SLACK_SECONDS = 5.0
 
+#: A round in flight: what it averages, its result to come, when it started (monotonic).
+InFlight = tuple[Average, concurrent.futures.Future[AveragingStep], float]
+
 _CODECS: dict[str, Callable[[], Codec]] = {
     "none": NoneCodec,
     "float16": Float16Codec,
@@ -126,6 +130,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             target_batch_size=config.target_batch_size,
             progress_expiration=config.progress_expiration,
             max_wait_seconds=config.max_wait_seconds,
+            overlap=config.diloco is not None and config.diloco.overlap,
         )
         self._init_face(scheduler)
         #: What is averaged: host buffers, and accumulators on each parameter's device.
@@ -138,6 +143,9 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         else:
             self._updates = GradientUpdates(optimizer, self.params, self._averaged)
         self._round_latency = LatencyHistogram()
+        #: Overlap: the round in flight (what it averages, its future, when it started).
+        self._in_flight: InFlight | None = None
+        self._warned_late = False
         # DiLoCo's parameter changes travel with its own codec; gradients with the one
         # config.allreduce names (CollaborativeConfig refuses a choice of both).
         codec = _CODECS[config.diloco.codec]() if config.diloco else config.allreduce.codec
@@ -230,6 +238,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                 + self.config.allreduce.round_timeout
                 + self.config.state_timeout
             )
+        self.finish_round()  # (overlap: the last outer step may still be averaged)
         deadline = dht_time() + timeout
         self._publish_now()
         self._hurry_tracker()  # (once: it then reads every progress_interval)
@@ -250,11 +259,24 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         finally:
             self._hurry = False
 
+    def finish_round(self) -> None:
+        """``DiLoCoConfig.overlap``: wait for the round in flight, if any, and apply its
+        outer step (or resync); :meth:`finish` and ``state_dict`` do this first. Nothing
+        to do otherwise."""
+        if self._closed:
+            raise OptimizerError("the optimizer is closed")
+        if self._in_flight is not None:
+            self._take_in_round()
+
     def _step(self, batch_size: int) -> None:
         """Carry out the machine's decisions for one batch until it says train on."""
         if self._closed:
             raise OptimizerError("the optimizer is closed")
         self._machine.records = self._records
+        if self._in_flight is not None and self._machine.round_due(
+            self._in_flight[1].done(), batch_size, dht_time()
+        ):
+            self._take_in_round(training=True)
         decision: Decision = self._machine.batch(batch_size, dht_time())
         if batch_size and not isinstance(decision, Resync):
             self._updates.take_batch(batch_size)
@@ -284,24 +306,50 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                 self._finish_epoch()
                 return
             self._publish_now()  # I am averaging: peers of my epoch should join now
-            outcome = self._average(decision)
+            outcome = self._build(decision)
+            if outcome is None and self._machine.overlap:
+                self._launch(decision)
+                return  # train on; the round's outcome is taken in later
+            if outcome is None:
+                outcome = self._round_outcome(decision, self._start_round(decision))
             decision = self._machine.round_ended(outcome, dht_time())
 
-    def _average(self, average: Average) -> RoundOutcome:
-        """Build the update and average it as ``average`` says."""
+    def _build(self, average: Average) -> RoundOutcome | None:
+        """Build the update ``average`` asks for; its outcome if no round is to be tried
+        (it is not finite, or this peer is alone), else None."""
         self._updates.build(self._machine.samples)
         if not self._averaged.host_finite():
             return RoundOutcome(Round.NON_FINITE)
         if average.alone:
             return RoundOutcome(Round.ALONE)
-        timeout = self.config.matchmaking.search_timeout + self.config.allreduce.max_round_timeout
-        try:
-            step: AveragingStep = self.dht.peer.run(
-                self._averager.step(
-                    average.epoch, weight=average.weight, target_group_size=average.group_size
-                ),
-                timeout=timeout + HUNG_CALL_SLACK_SECONDS,
+        return None
+
+    def _start_round(self, average: Average) -> concurrent.futures.Future[AveragingStep]:
+        """The round ``average`` asks for, started on the DHT's loop."""
+        return self.dht.peer.submit(
+            self._averager.step(
+                average.epoch, weight=average.weight, target_group_size=average.group_size
             )
+        )
+
+    def _round_outcome(
+        self,
+        average: Average,
+        future: concurrent.futures.Future[AveragingStep],
+        started: float | None = None,
+    ) -> RoundOutcome:
+        """Wait for the round ``future`` (started at ``started``, monotonic; now if
+        None) until its bounds pass, and say how it ended."""
+        timeout = self.config.matchmaking.search_timeout + self.config.allreduce.max_round_timeout
+        limit = timeout + HUNG_CALL_SLACK_SECONDS
+        if started is not None:
+            limit = max(0.0, started + limit - time.monotonic())
+        try:
+            try:
+                step = future.result(limit)
+            except concurrent.futures.TimeoutError as e:
+                future.cancel()
+                raise TimeoutError from e
         except MatchmakingError as e:
             logger.info("epoch %d: no group (%s)", average.epoch, e)
             return RoundOutcome(Round.NO_GROUP)
@@ -327,7 +375,67 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             spread=step.spread,
         )
 
+    # --- overlapped DiLoCo --------------------------------------------------------------
+
+    def _launch(self, average: Average) -> None:
+        """Overlap: start the round ``average`` asks for and let training go on."""
+        self._diloco.launched(average.group_size)
+        self._machine.launched()
+        self._in_flight = (average, self._start_round(average), time.monotonic())
+        logger.debug(
+            "epoch %d: round started for %d peers; training on meanwhile",
+            average.epoch,
+            average.group_size,
+        )
+
+    def _take_in_round(self, *, training: bool = False) -> None:
+        """Overlap: wait (if need be) for the round in flight and carry out its outcome:
+        the late outer step, or a resync. ``training``: the training loop is at its
+        next batch (not at the run's end or a checkpoint)."""
+        assert self._in_flight is not None
+        average, future, started = self._in_flight
+        began = time.monotonic()
+        outcome = self._round_outcome(average, future, started)
+        self._in_flight = None
+        waited = time.monotonic() - began
+        self._machine.counts.late_round_seconds += waited
+        logger.debug(
+            "epoch %d: round taken in %.3f s after it started (%s; waited %.3f s)",
+            average.epoch,
+            time.monotonic() - started,
+            outcome.kind.value,
+            waited,
+        )
+        if training and waited > began - started and not self._warned_late:
+            self._warned_late = True  # (once a run: it says what to change)
+            logger.warning(
+                "epoch %d: the round took %.2f s while the %d inner steps took %.2f s:"
+                " its outer step lands a whole outer step late, which costs loss; more"
+                " inner steps per outer step (--diloco H) would hide the round",
+                average.epoch,
+                time.monotonic() - started,
+                self._diloco.inner_steps,
+                began - started,
+            )
+        decision = self._machine.round_ended(outcome, dht_time())
+        if isinstance(decision, Resync):
+            self._diloco.launch_point = None
+            self._resync(decision)
+            return
+        self._diloco.apply_late()
+        self._finish_epoch()
+
+    def _abandon_round(self) -> None:
+        """Overlap: give up the round in flight (this peer resyncs or restarts)."""
+        if self._in_flight is None:
+            return
+        self._in_flight[1].cancel()
+        self._in_flight = None
+        self._diloco.launch_point = None
+        self._machine.abandoned()
+
     def _resync(self, resync: Resync) -> None:
+        self._abandon_round()
         log = logger.warning if resync.unusual else logger.info
         log("epoch %d: %s; resyncing", self.epoch, resync.reason)
         zero_grads(self.params)
@@ -394,6 +502,14 @@ class CollaborativeOptimizer(TorchOptimizerFace):
     def accumulated(self) -> int:
         """Samples this peer added toward the step that ends its epoch."""
         return self._machine.samples
+
+    @property
+    def phase(self) -> int:
+        """The epoch this peer's samples count toward now: :attr:`epoch`, or with
+        ``DiLoCoConfig.overlap`` the next one while the round that ends ``epoch`` is in
+        flight. A training loop that runs a fixed number of outer steps stops when this
+        reaches it, and :meth:`finish` takes the last round in."""
+        return self._machine.phase
 
     @property
     def inner_step(self) -> int:
@@ -477,7 +593,10 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         # The fingerprint of the round that ended the epoch goes with the state: a peer
         # that loads it is on that round's branch, and split detection sees it so.
         counters = {"epoch": self.epoch, "fingerprint": self._machine.fingerprint}
-        tensors, metadata = pack_state(self.params, self._updates.optimizers(), counters)
+        # DiLoCo serves its anchor: the swarm's parameters as of this epoch (with overlap,
+        # the parameters hold local steps on top of it already).
+        params = self._diloco.anchor if self.config.diloco is not None else self.params
+        tensors, metadata = pack_state(params, self._updates.optimizers(), counters)
         try:
             self.dht.peer.run(
                 self._averager.share_state(
@@ -591,6 +710,8 @@ class CollaborativeOptimizer(TorchOptimizerFace):
     def _extra_state(self) -> dict[str, Any]:
         if self.config.diloco is None:
             return {}
+        if self._in_flight is not None:  # the anchor is to be saved with its round in
+            self._take_in_round()
         return {
             "outer": self._diloco.outer.state_dict(),
             "anchor": [a.detach().clone() for a in self._diloco.anchor],
@@ -619,6 +740,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                 a.copy_(saved)
 
     def _restarted(self) -> None:
+        self._abandon_round()
         self._machine.restarted(self.epoch)
         self._averaged.zero()
         self._publish_now()
@@ -640,6 +762,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
             samples_per_second=self._machine.samples_per_second,
             num_rounds_not_agreed=counts.not_agreed,
             num_rounds_without_group=counts.no_group,
+            late_round_seconds=counts.late_round_seconds,
             round_seconds=counts.round_seconds,
             matchmaking_seconds=counts.matchmaking_seconds,
             allreduce_seconds=counts.allreduce_seconds,
@@ -653,6 +776,9 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         if self._closed:
             return
         self._closed = True
+        if self._in_flight is not None:
+            self._in_flight[1].cancel()
+            self._in_flight = None
         with self._read:
             self._read.notify_all()  # a wait in another thread ends now
 

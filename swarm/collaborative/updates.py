@@ -5,7 +5,10 @@ of its two modes. The decisions (when) are :mod:`swarm.collaborative.machine`'s.
   size); the update is their mean; the wrapped optimizer steps once per global step.
 - :class:`DiLoCoUpdates`: the wrapped optimizer steps on every local batch; the update
   is the parameters' change since the last outer step (anchor - parameters); an outer
-  Nesterov SGD steps on the averaged change.
+  Nesterov SGD steps on the averaged change. With ``overlap``, the round runs while
+  the next inner steps do, from a provisional start (:meth:`DiLoCoUpdates.launched`),
+  and the outer step is applied under the local steps taken meanwhile
+  (:meth:`DiLoCoUpdates.apply_late`).
 """
 
 from __future__ import annotations
@@ -92,6 +95,9 @@ class DiLoCoUpdates:
         self.buffers = buffers
         self.anchor = [p.detach().clone() for p in params]
         """The parameters at the last outer step."""
+        self.inner_steps = config.inner_steps
+        self.launch_point: list[torch.Tensor] | None = None
+        """Overlap: the parameters when the round in flight took its update."""
         self.outer = torch.optim.SGD(
             params,
             lr=config.outer_lr,
@@ -119,9 +125,53 @@ class DiLoCoUpdates:
     def restart(self) -> None:
         self.buffers.zero()
         self._anchor_here()
+        self.launch_point = None
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"inner": self.optimizer, "outer": self.outer}
+
+    def launched(self, group_size: int) -> None:
+        """Overlap: the update just built (in the host buffers) is about to be averaged
+        with ``group_size`` peers while training goes on. Training goes on from about
+        where the outer step will land (eager updates: Kale, Douillard and Donchev
+        2025): the anchor moved as the outer optimizer will move it, with this peer's
+        own share of the average (its update over ``group_size``) standing in for the
+        average. Call it before the round starts: the round writes the average into the
+        host buffers."""
+        group = self.outer.param_groups[0]
+        lr, momentum = group["lr"], group["momentum"]
+        with torch.no_grad():
+            for p, a, h in zip(self.params, self.anchor, self.buffers.host, strict=True):
+                # Nesterov SGD moves by lr x ((1 + m) g + m^2 b) for a new gradient g and
+                # the momentum b built up so far; plain SGD by lr x g.
+                step = h.to(device=p.device, dtype=p.dtype) * ((1 + momentum) / group_size)
+                built = self.outer.state.get(p, {}).get("momentum_buffer")
+                if built is not None:
+                    step.add_(built, alpha=momentum * momentum)
+                p.copy_(a).sub_(step, alpha=lr)
+        self.launch_point = [p.detach().clone() for p in self.params]
+
+    def apply_late(self) -> None:
+        """Overlap: the round started after :meth:`launched` ended with the swarm's
+        average in the host buffers. The outer step moves the anchor as :meth:`apply`
+        would, and the local steps taken since the launch are carried over on top of it
+        (parameters := new anchor + (parameters - provisional start)). Gradients in the
+        parameters (a batch not yet stepped) are left as they were."""
+        if self.launch_point is None:
+            raise RuntimeError("apply_late without a launched round")
+        grads = [p.grad for p in self.params]
+        with torch.no_grad():
+            for s, p, a in zip(self.launch_point, self.params, self.anchor, strict=True):
+                torch.sub(p, s, out=s)  # the local progress since the launch
+                p.copy_(a)
+        self.buffers.host_as_gradients(self.params)
+        self.outer.step()
+        self._anchor_here()
+        with torch.no_grad():
+            for p, s, g in zip(self.params, self.launch_point, grads, strict=True):
+                p.add_(s)
+                p.grad = g
+        self.launch_point = None
 
     def _anchor_here(self) -> None:
         with torch.no_grad():

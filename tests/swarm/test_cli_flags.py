@@ -17,9 +17,9 @@ from swarm.cli_fields import Flag, add_flags, field_docs, flag_values
 
 _TRAINING = (
     "--allow --allow-file --announce --centered-clip --checkpoint --checkpoint-every "
-    "--diloco --identity --initial-peers --listen --local-batch-size --metrics --no-relay "
-    "--num-peers --num-samples --num-threads --outer-lr --outer-momentum --progress "
-    "--reachability --reducers-per-part --run-id --run-key --seed --status-interval "
+    "--diloco --diloco-overlap --identity --initial-peers --listen --local-batch-size "
+    "--metrics --no-relay --num-peers --num-samples --num-threads --outer-lr --outer-momentum "
+    "--progress --reachability --reducers-per-part --run-id --run-key --seed --status-interval "
     "--swarm-key --target-batch-size --task --trust-run-key"
 )
 #: Every command's flags (positional arguments by their metavar), sorted.
@@ -113,6 +113,8 @@ def test_diloco_flags_make_a_diloco_config_only_when_asked() -> None:
     assert cli._trainer_config(parser.parse_args(["train"])).diloco is None
     args = parser.parse_args(["train", "--diloco", "5", "--outer-lr", "0.5"])
     assert cli._trainer_config(args).diloco == DiLoCoConfig(inner_steps=5, outer_lr=0.5)
+    args = parser.parse_args(["train", "--diloco", "5", "--diloco-overlap"])
+    assert cli._trainer_config(args).diloco == DiLoCoConfig(inner_steps=5, overlap=True)
 
 
 def test_demo_defaults_to_the_demo_config() -> None:

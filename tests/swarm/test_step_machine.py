@@ -38,13 +38,14 @@ def _ids(n: int) -> list[PeerID]:
     return [KeyPair.generate().peer_id for _ in range(n)]
 
 
-def _machine(policy: Policy | None = None) -> StepMachine:
+def _machine(policy: Policy | None = None, *, overlap: bool = False) -> StepMachine:
     return StepMachine(
         me=_ids(1)[0],
         policy=policy or GradientPolicy(),
         target_batch_size=TARGET,
         progress_expiration=EXPIRATION,
         max_wait_seconds=MAX_WAIT,
+        overlap=overlap,
     )
 
 
@@ -273,6 +274,58 @@ def test_diloco_stops_waiting_for_a_slow_peer_at_the_deadline() -> None:
     wait = m.batch(4, T0)
     assert isinstance(wait, Wait)
     assert isinstance(m.poll(wait, wait.deadline), Average)
+
+
+def test_overlapped_diloco_trains_on_while_its_round_runs_and_takes_it_in_by_the_next() -> None:
+    m = _machine(DiLoCoPolicy(inner_steps=2), overlap=True)
+    (a,) = _ids(1)
+    m.records = {a: _record(samples=8, averaging=True)}
+    assert m.batch(4, T0) == Train()
+    assert isinstance(m.batch(4, T0), Average)
+    m.launched()  # the driver trains on
+    assert (m.epoch, m.phase, m.averaging) == (0, 1, True)
+    with pytest.raises(RuntimeError):
+        m.launched()  # never two in flight
+    assert not m.round_due(False, 4, T0)  # running, and the next batch is a first one
+    assert m.batch(4, T0) == Train()  # that batch counts toward the next epoch
+    assert m.round_due(True, 4, T0)  # it ended: take it in
+    # Still running, but the next batch ends the outer step: wait for it first.
+    assert m.round_due(False, 4, T0) and not m.round_due(False, 0, T0)
+    m.records[a] = _record(epoch=1, at=T0 + 0.1)  # the other took it in already
+    assert m.round_due(False, 0, T0 + 0.1)
+    assert m.round_ended(AGREED, T0 + 0.2) == Step()
+    m.finish_epoch()
+    assert (m.epoch, m.phase, m.samples, m.averaging) == (1, 1, 4, False)
+
+
+def test_overlapped_diloco_drops_a_failed_round_but_keeps_its_place_in_the_inner_steps() -> None:
+    m = _machine(DiLoCoPolicy(inner_steps=3), overlap=True)
+    (a,) = _ids(1)
+    m.records = {a: _record(samples=8, averaging=True)}
+    for _ in range(3):
+        decision = m.batch(4, T0)
+    assert isinstance(decision, Average)
+    m.launched()
+    m.batch(4, T0)
+    resync = m.round_ended(RoundOutcome(Round.NOT_AGREED), T0 + 1)
+    assert isinstance(resync, Resync) and resync.drop_update
+    assert m.phase == m.epoch == 0  # nothing in flight any more
+    m.loaded(1, b"g" * 16)  # mid-way: the others count their inner steps on
+    assert (m.epoch, m.inner_steps % 3, m.in_flight) == (1, 1, None)
+    m.records = {a: _record(epoch=1, samples=4, averaging=True, at=T0 + 1)}
+    assert m.batch(4, T0 + 1) == Train() and isinstance(m.batch(4, T0 + 1), Average)
+    m.launched()
+    m.abandoned()  # a split, say: the round's update is given up
+    assert (m.phase, m.averaging) == (1, False)
+
+
+def test_without_overlap_a_round_is_never_launched_and_a_load_restarts_the_inner_steps() -> None:
+    m = _machine(DiLoCoPolicy(inner_steps=3))
+    with pytest.raises(RuntimeError):
+        m.launched()
+    m.batch(4, T0)
+    m.loaded(2, b"")
+    assert (m.inner_steps, m.phase) == (0, 2)
 
 
 @pytest.mark.parametrize("claims", [[4], [4, 4, 4], [0, 0, 0, 0, 0]])

@@ -12,6 +12,7 @@ import torch
 
 from peers.config import LOOPBACK_LISTEN_ADDRS as LOCAL
 from swarm.checkpoint import read_state
+from swarm.collaborative.config import DiLoCoConfig
 from swarm.errors import CheckpointError, TaskError
 from swarm.trainer import TrainerConfig, train
 
@@ -90,3 +91,14 @@ def test_the_printed_join_command_carries_the_reducers_per_part() -> None:
     command = join_command(TrainerConfig(task="digits", reducers_per_part=3), peers)
     assert "--reducers-per-part 3" in command
     assert "--reducers-per-part" not in join_command(TrainerConfig(task="digits"), peers)
+
+
+def test_the_printed_join_command_carries_every_diloco_setting_a_run_shares() -> None:
+    from swarm.train_command import join_command
+
+    peers = ["/ip4/198.18.0.1/tcp/31337/p2p/12D3KooWLRPJAA5o6Bm8hJ4THgf1AR9kDT6KkFEXdB2hQFMBsAnt"]
+    diloco = DiLoCoConfig(inner_steps=7, outer_lr=0.5, outer_momentum=0.8, overlap=True)
+    command = join_command(TrainerConfig(task="digits", diloco=diloco), peers)
+    assert command.endswith(" --diloco 7 --outer-lr 0.5 --outer-momentum 0.8 --diloco-overlap")
+    plain = join_command(TrainerConfig(task="digits", diloco=DiLoCoConfig(inner_steps=7)), peers)
+    assert plain.endswith(" --diloco 7")
