@@ -47,6 +47,14 @@ from swarm.collaborative.progress import PeerProgress, SwarmProgress, split_winn
 
 #: Seconds over which a peer's own throughput is measured before it is published.
 RATE_WINDOW_SECONDS = 1.0
+#: After a state download for a swarm ahead failed, seconds before the next try; each
+#: failure in a row doubles it, up to :data:`MAX_LOAD_RETRY_SECONDS`. Without it, a peer
+#: whose donors could not agree on a state tried again on every batch: hundreds of
+#: futile downloads a second, each asking every donor.
+LOAD_RETRY_SECONDS = 1.0
+MAX_LOAD_RETRY_SECONDS = 16.0
+#: The reason of a :class:`Wait` for the next try of a state download.
+RETRY_WAIT = "the next try of a state download"
 
 
 def chain_fingerprint(branch: bytes, round_fingerprint: bytes) -> bytes:
@@ -289,6 +297,10 @@ class StepMachine:
     """Overlap: the samples of the round in flight (launched, outcome not yet
     reported); those added since belong to the next epoch. None: no round in flight."""
     _rate_since: float | None = None
+    _load_failures: int = 0
+    """State downloads for a swarm ahead that failed in a row."""
+    _retry_at: float = 0.0
+    """When the next download for a swarm ahead may be tried."""
     _rate_samples: int = 0
     _last_view: SwarmProgress | None = None
 
@@ -303,7 +315,11 @@ class StepMachine:
             self._measure(samples, now)
         view = self.view(now)
         if view.epoch > self.epoch:
-            return Resync(f"the swarm is at epoch {view.epoch}")
+            if now >= self._retry_at:
+                return Resync(f"the swarm is at epoch {view.epoch}")
+            # The last download failed: train on (a DiLoCo step, or samples a load will
+            # drop) until the next try; nothing to add: wait for it.
+            return Train() if samples else Wait(self._retry_at, RETRY_WAIT, now)
         split = self._follow_majority(now, "the swarm split")
         if split is not None:
             return split
@@ -311,7 +327,10 @@ class StepMachine:
 
     def poll(self, wait: Wait, now: float) -> Decision:
         """New records arrived while waiting, or ``wait.deadline`` passed."""
-        decision = self.policy.poll(self, wait, now)
+        if wait.reason == RETRY_WAIT:
+            decision: Decision = wait if now < wait.deadline else Train()
+        else:
+            decision = self.policy.poll(self, wait, now)
         if decision is not wait:
             self.counts.wait_seconds += now - wait.since
         return decision
@@ -420,6 +439,7 @@ class StepMachine:
         self.averaging = False
         self.in_flight = None
         self.counts.loads += 1
+        self._load_failures, self._retry_at = 0, 0.0
         self.refused_branches.clear()
 
     def abandoned(self) -> None:
@@ -428,11 +448,16 @@ class StepMachine:
         self.in_flight = None
         self.averaging = False
 
-    def load_failed(self, resync: Resync) -> None:
-        """No state could be had for ``resync``: this peer goes on with its own."""
+    def load_failed(self, resync: Resync, now: float) -> None:
+        """No state could be had for ``resync``: this peer goes on with its own, and
+        tries a swarm ahead again only after a pause (:data:`LOAD_RETRY_SECONDS`,
+        doubling with each failure in a row)."""
         if resync.fingerprint is not None:
             self.refused_branches.add(resync.fingerprint)
         self.averaging = False
+        pause = min(LOAD_RETRY_SECONDS * 2**self._load_failures, MAX_LOAD_RETRY_SECONDS)
+        self._load_failures += 1
+        self._retry_at = now + pause
 
     def restarted(self, epoch: int) -> None:
         """The epoch was set from outside (a ``state_dict``): start it afresh, on no

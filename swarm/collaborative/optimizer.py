@@ -445,7 +445,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
         if not self._load_state(donors=donors, fingerprint=resync.fingerprint):
             # A branch whose peers cannot give its state (a quorum of distinct networks,
             # that fits) is no majority: this peer stays on its own.
-            self._machine.load_failed(resync)
+            self._machine.load_failed(resync, dht_time())
             self._publish_now()
 
     def _finish_epoch(self) -> None:

@@ -176,11 +176,34 @@ def test_a_split_swarm_follows_the_larger_branch_unless_it_cannot_have_its_state
     assert resync.fingerprint == b"theirs" and set(resync.donors or ()) == set(others[1:])
     assert resync.unusual  # a split is worth a warning; a late join is not
     assert m.counts.splits == 1
-    m.load_failed(resync)  # no quorum offered it: identities are no majority
+    m.load_failed(resync, T0)  # no quorum offered it: identities are no majority
     assert m.batch(4, T0 + 1) == Train()
     assert m.samples == 4  # what it accumulated on its own branch still counts
     m.loaded(3, b"theirs")  # later, it did get the branch's state
     assert not m.refused_branches and m.fingerprint == b"theirs"
+
+
+def test_a_failed_download_for_a_swarm_ahead_is_tried_again_after_a_growing_pause() -> None:
+    # Donors that could not agree on a state made a peer try again on every batch:
+    # hundreds of futile downloads a second.
+    m = _machine()
+    (a,) = _ids(1)
+    for attempt, pause in enumerate((1.0, 2.0, 4.0)):
+        now = T0 + 10 * attempt
+        m.records = {a: _record(epoch=5, at=now)}
+        resync = m.batch(4, now)
+        assert isinstance(resync, Resync) and not resync.fingerprint
+        m.load_failed(resync, now)
+        assert m.batch(4, now + 0.1) == Train()  # trains on meanwhile
+        wait = m.batch(0, now + 0.1)  # nothing to add: waits for the next try
+        assert isinstance(wait, Wait) and wait.deadline == now + pause
+        assert m.poll(wait, now + pause / 2) is wait
+        assert m.poll(wait, now + pause) == Train()
+        assert isinstance(m.batch(4, now + pause), Resync)
+    m.loaded(5, b"f" * 16)
+    m.restarted(0)  # (behind again, say)
+    m.records = {a: _record(epoch=5, at=T0 + 20)}
+    assert isinstance(m.batch(4, T0 + 20.1), Resync)  # a success reset the pause
 
 
 def test_peers_gone_from_the_records_leave_the_round_and_a_last_peer_steps_alone() -> None:
@@ -206,7 +229,7 @@ def test_failed_rounds_drop_the_update_and_resync() -> None:
         resync = m.round_ended(RoundOutcome(kind), T0)
         assert isinstance(resync, Resync) and resync.drop_update
         assert m.samples == 0 and getattr(m.counts, counter) == 1
-        m.load_failed(resync)
+        m.load_failed(resync, T0)
         assert not m.averaging  # its record no longer pulls others into a round
     assert isinstance(m.batch(32, T0), Average)
     resync = m.round_ended(RoundOutcome(Round.NON_FINITE), T0)
@@ -389,7 +412,7 @@ def test_a_split_last_epoch_ends_on_the_majority_branch() -> None:
     assert isinstance(resync, Resync) and resync.fingerprint == b"a" * 16
     assert set(resync.donors or ()) == {a, b} and not resync.drop_update
     assert m.counts.splits == 1
-    m.load_failed(resync)  # the majority could not give its state: ours stands
+    m.load_failed(resync, T0)  # the majority could not give its state: ours stands
     assert m.settled(T0) is None
     # on the majority branch, a peer waits for the minority to follow before it leaves
     m.records = {a: _record(30, fingerprint=b"m" * 16), b: _record(30, fingerprint=b"z" * 16)}
