@@ -15,13 +15,13 @@ from swarm.testing import trainer_node
 
 async def poisoning_trainer(node: Node) -> None:
     factor = float(node.options.get("poison", -1000.0))
-    honest_average = CollaborativeOptimizer._average
+    honest_start = CollaborativeOptimizer._start_round  # (the update is built: send it)
 
-    def poisoned(self: CollaborativeOptimizer, *args: Any, **kwargs: Any) -> bool:
+    def poisoned(self: CollaborativeOptimizer, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
             for b in self.buffers:
                 b.mul_(factor)
-        return honest_average(self, *args, **kwargs)
+        return honest_start(self, *args, **kwargs)
 
-    CollaborativeOptimizer._average = poisoned  # type: ignore[method-assign]
+    CollaborativeOptimizer._start_round = poisoned  # type: ignore[method-assign]
     await trainer_node(node)
