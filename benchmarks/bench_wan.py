@@ -603,8 +603,12 @@ class TrainTask:
     """The task recipe's global batch (checked against the recipe when it runs)."""
     num_samples: int
     inner_steps: int
+    outer_momentum: float | None = None
+    """Our DiLoCo's outer momentum (None: ``DiLoCoConfig``'s, the paper's 0.9)."""
 
     def __post_init__(self) -> None:
+        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.batch_size < 1 or self.inner_steps < 1:
             raise ValueError(f"batch_size and inner_steps must be >= 1 in {self}")
         if self.num_samples < self.batch_size * self.inner_steps:
@@ -753,6 +757,8 @@ def run_ours_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -> Tr
     ]  # fmt: skip
     if mode.startswith("diloco"):
         argv += ["--diloco", str(plan.inner_steps)]
+        if plan.outer_momentum is not None:
+            argv += ["--outer-momentum", str(plan.outer_momentum)]
     if mode == "diloco-overlap":
         argv.append("--diloco-overlap")
     procs: list[subprocess.Popen[str]] = []
@@ -1224,6 +1230,12 @@ def main(argv: list[str] | None = None) -> int:
         " train scenario (default 10; --quick: 4)",
     )
     parser.add_argument(
+        "--train-outer-momentum",
+        type=float,
+        metavar="M",
+        help="our DiLoCo's outer momentum in the train scenario (default 0.9, the paper's)",
+    )
+    parser.add_argument(
         "--train-modes",
         help=f"comma-separated modes of the train scenario: {', '.join(TRAIN_MODES)}"
         " (default: all)",
@@ -1273,6 +1285,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag, name, value in (
         ("--train-samples", "num_samples", args.train_samples),
         ("--train-inner-steps", "inner_steps", args.train_inner_steps),
+        ("--train-outer-momentum", "outer_momentum", args.train_outer_momentum),
     ):
         if value is not None:
             try:

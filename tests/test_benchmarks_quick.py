@@ -115,6 +115,7 @@ def test_pipeline_benchmark_runs_and_checks_the_synchronous_losses() -> None:
         ("bench_wan.py", ["--train-tasks", "digits,imagenet"], "give each once, from digits"),
         ("bench_wan.py", ["--train-samples", "10"], "at least one DiLoCo period"),
         ("bench_wan.py", ["--train-modes", "diloco,async"], "--train-modes diloco,async: give"),
+        ("bench_wan.py", ["--train-outer-momentum", "1"], "outer_momentum must be in [0, 1)"),
         ("bench_pipeline.py", ["--models", "wide,gpt5"], "unknown model(s) gpt5"),
         ("bench_pipeline.py", ["--widths", "64,30"], "each a multiple of the 4 heads"),
     ],

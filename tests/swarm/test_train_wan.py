@@ -36,9 +36,7 @@ RATE_MBIT = 100.0
 ONE_WAY_MS = 20.0
 
 
-def _train_80_ms_apart(
-    extra: Sequence[str], epochs: int = STEPS
-) -> tuple[list[str], list[str]]:
+def _train_80_ms_apart(extra: Sequence[str], epochs: int = STEPS) -> tuple[list[str], list[str]]:
     """One run of ``swarm train`` (``extra``: more flags) and three ``swarm join``s, each
     on its own shaped host, that must end after ``epochs``; what each printed on its
     stdout and on its stderr, the trainer's first."""
