@@ -24,7 +24,7 @@ FAST = {"progress_expiration": 3.0, "max_wait_seconds": 1.0}
 
 def _start(
     swarm: LocalSwarm, centered_clip: bool, steps: int, hostile: str = HOSTILE, **extra: Any
-) -> list[PeerProcess]:
+) -> tuple[list[PeerProcess], PeerProcess]:
     """Three honest trainers and one ``hostile`` one; ``extra``: more trainer options."""
     (boot,) = swarm.start(1, target="peers.dht.testing:dht_node")
     options = {
@@ -40,8 +40,15 @@ def _start(
         **extra,
     }
     honest = [swarm.start(1, target=HONEST, options=options)[0] for _ in range(3)]
-    swarm.start(1, target=hostile, options=options)
-    return honest
+    (attacker,) = swarm.start(1, target=hostile, options=options)
+    return honest, attacker
+
+
+def attacked(attacker: PeerProcess) -> None:
+    """The attacker is still up: a target that crashed (a method it patches was renamed)
+    would leave the honest peers training among themselves, and the test would pass
+    without an attack."""
+    assert attacker.popen.poll() is None, f"the attacker exited:\n{attacker.log_tail(40)}"
 
 
 def _losses_until(peer: PeerProcess, epoch: int, seconds: float) -> list[float]:
@@ -75,12 +82,14 @@ def trained_together(honest: list[PeerProcess], steps: int, accuracy: float) -> 
 
 def test_one_poisoning_peer_ruins_the_mean_but_not_centered_clip() -> None:
     with LocalSwarm() as swarm:
-        honest = _start(swarm, centered_clip=True, steps=STEPS)
+        honest, attacker = _start(swarm, centered_clip=True, steps=STEPS)
         # One process on the same batches: 0.950 after 60 steps (0.897 here): slowed, not stopped.
         trained_together(honest, STEPS, accuracy=0.8)
+        attacked(attacker)
     # The attack works on the mean: the same swarm without the defence is lost.
     with LocalSwarm() as swarm:
-        honest = _start(swarm, centered_clip=False, steps=STEPS)
+        honest, attacker = _start(swarm, centered_clip=False, steps=STEPS)
+        attacked(attacker)
         losses = _losses_until(honest[0], epoch=10, seconds=60)
     print("mean:", losses)
     assert any(not math.isfinite(x) or x > 100 for x in losses), losses

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from peers.testing import LocalSwarm
-from tests.swarm.test_hostile_gradients import _start, trained_together
+from tests.swarm.test_hostile_gradients import _start, attacked, trained_together
 
 TARGETS = Path(__file__).parent / "targets"
 LIAR = f"{TARGETS / 'lying_reducer.py'}:lying_reducer"
@@ -21,6 +21,9 @@ def test_three_reducers_per_part_outvote_a_peer_that_publishes_wrong_averages() 
     ``tests/averaging/test_replicated.py``; a swarm of these four stayed at a loss of
     2.30, a guess among the ten digits, through 10 steps.)"""
     with LocalSwarm() as swarm:
-        honest = _start(swarm, centered_clip=False, steps=STEPS, hostile=LIAR, reducers_per_part=3)
+        honest, liar = _start(
+            swarm, centered_clip=False, steps=STEPS, hostile=LIAR, reducers_per_part=3
+        )
         # (0.914 here, the liar's copies outvoted in every round)
         trained_together(honest, STEPS, accuracy=0.85)
+        attacked(liar)
