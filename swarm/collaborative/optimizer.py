@@ -379,7 +379,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
 
     def _launch(self, average: Average) -> None:
         """Overlap: start the round ``average`` asks for and let training go on."""
-        self._diloco.launched(average.group_size)
+        self._diloco.launched()
         self._machine.launched()
         self._in_flight = (average, self._start_round(average), time.monotonic())
         logger.debug(

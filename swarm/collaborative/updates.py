@@ -130,21 +130,22 @@ class DiLoCoUpdates:
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"inner": self.optimizer, "outer": self.outer}
 
-    def launched(self, group_size: int) -> None:
+    def launched(self) -> None:
         """Overlap: the update just built (in the host buffers) is about to be averaged
-        with ``group_size`` peers while training goes on. Training goes on from about
-        where the outer step will land (eager updates: Kale, Douillard and Donchev
-        2025): the anchor moved as the outer optimizer will move it, with this peer's
-        own share of the average (its update over ``group_size``) standing in for the
-        average. Call it before the round starts: the round writes the average into the
-        host buffers."""
+        while training goes on. Training goes on from about where the outer step will
+        land (eager updates, after Kale, Douillard and Donchev 2025): the anchor moved
+        as the outer optimizer will move it, with this peer's own update standing in for
+        the average. (Their share of it, the update over the group size, left the
+        inner steps a whole outer step behind: at 80 ms, 25% more loss than plain
+        DiLoCo where this start costs 10%, docs/benchmarks.md.) Call it before the round
+        starts: the round writes the average into the host buffers."""
         group = self.outer.param_groups[0]
         lr, momentum = group["lr"], group["momentum"]
         with torch.no_grad():
             for p, a, h in zip(self.params, self.anchor, self.buffers.host, strict=True):
                 # Nesterov SGD moves by lr x ((1 + m) g + m^2 b) for a new gradient g and
                 # the momentum b built up so far; plain SGD by lr x g.
-                step = h.to(device=p.device, dtype=p.dtype) * ((1 + momentum) / group_size)
+                step = h.to(device=p.device, dtype=p.dtype) * (1 + momentum)
                 built = self.outer.state.get(p, {}).get("momentum_buffer")
                 if built is not None:
                     step.add_(built, alpha=momentum * momentum)

@@ -27,11 +27,11 @@ def test_the_late_outer_step_lands_under_the_steps_taken_while_the_round_ran() -
     _local_step(late, param, [1.0, 0.0, -1.0])  # params 0.9, 2.0, 3.1
     late.build(1)  # the update: anchor - params = 0.1, 0.0, -0.1
     assert torch.allclose(late.buffers.host[0], torch.tensor([0.1, 0.0, -0.1]))
-    late.launched(group_size=2)
-    # Training goes on from the anchor moved by this peer's half of the average, as
-    # outer SGD at 0.5 would move it: 0.975, 2.0, 3.025.
-    assert torch.allclose(param.detach(), torch.tensor([0.975, 2.0, 3.025]))
-    _local_step(late, param, [0.0, 1.0, 0.0])  # meanwhile: 0.975, 1.9, 3.025
+    late.launched()
+    # Training goes on from the anchor moved by this peer's update standing in for the
+    # average, as outer SGD at 0.5 would move it: 0.95, 2.0, 3.05.
+    assert torch.allclose(param.detach(), torch.tensor([0.95, 2.0, 3.05]))
+    _local_step(late, param, [0.0, 1.0, 0.0])  # meanwhile: 0.95, 1.9, 3.05
     late.buffers.host[0].copy_(torch.tensor([0.2, 0.2, 0.2]))  # the swarm's average
     param.grad = torch.tensor([7.0, 7.0, 7.0])  # a batch not stepped yet
     late.apply_late()
@@ -54,7 +54,7 @@ def test_with_nothing_trained_meanwhile_the_late_step_is_the_plain_one() -> None
             updates.build(1)
             updates.buffers.host[0].mul_(0.5)  # "the swarm's average"
         plain.apply()
-        late.launched(group_size=3)
+        late.launched()
         late.apply_late()
         assert torch.equal(plain_param.detach(), late_param.detach())
         assert torch.equal(plain.anchor[0], late.anchor[0])
@@ -62,13 +62,13 @@ def test_with_nothing_trained_meanwhile_the_late_step_is_the_plain_one() -> None
 
 def test_the_provisional_start_is_the_outer_step_on_this_peers_share() -> None:
     updates, param = _updates(outer_lr=0.5, momentum=0.5)
-    # Nesterov at lr 0.5, momentum 0.5 moves by 0.5 x (1.5 g + 0.25 b): a quarter of this
-    # peer's 0.1 for g, and b the momentum of the steps before (none, then 0.1).
-    for moved in (0.5 * 1.5 * 0.025, 0.5 * (1.5 * 0.025 + 0.25 * 0.1)):
+    # Nesterov at lr 0.5, momentum 0.5 moves by 0.5 x (1.5 g + 0.25 b): this peer's 0.1
+    # for g, and b the momentum of the steps before (none, then 0.1).
+    for moved in (0.5 * 1.5 * 0.1, 0.5 * (1.5 * 0.1 + 0.25 * 0.1)):
         _local_step(updates, param, [1.0, 1.0, 1.0])
         updates.build(1)
         anchor = updates.anchor[0].clone()
-        updates.launched(group_size=4)
+        updates.launched()
         assert torch.allclose(param.detach(), anchor - moved)
         updates.apply_late()  # (the buffers hold this peer's 0.1: it averaged alone)
 
@@ -77,7 +77,7 @@ def test_a_restart_forgets_the_round_in_flight() -> None:
     updates, param = _updates()
     _local_step(updates, param, [1.0, 1.0, 1.0])
     updates.build(1)
-    updates.launched(group_size=2)
+    updates.launched()
     updates.restart()
     assert updates.launch_point is None
     assert torch.equal(updates.anchor[0], param.detach())
