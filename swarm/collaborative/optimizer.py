@@ -414,7 +414,7 @@ class CollaborativeOptimizer(TorchOptimizerFace):
                 " inner steps per outer step (--diloco H) would hide the round",
                 average.epoch,
                 time.monotonic() - started,
-                self._diloco.inner_steps,
+                self.config.diloco.inner_steps if self.config.diloco else 0,
                 began - started,
             )
         decision = self._machine.round_ended(outcome, dht_time())

@@ -95,7 +95,6 @@ class DiLoCoUpdates:
         self.buffers = buffers
         self.anchor = [p.detach().clone() for p in params]
         """The parameters at the last outer step."""
-        self.inner_steps = config.inner_steps
         self.launch_point: list[torch.Tensor] | None = None
         """Overlap: the parameters when the round in flight took its update."""
         self.outer = torch.optim.SGD(
@@ -114,13 +113,8 @@ class DiLoCoUpdates:
         self.buffers.to_host()
 
     def apply(self) -> None:
-        with torch.no_grad():
-            for p, a in zip(self.params, self.anchor, strict=True):
-                p.copy_(a)
-        self.buffers.host_as_gradients(self.params)
-        self.outer.step()
+        self._outer_step()
         zero_grads(self.params)
-        self._anchor_here()
 
     def restart(self) -> None:
         self.buffers.zero()
@@ -162,17 +156,24 @@ class DiLoCoUpdates:
             raise RuntimeError("apply_late without a launched round")
         grads = [p.grad for p in self.params]
         with torch.no_grad():
-            for s, p, a in zip(self.launch_point, self.params, self.anchor, strict=True):
+            for s, p in zip(self.launch_point, self.params, strict=True):
                 torch.sub(p, s, out=s)  # the local progress since the launch
-                p.copy_(a)
-        self.buffers.host_as_gradients(self.params)
-        self.outer.step()
-        self._anchor_here()
+        self._outer_step()
         with torch.no_grad():
             for p, s, g in zip(self.params, self.launch_point, grads, strict=True):
                 p.add_(s)
                 p.grad = g
         self.launch_point = None
+
+    def _outer_step(self) -> None:
+        """The outer optimizer steps from the anchor with the host buffers' average as
+        its gradient; the result is the new anchor (and the parameters)."""
+        with torch.no_grad():
+            for p, a in zip(self.params, self.anchor, strict=True):
+                p.copy_(a)
+        self.buffers.host_as_gradients(self.params)
+        self.outer.step()
+        self._anchor_here()
 
     def _anchor_here(self) -> None:
         with torch.no_grad():
