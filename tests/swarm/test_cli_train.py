@@ -207,6 +207,7 @@ def test_a_late_joiner_loads_the_state_the_run_key_signed(tmp_path: Path) -> Non
         (["train", "--diloco", "0"], "error: argument --diloco: must be at least 1"),
         (["train", "--outer-momentum", "1.5", "--diloco", "5"], "error: need outer_lr > 0"),
         (["train", "--diloco-overlap"], "error: --diloco-overlap needs --diloco H"),
+        (["train", "--diloco", "5", "--diloco-overlap=on"], "--diloco-overlap: ignored explicit"),
         (["train", "--num-samples", "-1"], "error: argument --num-samples"),
         (["join"], "error: the following arguments are required: --initial-peers"),
         (["join", "--reachability", "sideways"], "argument --reachability: invalid choice"),
