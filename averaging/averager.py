@@ -282,7 +282,7 @@ class Averager:
                 offset += n
 
     def _measured(self, outcome: AllReduceResult) -> None:
-        rate = outcome.received_bytes_per_second
+        rate = outcome.link_bytes_per_second
         if outcome.transfer.bytes_received > 0 and math.isfinite(rate) and rate > 0:
             if self._rate_measured:
                 rate = BANDWIDTH_SMOOTHING * rate + (1 - BANDWIDTH_SMOOTHING) * self.bandwidth

@@ -5,15 +5,20 @@ deadlines into ``on_*_failed`` calls.
 
 Member ``i`` reduces part ``i`` of the flat vector (sized by bandwidth,
 :func:`~averaging.allreduce.partition.split_parts`) from every member's chunks as they stream in,
-then sends the averaged part back (docs/design/averaging.md,
-"Parts sized by bandwidth"). The fault rules (the same page, "Faults"):
+and sends each chunk's average back as soon as every live member's copy of it is in
+(docs/design/averaging.md, "Parts sized by bandwidth" and "Reduction overlaps
+transfer"). The fault rules (the same page, "Faults"):
 
 1. A peer that dies, stalls (the caller's deadline) or sends garbage is *excluded*: one
    failure set per round, for both roles. Its chunks are dropped from every part I have
    not finalised yet (exactly: :class:`~averaging.allreduce.reduction.PartReduction`), and I stop
    waiting for it. Garbage is whatever :class:`RejectReason` marks ``excludes_peer``.
 2. A part is final once every non-excluded member's whole contribution is in; its
-   contributors are then fixed, and only then is it published.
+   contributors are then fixed. A chunk published before (:class:`ChunksAveraged`) is
+   averaged over every member not excluded at the time; if one is excluded before the
+   part is final, such chunks are averaged again without it and published again with
+   the smaller set, which replaces them at the receivers. Within a part the set may
+   only shrink, and a part is received once all its chunks carry the same set.
 3. A failed reducer's part, whatever of it arrived, is discarded and re-reduced by
    :func:`plan_reassignment`'s choice, a pure function of the failure set; senders send
    it their chunks again. If no member can reduce it, it stays at my own value.
@@ -35,7 +40,7 @@ contains every survivor; :meth:`RoundResult.fingerprint` lets them check it chea
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields
 from types import MappingProxyType
 
@@ -46,6 +51,7 @@ from averaging.allreduce.partition import chunk_ranges
 from averaging.allreduce.records import (
     AveragedPart,
     ChunkDeferred,
+    ChunksAveraged,
     Outgoing,
     OutgoingAveraged,
     PartAbandoned,
@@ -119,6 +125,8 @@ class ButterflyRound:
         self._assignee: list[PeerID] = [spec.members[o] for o in spec.owners]
         self._reductions: dict[int, PartReduction | CenteredClipReduction] = {}
         self._finals: dict[int, AveragedPart] = {}
+        # Parts I reduce: chunk -> the contributors it was last published with.
+        self._chunk_sets: dict[int, dict[int, frozenset[PeerID]]] = {}
         self._published: dict[int, torch.Tensor] = {}
         self._receipts: dict[int, PartReceipt] = {}
         self._abandoned: dict[int, str] = {}
@@ -198,7 +206,7 @@ class ButterflyRound:
             return [ChunkDeferred(sender, part_index, chunk_index)]
         reduction.add(sender, chunk_index, values, float(weight))
         self._counts["num_chunks_accepted"] += 1
-        return self._try_finalize(part_index)
+        return self._try_finalize(part_index, (chunk_index,))
 
     def my_part_ready(self) -> bool:
         """True when my own parts are final (or empty: a client-mode member reduces
@@ -226,6 +234,46 @@ class ButterflyRound:
             raise RoundError(f"part {index} is not a final part of mine")
         return self._finals[index]
 
+    def publishable_chunks(self, part_index: int) -> list[OutgoingAveraged]:
+        """The averaged chunks of a part I reduce not yet published over the members
+        they average now, for every live member but me, marked published: call on
+        :class:`ChunksAveraged` and :class:`PartReady`. A chunk published early and
+        averaged again after an exclusion comes out again, with fewer contributors.
+        Empty once withdrawn."""
+        reduction = self._reductions.get(part_index)
+        if reduction is None or self._excluded_by:
+            return []
+        final = self._finals.get(part_index)
+        if final is not None:
+            contributors, values = final.contributors, final.values
+        elif isinstance(reduction, PartReduction):
+            live = frozenset(m for m in self._members if m not in self._failed)
+            contributors, values = live, reduction.values
+        else:
+            return []
+        sent = self._chunk_sets.setdefault(part_index, {})
+        start = self._parts[part_index][0]
+        out = []
+        for c, (s, e) in enumerate(self._chunks[part_index]):
+            if sent.get(c) == contributors:
+                continue
+            if final is None and not (
+                isinstance(reduction, PartReduction) and reduction.averaged(c)
+            ):
+                continue
+            if c in sent:
+                self._counts["num_chunks_republished"] += 1
+            elif final is None:
+                self._counts["num_chunks_published_early"] += 1
+            sent[c] = contributors
+            chunk = values[s - start : e - start]
+            out += [
+                OutgoingAveraged(to, part_index, c, s, e, chunk, contributors)
+                for to in self._members
+                if to != self._me and to not in self._failed
+            ]
+        return out
+
     def published_chunks(self, part_index: int) -> Iterator[OutgoingAveraged]:
         """The averaged chunks of a final part of mine, for every live member but me
         (none once withdrawn). Raises :class:`RoundError` as :meth:`reduced_part`."""
@@ -237,17 +285,28 @@ class ButterflyRound:
                 values = part.values[s - part.start : e - part.start]
                 yield OutgoingAveraged(to, part_index, c, s, e, values, part.contributors)
 
-    def set_published_part(self, part_index: int, values: torch.Tensor) -> None:
-        """Hold ``values`` for a part of mine instead of its exact mean: when averaged
-        parts travel through a lossy codec, pass what receivers decode, so that I hold
-        the same tensor they do. Raises :class:`RoundError` for a wrong shape or dtype,
-        non-finite values, or a part that is not a final part of mine."""
-        part = self.reduced_part(part_index)
-        if values.dtype != torch.float32 or values.shape != part.values.shape:
-            raise RoundError("published values must match the part's float32 shape")
+    def set_published_chunk(self, part_index: int, chunk_index: int, values: torch.Tensor) -> None:
+        """Hold ``values`` for one chunk of a part I reduce instead of its exact mean:
+        when averaged chunks travel through a lossy codec, pass what receivers decode,
+        each time a chunk is published, so that I hold the same tensor they do. Raises
+        :class:`RoundError` for a chunk not of mine, a wrong shape or dtype, or values
+        that are not finite."""
+        if part_index not in self._reductions or not 0 <= chunk_index < len(
+            self._chunks[part_index]
+        ):
+            raise RoundError(f"part {part_index} chunk {chunk_index} is not a chunk of mine")
+        start = self._parts[part_index][0]
+        s, e = self._chunks[part_index][chunk_index]
+        if values.dtype != torch.float32 or values.shape != (e - s,):
+            raise RoundError("published values must match the chunk's float32 shape")
         if not all_finite(values):
             raise RoundError("published values hold NaN or infinity")
-        self._published[part_index] = values.detach().to(self._local.device)
+        held = self._published.get(part_index)
+        if held is None:
+            held = self._published[part_index] = empty_float32(
+                self._parts[part_index][1] - start, self._local.device
+            )
+        held[s - start : e - start].copy_(values)
 
     def held_part(self, part_index: int) -> tuple[PeerID, frozenset[PeerID], torch.Tensor] | None:
         """``(reducer, contributors, values)`` of a part I hold in full (one I finalised,
@@ -304,13 +363,18 @@ class ButterflyRound:
             if reason is None and not all_finite(values):
                 reason = RejectReason.NON_FINITE
             if reason is None and chunk_index in receipt.chunks:
-                reason = RejectReason.DUPLICATE
+                if contributors == receipt.contributors:
+                    reason = RejectReason.DUPLICATE
         if reason is not None or receipt is None:
             return self._reject(reducer, part_index, chunk_index, reason or RejectReason.DUPLICATE)
         events: list[RoundEvent] = []
         for member in self._members:
             if member not in contributors and member not in self._failed:
                 events += self._exclude(member, f"excluded by reducer {reducer}")
+        if receipt.contributors != contributors:
+            # Fewer contributors than the chunks before (the reducer dropped a member
+            # and averages the part again): those chunks are replaced as they come.
+            receipt.chunks.clear()
         receipt.contributors = contributors
         receipt.chunks.add(chunk_index)
         # Into the result now, while the values are hot in cache (they were just
@@ -560,9 +624,15 @@ class ButterflyRound:
             return RejectReason.BAD_CONTRIBUTORS
         if reducer not in contributors:
             return RejectReason.BAD_CONTRIBUTORS
-        if receipt.contributors not in (None, contributors):
-            return RejectReason.INCONSISTENT_CONTRIBUTORS
-        return None
+        if receipt.contributors is None or contributors == receipt.contributors:
+            return None
+        if contributors > receipt.contributors:
+            return RejectReason.SUPERSEDED  # sent before the reducer dropped a member
+        if contributors < receipt.contributors and not receipt.complete:
+            return None  # averaged again without a member: replaces what came before
+        # A whole part came with its final contributors: an honest reducer never
+        # changes them after (it excludes nobody from a final part).
+        return RejectReason.INCONSISTENT_CONTRIBUTORS
 
     def _reject(
         self, peer: PeerID, part: int, chunk: int, reason: RejectReason
@@ -595,6 +665,10 @@ class ButterflyRound:
         for i, reduction in list(self._reductions.items()):
             if i not in self._finals:
                 reduction.drop(peer, self._members, self._weights)
+                # What I published of it counted the dropped peer: every such chunk is
+                # published again (and held again as decoded) or, if no one is left to
+                # send it to, held exact.
+                self._published.pop(i, None)
                 events += self._try_finalize(i)
         plan = plan_reassignment(self.spec, self._failed.keys())
         for i, reducer in enumerate(self._assignee):
@@ -642,11 +716,24 @@ class ButterflyRound:
             self._counts["num_chunks_accepted"] += 1
         return self._try_finalize(part)
 
-    def _try_finalize(self, part: int) -> list[RoundEvent]:
+    def _try_finalize(self, part: int, chunks: Iterable[int] | None = None) -> list[RoundEvent]:
+        """Average what is complete of ``part`` (``chunks``: the ones that may have
+        changed; default every chunk): :class:`PartReady` once every live member's
+        whole contribution is in, else :class:`ChunksAveraged` for chunks every live
+        member has sent (mean reductions only: a robust one needs the whole part)."""
         reduction = self._reductions[part]
         live = frozenset(m for m in self._members if m not in self._failed)
-        if part in self._finals or not all(reduction.complete(m) for m in live):
+        if part in self._finals:
             return []
-        start, end = self._parts[part]
-        self._finals[part] = AveragedPart(part, start, end, reduction.finalize(), live)
-        return [PartReady(part)]
+        if all(reduction.complete(m) for m in live):
+            start, end = self._parts[part]
+            self._finals[part] = AveragedPart(part, start, end, reduction.finalize(), live)
+            return [PartReady(part)]
+        if not isinstance(reduction, PartReduction):
+            return []
+        averaged = []
+        for chunk in range(len(reduction.ranges)) if chunks is None else chunks:
+            if not reduction.averaged(chunk) and reduction.chunk_complete(chunk, live):
+                reduction.average_chunk(chunk)
+                averaged.append(chunk)
+        return [ChunksAveraged(part, tuple(averaged))] if averaged else []

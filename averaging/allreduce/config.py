@@ -112,6 +112,10 @@ class TransferStatistics:
     one it copied): every peer reporting agreement holds the same tensor, bit for bit.
     False when no result won a majority by ``round_timeout``, or this peer could not
     copy the one that did."""
+    busiest_bytes_per_second: float | None = None
+    """The download rate in the busiest stretch of the contributions this peer received
+    for the parts it reduces (:func:`~averaging.allreduce.pace.busiest_rate`); None when
+    too few came (a small part, or none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,13 @@ class AllReduceResult:
 
     @property
     def received_bytes_per_second(self) -> float:
-        """This peer's download rate during the round: the bandwidth it announces for
-        the next round's partition."""
+        """This peer's download rate over the whole round."""
         return self.transfer.bytes_received / max(self.transfer.seconds, 1e-9)
+
+    @property
+    def link_bytes_per_second(self) -> float:
+        """What this round says of this peer's link: the rate of its busiest stretch, or
+        the whole round's where too few frames came. The bandwidth it announces for the
+        next round's partition."""
+        busiest = self.transfer.busiest_bytes_per_second
+        return self.received_bytes_per_second if busiest is None else busiest

@@ -41,7 +41,7 @@ import torch
 
 from averaging.allreduce.accusations import sign_accusation
 from averaging.allreduce.config import AllReduceConfig, AllReduceResult
-from averaging.allreduce.records import DEFAULT_MAX_WEIGHT_RATIO, AveragedPart, RoundSpec
+from averaging.allreduce.records import DEFAULT_MAX_WEIGHT_RATIO, OutgoingAveraged, RoundSpec
 from averaging.allreduce.reduction import capped_sample_weights
 from averaging.allreduce.replicated import fold, replicate
 from averaging.allreduce.service import AllReduceService
@@ -327,13 +327,12 @@ def _byzantine(
         return
     others = [p.peer_id for i, p in enumerate(peers) if i != fault.a]
     if fault.kind == "lie":
-        honest = runner.round.reduced_part
+        honest = runner.round.publishable_chunks
 
-        def lying(part_index: int | None = None) -> AveragedPart:
-            part = honest(part_index)
-            return dataclasses.replace(part, values=part.values + LIE)
+        def lying(part_index: int) -> list[OutgoingAveraged]:
+            return [dataclasses.replace(o, values=o.values + LIE) for o in honest(part_index)]
 
-        setattr(runner.round, "reduced_part", lying)  # noqa: B010 (a method, replaced)
+        setattr(runner.round, "publishable_chunks", lying)  # noqa: B010 (a method, replaced)
         return
     if fault.kind == "accuse":
         for member in others:

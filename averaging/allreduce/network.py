@@ -66,8 +66,10 @@ from averaging.allreduce.config import (
     TransferStatistics,
 )
 from averaging.allreduce.feedback import RoundErrors
+from averaging.allreduce.pace import busiest_rate
 from averaging.allreduce.partition import chunk_ranges
 from averaging.allreduce.records import (
+    ChunksAveraged,
     Outgoing,
     PartDigest,
     PartReady,
@@ -145,6 +147,7 @@ class _Link:
     dead: bool = False
     ignored: bool = False
     writer: asyncio.Task[None] | None = None
+    counted: int = 0  # bytes read up to the last frame
 
     def send(self, item: _Item) -> None:
         if not self.dead and not self.finished.is_set():
@@ -212,7 +215,9 @@ class RoundRunner:
         self._first_heard_at: dict[PeerID, float] = {}
         self._first_chunk_at: dict[PeerID, float] = {}
         self._reducing_since = self._started  # and since I last inherited a part
-        self._encoded: dict[int, list[EncodedTensor]] = {}
+        # (part, chunk) of mine -> its averaged values as published, and over whom
+        self._encoded: dict[tuple[int, int], EncodedTensor] = {}
+        self._encoded_for: dict[tuple[int, int], frozenset[PeerID]] = {}
         self._ballot = Ballot(spec.members)
         self._accusations = AccusationBook(spec.members)
         self._votes: dict[bytes, VoteMessage] = {}  # fingerprint -> the first vote for it
@@ -236,6 +241,7 @@ class RoundRunner:
         self._spec_digest = spec.digest()
         self._bytes_sent = 0
         self._bytes_received = 0
+        self._arrivals: list[tuple[float, int]] = []  # (time, bytes) per frame read
         self._tasks: asyncio.TaskGroup | None = None
         self._link_tasks: list[asyncio.Task[None]] = []
 
@@ -259,6 +265,7 @@ class RoundRunner:
         # Drop what the round held (chunks, encodings, links) now rather than when the
         # cyclic garbage collector gets to it: a 64M-element round holds gigabytes.
         self._encoded.clear()
+        self._encoded_for.clear()
         self._link_tasks.clear()
         self.links.clear()
         self._adoption = None
@@ -267,7 +274,9 @@ class RoundRunner:
             bytes_received=self._bytes_received,
             seconds=self._loop.time() - self._started,
             agreed=agreed,
+            busiest_bytes_per_second=busiest_rate(self._arrivals),
         )
+        self._arrivals.clear()
         return AllReduceResult(result, transfer)
 
     def _final_result(self, agreed: bool) -> RoundResult:
@@ -670,7 +679,7 @@ class RoundRunner:
 
     def _handle(self, events: list[RoundEvent]) -> None:
         for event in events:
-            if isinstance(event, PartReady):
+            if isinstance(event, (PartReady, ChunksAveraged)):
                 self._publish(event.part_index)
             elif isinstance(event, PeerExcluded):
                 self._diverging = True  # my result may now differ from earlier voters'
@@ -701,22 +710,24 @@ class RoundRunner:
         return f"{self.spec.round_id.hex()[:8]} at {str(self._me)[-6:]}"
 
     def _publish(self, part_index: int) -> None:
-        part = self.round.reduced_part(part_index)
-        codec = self.config.codec
-        encoded = []
-        for start, end in chunk_ranges(part.start, part.end, self.spec.chunk_elements):
-            values = part.values[start - part.start : end - part.start]
-            if self._errors is None:
-                encoded.append(self._encode_values(values))
-                continue
-            compensated = self._errors.to_publish(start, end, values)
-            encoded.append(self._encode_values(compensated))
-            self._errors.on_published(start, compensated, encoded[-1])
-        if codec.name != "none":  # hold what the receivers will decode (results identical)
-            decoded = torch.cat([decode_tensor(e).to(torch.float32) for e in encoded])
-            self.round.set_published_part(part_index, decoded)
-        self._encoded[part_index] = encoded
-        for item in self.round.published_chunks(part_index):
+        """Encode the averaged chunks of a part of mine that are ready (once per chunk,
+        for every receiver) and queue them."""
+        outgoing = self.round.publishable_chunks(part_index)
+        lossy = self.config.codec.name != "none"
+        for item in outgoing:
+            key = (item.part_index, item.chunk_index)
+            if self._encoded_for.get(key) != item.contributors:
+                values = item.values
+                if self._errors is not None:
+                    values = self._errors.to_publish(item.start, item.end, values)
+                encoded = self._encode_values(values)
+                if self._errors is not None:
+                    self._errors.on_published(item.start, values, encoded)
+                if lossy:  # hold what the receivers will decode (results identical)
+                    decoded = decode_tensor(encoded).to(torch.float32).reshape(-1)
+                    self.round.set_published_chunk(item.part_index, item.chunk_index, decoded)
+                self._encoded[key] = encoded
+                self._encoded_for[key] = item.contributors
             ref = _AveragedRef(item.to, item.part_index, item.chunk_index, item.contributors)
             self.links[item.to].send(ref)
 
@@ -908,9 +919,16 @@ class RoundRunner:
                     break  # the round is over: nothing may change it now
                 if frame is None:
                     raise EOFError("the member closed the link")
-                self._last_heard[link.peer_id] = self._loop.time()
-                self._first_heard_at.setdefault(link.peer_id, self._last_heard[link.peer_id])
-                self._receive(link.peer_id, decode_message(frame), link.ignored)
+                now = self._last_heard[link.peer_id] = self._loop.time()
+                self._first_heard_at.setdefault(link.peer_id, now)
+                message = decode_message(frame)
+                read = link.framed.bytes_read
+                if isinstance(message, ChunkMessage):
+                    # Contributions to my parts time my link; averages do not: they
+                    # come at the pace of the slowest contributor to their part.
+                    self._arrivals.append((now, read - link.counted))
+                link.counted = read
+                self._receive(link.peer_id, message, link.ignored)
         except (PeersError, OSError, EOFError) as e:
             if not link.finished.is_set():
                 self._garbage_or_failure(link, e)
@@ -970,8 +988,11 @@ class RoundRunner:
                 ChunkMessage(item.part_index, item.chunk_index, item.weight, encoded)
             )
         if isinstance(item, _AveragedRef):
+            key = (item.part_index, item.chunk_index)
+            if self._encoded_for.get(key) != item.contributors:
+                return None  # averaged again since, without a member: the new one follows
             contributors = sorted(m.to_bytes() for m in item.contributors)
-            encoded = self._encoded[item.part_index][item.chunk_index]
+            encoded = self._encoded[key]
             return encode_message(
                 AveragedMessage(item.part_index, item.chunk_index, contributors, encoded)
             )

@@ -27,6 +27,48 @@ SLACK = 3.0
 MAX_SLOWDOWN = 10.0
 
 
+#: The rate a member announces is that of the shortest stretch of its last round that
+#: brought it this share of the round's bytes.
+BUSIEST_SHARE = 0.25
+#: A round that brought fewer frames than this has no stretch worth timing (a quarter of
+#: them, a few frames, can arrive in one burst and read as any rate): its average rate
+#: stands.
+MIN_FRAMES_TIMED = 16
+
+
+def busiest_rate(
+    arrivals: Sequence[tuple[float, int]], share: float = BUSIEST_SHARE
+) -> float | None:
+    """Bytes per second in the shortest stretch of ``arrivals`` (``(time, bytes)`` per
+    frame read, in time order) that brought at least ``share`` of their bytes; None when
+    there are fewer than :data:`MIN_FRAMES_TIMED` frames or no stretch takes time.
+
+    A round's average download rate is the same at every member (each waits for the
+    slowest one), so it cannot tell a fast link from a slow one; the busiest stretch of
+    a round can: a fast member receives its bursts at its own link's rate. The round
+    runner times the contributions to the parts a member reduces, not the averages it
+    receives: those come at the pace of each part's slowest contributor, and a member
+    with a small part, which receives mostly averages, would measure its link as slow
+    and keep its small part."""
+    if len(arrivals) < MIN_FRAMES_TIMED:
+        return None
+    total = sum(n for _, n in arrivals)
+    target = share * total
+    best: float | None = None
+    window = 0  # bytes of frames (i, j]: those that arrived after frame i's time
+    i = 0
+    for j in range(1, len(arrivals)):
+        window += arrivals[j][1]
+        while i + 1 < j and window - arrivals[i + 1][1] >= target:
+            i += 1
+            window -= arrivals[i][1]
+        seconds = arrivals[j][0] - arrivals[i][0]
+        if window >= target and seconds > 0:
+            rate = window / seconds
+            best = rate if best is None else max(best, rate)
+    return best
+
+
 def wire_bytes_per_element(config: AllReduceConfig) -> float:
     """Payload bytes the round's codec sends per float32 element."""
     sample = torch.zeros(config.chunk_elements, dtype=torch.float32)

@@ -286,7 +286,8 @@ class RejectReason(enum.StrEnum):
     BAD_WEIGHT = "weight not positive and finite"
     INCONSISTENT_WEIGHT = "weight differs from the sender's earlier chunks"
     BAD_CONTRIBUTORS = "contributors are not members or omit the reducer"
-    INCONSISTENT_CONTRIBUTORS = "contributors differ between chunks of one part"
+    INCONSISTENT_CONTRIBUTORS = "contributors neither match nor shrink the part's earlier ones"
+    SUPERSEDED = "averaged over more members than the part's later chunks"  # reordered
     EXCLUDES_ME = "contributors exclude this peer"  # not the sender's fault: I withdraw
 
     @property
@@ -340,9 +341,21 @@ class OutgoingAveraged:
 
 @dataclass(frozen=True, slots=True)
 class PartReady:
-    """A part I reduce is final: publish it (:meth:`ButterflyRound.published_chunks`)."""
+    """A part I reduce is final: publish what of it is not out yet
+    (:meth:`ButterflyRound.publishable_chunks`)."""
 
     part_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunksAveraged:
+    """Chunks of a part I reduce hold the mean over every live member before the rest of
+    the part is in: publish them now (:meth:`ButterflyRound.publishable_chunks`), so that
+    averages flow back while contributions still arrive. If a member is excluded before
+    the part is final, they are averaged again without it and published again."""
+
+    part_index: int
+    chunk_indices: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +422,7 @@ class Withdrawn:
 
 RoundEvent = (
     PartReady
+    | ChunksAveraged
     | RejectedChunk
     | ChunkDeferred
     | PeerExcluded
@@ -500,6 +514,10 @@ class RoundStatistics:
     num_chunks_deferred: int
     num_chunks_rejected: int
     num_averaged_chunks_accepted: int
+    num_chunks_published_early: int
+    """Averaged chunks of parts I reduce sent before the part was final."""
+    num_chunks_republished: int
+    """Averaged chunks sent again over fewer members (one was excluded mid-part)."""
     num_parts_reassigned: int
     num_parts_abandoned: int
     num_peers_excluded: int

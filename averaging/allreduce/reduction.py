@@ -12,7 +12,7 @@ events, no policy: ``averaging.allreduce.butterfly`` decides who is in and when 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -49,8 +49,9 @@ def capped_sample_weights(
 class PartReduction:
     """The weighted mean of one part over the senders whose chunks arrived.
 
-    Sums are float32, in one buffer for the whole part that becomes the mean in place at
-    :meth:`finalize` (no second buffer, no copy): about a third of the memory traffic of
+    Sums are float32, in one buffer for the whole part whose chunks become their means in
+    place, each when it is complete (:meth:`average_chunk`) or at :meth:`finalize` (no
+    second buffer, no copy): about a third of the memory traffic of
     float64 sums, which made the reduction the largest torch cost of a round. A float32
     sum can overflow where the mean would not (``w * x`` past 3.4e38, or several values
     near the float32 maximum); a chunk whose mean comes out non-finite is then recomputed
@@ -79,6 +80,21 @@ class PartReduction:
         self._totals = [0.0] * len(self.ranges)
         self._received: dict[PeerID, dict[int, torch.Tensor]] = {}
         self._weights: dict[PeerID, float] = {}
+        self._averaged = [False] * len(self.ranges)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The part's buffer: a chunk's weighted mean once :meth:`averaged`, its running
+        sum before."""
+        return self._buffer
+
+    def averaged(self, chunk: int) -> bool:
+        """True when chunk ``chunk`` holds its weighted mean (:meth:`average_chunk`)."""
+        return self._averaged[chunk]
+
+    def chunk_complete(self, chunk: int, senders: Iterable[PeerID]) -> bool:
+        """True when every one of ``senders`` has sent chunk ``chunk``."""
+        return all(chunk in self._received.get(s, {}) for s in senders)
 
     def has(self, sender: PeerID, chunk: int) -> bool:
         return chunk in self._received.get(sender, {})
@@ -120,31 +136,44 @@ class PartReduction:
         """Rebuild the sums of ``chunks`` from the kept chunks of ``order``'s senders."""
         for chunk in chunks:
             self._started[chunk] = False
+            self._averaged[chunk] = False
             self._totals[chunk] = 0.0
             for member in order:
                 values = self._received.get(member, {}).get(chunk)
                 if values is not None:
                     self._accumulate(chunk, values, weights[member])
 
-    def finalize(self) -> torch.Tensor:
-        """The float32 weighted mean of the whole part; frees the per-sender chunks.
-        Every chunk must have a positive total weight (the reducer's own is always in).
-        An overflowing chunk is recomputed over the senders in PeerID order."""
-        senders = sorted(self._received)
+    def average_chunk(self, chunk: int) -> torch.Tensor:
+        """Turn chunk ``chunk``'s sum into the weighted mean over the senders whose chunks
+        are in, in place, and return it (a view of :attr:`values`). Its senders' chunks
+        are kept: if one of them is dropped later, :meth:`drop` rebuilds the sum without
+        it and the chunk must be averaged again. A sum that overflowed float32 is
+        recomputed in float64 over the senders in PeerID order."""
+        if self._averaged[chunk]:
+            return self._sums[chunk]
+        senders = sorted(s for s, chunks in self._received.items() if chunk in chunks)
         capped = capped_sample_weights(self._weights, self.max_weight_ratio)
         if capped != self._weights:  # a claim above the cap: sum again with capped weights
-            self._weights = capped
-            self._resum(range(len(self.ranges)), senders, capped)
-        for chunk, (total, weight) in enumerate(zip(self._sums, self._totals, strict=True)):
-            assert self._started[chunk]  # the reducer's own chunk is always in
-            total.div_(weight)
-            if not all_finite(total):  # a float32 sum overflowed: redo it exactly
-                exact = torch.zeros(total.shape, dtype=torch.float64, device=total.device)
-                for sender in senders:
-                    values = self._received[sender].get(chunk)
-                    if values is not None:
-                        exact.add_(values, alpha=self._weights[sender])
-                total.copy_(exact.div_(weight))
+            self._resum([chunk], senders, capped)
+        else:
+            capped = self._weights
+        total, weight = self._sums[chunk], self._totals[chunk]
+        assert self._started[chunk]  # the reducer's own chunk is always in
+        total.div_(weight)
+        if not all_finite(total):  # a float32 sum overflowed: redo it exactly
+            exact = torch.zeros(total.shape, dtype=torch.float64, device=total.device)
+            for sender in senders:
+                exact.add_(self._received[sender][chunk], alpha=capped[sender])
+            total.copy_(exact.div_(weight))
+        self._averaged[chunk] = True
+        return total
+
+    def finalize(self) -> torch.Tensor:
+        """The float32 weighted mean of the whole part (averaging the chunks not averaged
+        yet); frees the per-sender chunks. Every chunk must have a positive total weight
+        (the reducer's own is always in)."""
+        for chunk in range(len(self.ranges)):
+            self.average_chunk(chunk)
         self._received.clear()
         self._sums = []
         return self._buffer

@@ -21,6 +21,9 @@ from peers.identity import PeerID
 from peers.wire import WireError
 
 JOIN_PROTOCOL = "/swarmtrain/averaging/join/1.0.0"
+#: Bandwidths within this factor of a group's fastest count as the fastest when parts
+#: are sized (:attr:`Group.weights`).
+RATE_BAND = 1.5
 #: Prefix of the DHT key a search declares under, so a caller's key never collides with
 #: another subsystem's record of the same name.
 DHT_KEY_PREFIX = "swarmtrain/matchmaking/"
@@ -165,12 +168,14 @@ class Group:
 
     @property
     def weights(self) -> tuple[float, ...]:
-        """Bandwidth weights for a butterfly round: 0 for client-mode members, which
-        reduce nothing (``RoundSpec.weights``)."""
-        return tuple(
-            0.0 if client else bandwidth
-            for client, bandwidth in zip(self.client_mode, self.bandwidths, strict=True)
-        )
+        """Bandwidth weights for a butterfly round (``RoundSpec.weights``): 0 for
+        client-mode members, which reduce nothing; a bandwidth within
+        :data:`RATE_BAND` of the fastest member's counts as the fastest (measurements of
+        like links differ by their noise, and a part sized by noise only slows the
+        round down); slower ones keep theirs, so a slow link gets a small part."""
+        rates = [0.0 if c else b for c, b in zip(self.client_mode, self.bandwidths, strict=True)]
+        fastest = max(rates, default=0.0)
+        return tuple(fastest if r * RATE_BAND >= fastest else r for r in rates)
 
     @classmethod
     def of(cls, key: str, round_id: bytes, members: list[MemberInfo]) -> Group:

@@ -24,6 +24,7 @@ import torch
 from averaging import (
     ButterflyRound,
     ChunkDeferred,
+    ChunksAveraged,
     Outgoing,
     OutgoingAveraged,
     PartAbandoned,
@@ -109,13 +110,11 @@ class Swarm:
         self.log[peer] += events
         machine = self.rounds[peer]
         for event in events:
-            if isinstance(event, PartReady):
-                if self.lossy:  # what a float16 codec on the way back would deliver
-                    values = machine.reduced_part(event.part_index).values
-                    machine.set_published_part(event.part_index, values.half().float())
-                for out in machine.published_chunks(event.part_index):
-                    if self.lossy:
+            if isinstance(event, (PartReady, ChunksAveraged)):
+                for out in machine.publishable_chunks(event.part_index):
+                    if self.lossy:  # what a float16 codec on the way back would deliver
                         out = dataclasses.replace(out, values=out.values.half().float())
+                        machine.set_published_chunk(out.part_index, out.chunk_index, out.values)
                     self.queue.append(Message("averaged", peer, out.to, out))
             elif isinstance(event, PartReassigned):
                 for chunk in event.outgoing:
@@ -573,9 +572,16 @@ def test_left_out_peer_withdraws_and_others_adopt_exclusions(seed: int) -> None:
     )
     assert events[0] == PeerExcluded(d, f"excluded by reducer {a}")
     assert a not in swarm.rounds[c].failed and d in swarm.rounds[c].failed
-    # Contributors must agree across the chunks of one part.
+    # A chunk over more members than an earlier one was sent before the reducer dropped
+    # one (links reorder nothing, but a lost race must not cost the reducer): ignored.
     events = swarm.rounds[c].on_averaged_chunk(
         a, ROUND_ID, 0, 1, chunks[1].values, out.contributors
+    )
+    assert events == [RejectedChunk(a, 0, 1, RejectReason.SUPERSEDED)]
+    assert a not in swarm.rounds[c].failed
+    # Contributors may only shrink within one part: another set is a faulty reducer.
+    events = swarm.rounds[c].on_averaged_chunk(
+        a, ROUND_ID, 0, 1, chunks[1].values, out.contributors - {b}
     )
     assert events[0] == RejectedChunk(a, 0, 1, RejectReason.INCONSISTENT_CONTRIBUTORS)
     assert a in swarm.rounds[c].failed
@@ -811,3 +817,81 @@ def test_the_fingerprint_sees_any_changed_bit_of_an_averaged_part_only() -> None
         dataclasses.replace(result, report=report).fingerprint()
         == dataclasses.replace(result, averaged=changed, report=report).fingerprint()
     )
+
+
+def test_chunks_go_out_as_averaged_and_again_after_an_exclusion(seed: int) -> None:
+    """A reducer publishes a chunk once every member's copy of it is in, before the rest
+    of its part (averages flow back while contributions still arrive). A member that
+    dies mid-part is dropped: the chunks published with it are averaged again and sent
+    again with fewer contributors, and receivers replace them."""
+    swarm = Swarm(3, seed, total_elements=300, chunk_elements=10)
+    a, b, c = swarm.ids
+    reducer = swarm.rounds[a]
+    part = next(i for i in range(len(swarm.spec.parts())) if reducer.reducer_of(i) == a)
+    to_a = {
+        p: [o for o in swarm.rounds[p].outgoing_chunks() if o.to == a and o.part_index == part]
+        for p in (b, c)
+    }
+    assert len(to_a[b]) > 2
+    first = {p: to_a[p][0] for p in (b, c)}
+    assert reducer.on_chunk(b, ROUND_ID, part, 0, first[b].values, swarm.samples[b]) == []
+    events = reducer.on_chunk(c, ROUND_ID, part, 0, first[c].values, swarm.samples[c])
+    assert events == [ChunksAveraged(part, (0,))]
+    early = reducer.publishable_chunks(part)
+    assert sorted(o.to for o in early) == sorted([b, c])
+    assert all(o.chunk_index == 0 and o.contributors == {a, b, c} for o in early)
+    start, end = early[0].start, early[0].end
+    expected = swarm.weighted_mean(frozenset({a, b, c}))[start:end]
+    torch.testing.assert_close(early[0].values, expected, rtol=1e-5, atol=1e-5)
+    assert reducer.publishable_chunks(part) == []  # each goes out once
+    receiver = swarm.rounds[b]
+    to_b = next(o for o in early if o.to == b)
+    assert receiver.on_averaged_chunk(a, ROUND_ID, part, 0, to_b.values, to_b.contributors) == []
+    # b sends the rest; c dies having sent chunk 0 only.
+    for o in to_a[b][1:]:
+        reducer.on_chunk(b, ROUND_ID, part, o.chunk_index, o.values, swarm.samples[b])
+    events = reducer.on_sender_failed(c, "died")
+    assert PartReady(part) in events
+    again = reducer.publishable_chunks(part)
+    stats = reducer.statistics()
+    assert stats.num_chunks_published_early == 1 and stats.num_chunks_republished == 1
+    assert {o.to for o in again} == {b} and len(again) == len(to_a[b])
+    assert all(o.contributors == {a, b} for o in again)
+    for o in again:
+        got = receiver.on_averaged_chunk(a, ROUND_ID, part, o.chunk_index, o.values, o.contributors)
+        assert all(not isinstance(e, RejectedChunk) for e in got)
+    held = receiver.held_part(part)
+    assert held is not None and held[1] == {a, b}
+    mean = swarm.weighted_mean(frozenset({a, b}))
+    part_start, part_end = swarm.spec.parts()[part]
+    assert torch.equal(held[2], reducer.reduced_part(part).values)
+    torch.testing.assert_close(held[2], mean[part_start:part_end], rtol=1e-5, atol=1e-5)
+    # The first chunk over all three, arriving late, is ignored and costs no one.
+    late = receiver.on_averaged_chunk(a, ROUND_ID, part, 0, to_b.values, to_b.contributors)
+    assert late == [RejectedChunk(a, part, 0, RejectReason.SUPERSEDED)]
+    assert a not in receiver.failed
+
+
+def test_a_part_left_with_no_receivers_is_held_exact_not_as_first_published(seed: int) -> None:
+    """Through a lossy codec a reducer holds what it published (what receivers decode);
+    when the member it was published to dies before the part is final, the part ends
+    over the reducer alone, and it holds its own exact values, not the stale decoded
+    chunk it sent nor an unwritten buffer."""
+    swarm = Swarm(2, seed, total_elements=200, chunk_elements=10, lossy=True)
+    a, b = swarm.ids
+    reducer = swarm.rounds[a]
+    part = next(i for i in range(len(swarm.spec.parts())) if reducer.reducer_of(i) == a)
+    first = next(
+        o for o in swarm.rounds[b].outgoing_chunks() if o.part_index == part and o.chunk_index == 0
+    )
+    events = reducer.on_chunk(b, ROUND_ID, part, 0, first.values, swarm.samples[b])
+    assert events == [ChunksAveraged(part, (0,))]
+    (early,) = reducer.publishable_chunks(part)
+    reducer.set_published_chunk(part, 0, early.values.half().float())
+    events = reducer.on_sender_failed(b, "died")
+    assert PartReady(part) in events and reducer.publishable_chunks(part) == []
+    held = reducer.held_part(part)
+    assert held is not None and held[1] == {a}
+    start, end = swarm.spec.parts()[part]
+    # (w * x / w: float32 rounding only)
+    torch.testing.assert_close(held[2], swarm.local[a][start:end], rtol=1e-6, atol=1e-6)

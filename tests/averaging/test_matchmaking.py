@@ -611,3 +611,19 @@ def test_config_is_validated() -> None:
         MatchmakingConfig(request_timeout=0)
     with pytest.raises(ValueError, match="poll_interval"):
         MatchmakingConfig(gather_timeout=1.0, poll_interval_seconds=2.0)
+
+
+def test_part_weights_count_like_links_alike_and_keep_a_slow_one_apart() -> None:
+    ids = _ids(5)
+    group = Group(
+        key="key",
+        round_id=b"\x01" * 16,
+        members=tuple(ids),
+        addrs=((),) * 5,
+        client_mode=(False, False, False, False, True),
+        bandwidths=(13.8e6, 11.0e6, 11.3e6, 3.0e6, 50e6),
+        metadata=(b"",) * 5,
+    )
+    # Within 1.5x of the fastest member that reduces: the fastest's weight; the 3 MB/s
+    # link keeps its own; the client-mode member reduces nothing whatever it measured.
+    assert group.weights == (13.8e6, 13.8e6, 13.8e6, 3.0e6, 0.0)

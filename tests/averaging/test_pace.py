@@ -8,7 +8,9 @@ import pytest
 from averaging.allreduce.config import AllReduceConfig, AllReduceError
 from averaging.allreduce.pace import (
     MAX_SLOWDOWN,
+    MIN_FRAMES_TIMED,
     SLACK,
+    busiest_rate,
     check_own_pace,
     paced,
     transfer_seconds,
@@ -100,3 +102,24 @@ def test_a_client_mode_members_rate_paces_the_round_and_one_huge_claim_cannot_un
     # A claim of 1e15 in a group of two does not lift the floor over the real rate.
     pair = spec((1e15, 1 * MB))
     assert paced(config, pair).round_timeout > config.round_timeout
+
+
+def test_the_busiest_stretch_tells_a_fast_link_from_the_round_it_waited_through() -> None:
+    """A member on a fast link gets its bytes in bursts at its link's rate, then waits
+    for the slowest member: its round average is the slowest's pace, its busiest
+    quarter its own link's."""
+    burst = [(0.01 * i, 100_000) for i in range(1, 41)]  # 4 MB at 10 MB/s, by 0.4 s
+    trickle = [(0.4 + 0.1 * i, 100_000) for i in range(1, 41)]  # then 4 MB at 1 MB/s
+    arrivals = [(0.0, 100), *burst, *trickle]
+    rate = busiest_rate(arrivals)
+    assert rate is not None and rate == pytest.approx(10 * MB, rel=1e-9)
+    average = sum(n for _, n in arrivals) / arrivals[-1][0]
+    assert average < 2 * MB
+    steady = [(0.1 * i, 100_000) for i in range(1, 41)]  # 1 MB/s throughout
+    assert busiest_rate(steady) == pytest.approx(1 * MB, rel=1e-9)
+
+
+def test_too_few_frames_or_no_time_give_no_rate() -> None:
+    assert busiest_rate([(0.1 * i, 1000) for i in range(MIN_FRAMES_TIMED - 1)]) is None
+    assert busiest_rate([(1.0, 1000)] * (2 * MIN_FRAMES_TIMED)) is None
+    assert busiest_rate([]) is None

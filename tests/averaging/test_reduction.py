@@ -136,3 +136,39 @@ def test_a_claimed_weight_counts_at_most_the_ratio_times_the_median() -> None:
     huge = [torch.full((150,), 3e38), *values[1:]]
     big = _reduce(senders, huge, [MAX_SAMPLE_WEIGHT, 1.0, 1.0, 1.0], max_weight_ratio=4.0)
     assert torch.allclose(big, _exact(huge, [4.0, 1.0, 1.0, 1.0]))
+
+
+def test_a_chunk_averaged_early_is_averaged_again_without_a_dropped_sender() -> None:
+    """A chunk every sender has sent is averaged at once (it is published before the
+    part is whole); dropping a sender later rebuilds it from the others' kept chunks,
+    and the part ends exactly as if that sender had never sent."""
+    gen = torch.Generator().manual_seed(3)
+    senders = _peers(3)
+    values = [torch.randn(150, generator=gen) for _ in senders]
+    weights = {s: float(i + 1) for i, s in enumerate(senders)}
+    reduction = PartReduction(RANGES, CPU, max_weight_ratio=4.0)
+    for s, v in zip(senders, values, strict=True):
+        reduction.add(s, 0, _chunks(v)[0], weights[s])
+    assert reduction.chunk_complete(0, senders) and not reduction.chunk_complete(1, senders)
+    early = reduction.average_chunk(0).clone()
+    assert reduction.averaged(0) and not reduction.averaged(1)
+    assert torch.equal(early, _reduce(senders, values, list(weights.values()))[:64])
+    reduction.drop(senders[2], senders, weights)  # it sent chunk 0 only, then died
+    assert not reduction.averaged(0)
+    for s, v in zip(senders[:2], values[:2], strict=True):
+        for c in (1, 2):
+            reduction.add(s, c, _chunks(v)[c], weights[s])
+    got = reduction.finalize()
+    assert torch.equal(got, _reduce(senders[:2], values[:2], [1.0, 2.0]))
+
+
+def test_capped_weights_hold_for_chunks_averaged_early() -> None:
+    senders = _peers(4)
+    values = [torch.full((150,), v) for v in (0.0, 1.0, 2.0, 100.0)]
+    weights = [1.0, 2.0, 2.0, 1e9]
+    reduction = PartReduction(RANGES, CPU, max_weight_ratio=4.0)
+    for s, v, w in zip(senders, values, weights, strict=True):
+        reduction.add(s, 1, _chunks(v)[1], w)
+    early = reduction.average_chunk(1).clone()
+    whole = _reduce(senders, values, weights, max_weight_ratio=4.0)
+    assert torch.equal(early, whole[64:128])

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from averaging import (
-    AveragedPart,
     AveragerConfig,
     AveragerError,
     ButterflyRound,
     MatchmakingError,
+    OutgoingAveraged,
     PartitionError,
     RoundError,
     RoundSpec,
@@ -250,15 +250,15 @@ def test_the_random_byzantine_schedules_include_liars_with_three_reducers() -> N
 def lying_member(monkeypatch: pytest.MonkeyPatch) -> list[PeerID]:
     """Whoever is put in the list publishes every part it reduces plus 1000."""
     liars: list[PeerID] = []
-    honest = ButterflyRound.reduced_part
+    honest = ButterflyRound.publishable_chunks
 
-    def reduced_part(self: ButterflyRound, part_index: int | None = None) -> AveragedPart:
-        part = honest(self, part_index)
+    def publishable_chunks(self: ButterflyRound, part_index: int) -> list[OutgoingAveraged]:
+        chunks = honest(self, part_index)
         if self.spec.me not in liars:
-            return part
-        return dataclasses.replace(part, values=part.values + 1000.0)
+            return chunks
+        return [dataclasses.replace(o, values=o.values + 1000.0) for o in chunks]
 
-    monkeypatch.setattr(ButterflyRound, "reduced_part", reduced_part)
+    monkeypatch.setattr(ButterflyRound, "publishable_chunks", publishable_chunks)
     return liars
 
 

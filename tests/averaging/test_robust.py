@@ -25,6 +25,7 @@ from averaging import (
     MAX_SAMPLE_WEIGHT,
     ButterflyRound,
     CenteredClipConfig,
+    ChunksAveraged,
     Outgoing,
     OutgoingAveraged,
     PartReady,
@@ -301,8 +302,8 @@ class Group:
 
     def handle(self, peer: PeerID, events: list[RoundEvent]) -> None:
         for event in events:
-            if isinstance(event, PartReady):
-                published = self.rounds[peer].published_chunks(event.part_index)
+            if isinstance(event, (PartReady, ChunksAveraged)):
+                published = self.rounds[peer].publishable_chunks(event.part_index)
                 self.queue += [(peer, out.to, out) for out in published]
             elif isinstance(event, PartReassigned):
                 self.queue += [(peer, out.to, out) for out in event.outgoing]

@@ -63,6 +63,7 @@ async def nat_averager(node: Node) -> None:
             sender_timeout=float(options.get("sender_timeout", 10.0)),
             reducer_timeout=float(options.get("reducer_timeout", 20.0)),
             round_timeout=float(options.get("round_timeout", 40.0)),
+            chunk_elements=int(options.get("chunk_elements", AllReduceConfig.chunk_elements)),
             join_timeout=10.0,
         ),
     )

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from averaging import AveragedPart, ButterflyRound
+from averaging import ButterflyRound, OutgoingAveraged
 from peers.testing import Node
 from swarm.testing import trainer_node
 
 
 async def lying_reducer(node: Node) -> None:
     lie = float(node.options.get("lie", 1000.0))
-    honest = ButterflyRound.reduced_part
+    honest = ButterflyRound.publishable_chunks
 
-    def lying(self: ButterflyRound, part_index: int | None = None) -> AveragedPart:
-        part = honest(self, part_index)
-        return dataclasses.replace(part, values=part.values + lie)
+    def lying(self: ButterflyRound, part_index: int) -> list[OutgoingAveraged]:
+        return [dataclasses.replace(o, values=o.values + lie) for o in honest(self, part_index)]
 
-    ButterflyRound.reduced_part = lying  # type: ignore[method-assign]
+    ButterflyRound.publishable_chunks = lying  # type: ignore[method-assign]
     await trainer_node(node)
