@@ -21,9 +21,7 @@ import hashlib
 import math
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ from averaging.state.sync import StateCheck, load_state_from_peers
 from peers.dht.node import DHT
 from peers.errors import LocalProtocolError
 from peers.identity import KeyPair, PeerID
+from peers.service import Service
 
 #: Bandwidth (bytes/s) a peer announces before it has measured its own: a common
 #: broadband figure, so a newcomer takes an ordinary share of the first round. A round
@@ -129,13 +128,14 @@ class AveragingStep:
         return len(self.group)
 
 
-class Averager:
+class Averager(Service):
     """Averages ``tensors`` (name -> CPU tensor, kept by reference and updated in place)
     with peers. Use ``async with Averager(dht, tensors, config)``."""
 
     def __init__(
         self, dht: DHT, tensors: Mapping[str, torch.Tensor], config: AveragerConfig
     ) -> None:
+        super().__init__()
         if not tensors:
             raise AveragerError("give at least one tensor")
         for name, tensor in tensors.items():
@@ -150,40 +150,22 @@ class Averager:
         self.bandwidth = INITIAL_BANDWIDTH
         self._rate_measured = False  # self.bandwidth is still INITIAL_BANDWIDTH
         self.schema = _schema(self.tensors, config)
-        self._stack: AsyncExitStack | None = None
         self._matchmaker: Matchmaker | None = None
         self._service: AllReduceService | None = None
         self._state: StateServer | None = None
         self._feedback: dict[int, RoundFeedback] = {}  # by reducers per part
 
-    async def __aenter__(self) -> Averager:
-        async with AsyncExitStack() as stack:
-            self._matchmaker = await stack.enter_async_context(
-                Matchmaker(self.dht, _matchmaking(self.config))
+    async def _start(self) -> None:
+        self._matchmaker = await self._enter(Matchmaker(self.dht, _matchmaking(self.config)))
+        self._service = await self._enter(AllReduceService(self.peer, self.config.allreduce))
+        self._state = await self._enter(
+            StateServer(
+                self.peer,
+                dht=self.dht,
+                prefix=self._state_prefix,
+                signer=self.config.state_signer,
             )
-            self._service = await stack.enter_async_context(
-                AllReduceService(self.peer, self.config.allreduce)
-            )
-            self._state = await stack.enter_async_context(
-                StateServer(
-                    self.peer,
-                    dht=self.dht,
-                    prefix=self._state_prefix,
-                    signer=self.config.state_signer,
-                )
-            )
-            self._stack = stack.pop_all()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            await stack.aclose()
+        )
 
     @property
     def _state_prefix(self) -> str:

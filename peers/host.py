@@ -22,11 +22,9 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
-    Coroutine,
     Iterable,
 )
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from multiaddr import Multiaddr
@@ -64,6 +62,8 @@ from peers.multistream import MultistreamDialer, MultistreamListener
 from peers.noise import NOISE_CIPHERS, NoiseStaticKey
 from peers.printable import printable
 from peers.rpc import CallContext
+from peers.serialization import MAX_FRAME_BYTES, MAX_VALUE_ITEMS
+from peers.service import Service
 from peers.socket_reader import SocketReader, can_reuse_port, open_connection, start_server
 from peers.stream_socket import stream_as_socket
 from peers.traffic import TrafficBook
@@ -102,10 +102,11 @@ class _Counters:
     addresses_refused: int = 0
 
 
-class Peer:
+class Peer(Service):
     """A libp2p-compatible peer. Use ``async with Peer(config) as peer``."""
 
     def __init__(self, config: PeerConfig | None = None) -> None:
+        super().__init__()
         self.config = config or PeerConfig()
         self.identity = self.config.identity or KeyPair.generate()
         self._noise_ciphers = tuple(NOISE_CIPHERS[name] for name in self.config.noise_ciphers)
@@ -127,8 +128,6 @@ class Peer:
         self._servers: list[asyncio.Server] = []
         self._listen_addrs: list[Multiaddr] = []
         self._full_listen_addrs: list[Multiaddr] | None = None
-        self._group: asyncio.TaskGroup | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._address_book = AddressBook()
         self._local: tuple[float, LocalNetworks] | None = None
         self._counters = _Counters()
@@ -156,41 +155,22 @@ class Peer:
 
     # --- lifecycle ---------------------------------------------------------------
 
-    async def __aenter__(self) -> Peer:
-        self._group = asyncio.TaskGroup()
-        await self._group.__aenter__()
-        listening = False
-        try:
-            for text in self.config.listen_addrs:
-                await self._listen(parse_multiaddr(text))
-            if self._bound or self.config.reachability != "auto":
-                # Only a peer others might reach from elsewhere needs to find out whether
-                # they can; one on loopback alone is a local test or tool.
-                self._spawn(self.nat.run())
-            listening = True
-        finally:
-            if not listening:  # an address we cannot bind, or cancellation: undo
-                await self.__aexit__(None, None, None)
-        return self
+    async def _start(self) -> None:
+        for text in self.config.listen_addrs:
+            await self._listen(parse_multiaddr(text))
+        if self._bound or self.config.reachability != "auto":
+            # Only a peer others might reach from elsewhere needs to find out whether
+            # they can; one on loopback alone is a local test or tool.
+            self._spawn(self.nat.run())
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def _stop(self) -> None:
         self._closing = True
         for server in self._servers:
             server.close()
         for conns in list(self._connections.values()):
             for conn in conns:
                 conn.close()
-        for task in list(self._tasks):  # handshakes in progress, connection readers
-            task.cancel()
-        assert self._group is not None
-        # The body's own exception (if any) propagates as it is: our group only owns
-        # our tasks, and wrapping a caller's error in an ExceptionGroup would hide it.
-        await self._group.__aexit__(None, None, None)
+        # Then the skeleton cancels our tasks: handshakes in progress, connection readers.
 
     async def _listen(self, addr: Multiaddr) -> None:
         target = tcp_target(addr)
@@ -345,13 +325,6 @@ class Peer:
         finally:
             writer.close()
             self._admission.release(admitted)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Start work in our TaskGroup, remembered so closing the peer can stop it."""
-        assert self._group is not None
-        task = self._group.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _accept(
         self, reader: SocketReader, writer: asyncio.StreamWriter, remote: Multiaddr
@@ -936,20 +909,42 @@ class Peer:
         protocol: str,
         handler: Callable[[Any, CallContext], Awaitable[Any]],
         request_type: type[Any],
-        **kwargs: Any,
+        *,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_value_items: int = MAX_VALUE_ITEMS,
+        first_frame_timeout: float = rpc.FIRST_FRAME_SECONDS,
+        max_handler_seconds: float = rpc.MAX_HANDLER_SECONDS,
     ) -> None:
         """See :func:`peers.rpc.add_unary_handler`."""
-        rpc.add_unary_handler(self, protocol, handler, request_type, **kwargs)
+        rpc.add_unary_handler(
+            self,
+            protocol,
+            handler,
+            request_type,
+            max_frame_bytes=max_frame_bytes,
+            max_value_items=max_value_items,
+            first_frame_timeout=first_frame_timeout,
+            max_handler_seconds=max_handler_seconds,
+        )
 
     def add_stream_handler(
         self,
         protocol: str,
         handler: Callable[[AsyncIterator[Any], CallContext], AsyncIterator[Any]],
         request_type: type[Any],
-        **kwargs: Any,
+        *,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        first_frame_timeout: float = rpc.STREAM_FIRST_FRAME_SECONDS,
     ) -> None:
         """See :func:`peers.rpc.add_stream_handler`."""
-        rpc.add_stream_handler(self, protocol, handler, request_type, **kwargs)
+        rpc.add_stream_handler(
+            self,
+            protocol,
+            handler,
+            request_type,
+            max_frame_bytes=max_frame_bytes,
+            first_frame_timeout=first_frame_timeout,
+        )
 
     async def call_unary(
         self,
@@ -959,11 +954,19 @@ class Peer:
         response_type: type[T],
         *,
         timeout: float | None = None,
-        **kwargs: Any,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_value_items: int = MAX_VALUE_ITEMS,
     ) -> T:
         """See :func:`peers.rpc.call_unary`."""
         return await rpc.call_unary(
-            self, remote, protocol, request, response_type, timeout=timeout, **kwargs
+            self,
+            remote,
+            protocol,
+            request,
+            response_type,
+            timeout=timeout,
+            max_frame_bytes=max_frame_bytes,
+            max_value_items=max_value_items,
         )
 
     def call_stream(
@@ -974,11 +977,17 @@ class Peer:
         response_type: type[T],
         *,
         timeout: float | None = None,
-        **kwargs: Any,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> AsyncIterator[T]:
         """See :func:`peers.rpc.call_stream`."""
         return rpc.call_stream(
-            self, remote, protocol, requests, response_type, timeout=timeout, **kwargs
+            self,
+            remote,
+            protocol,
+            requests,
+            response_type,
+            timeout=timeout,
+            max_frame_bytes=max_frame_bytes,
         )
 
     async def identify(self, remote: PeerID | Multiaddr | str) -> IdentifyInfo:

@@ -8,21 +8,20 @@ protocols = 3 (repeated), observedAddr = 4, protocolVersion = 5, agentVersion = 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from multiaddr import Multiaddr
 
 from peers import limits
 from peers.addresses import parse_multiaddr, split_peer_id, tcp_target
+from peers.config import PeerConfig
 from peers.connection import Stream
 from peers.errors import AddressError, RemoteProtocolError
-from peers.identity import PeerID, PublicKey
+from peers.identity import KeyPair, PeerID, PublicKey
 from peers.protobuf import all_bytes, decode_fields, encode_fields, first_bytes
 from peers.serialization import FrameDecoder, encode_frame
-
-if TYPE_CHECKING:
-    from peers.host import Peer
 
 IDENTIFY_PROTOCOL_ID = "/ipfs/id/1.0.0"
 PROTOCOL_VERSION = "ipfs/0.1.0"
@@ -30,6 +29,32 @@ PROTOCOL_VERSION = "ipfs/0.1.0"
 MAX_IDENTIFY_ADDRS = 32
 #: Protocols we keep from one identify reply.
 MAX_IDENTIFY_PROTOCOLS = 256
+
+
+class IdentifyHost(Protocol):
+    """What identify needs of a peer (:class:`peers.host.Peer` is one): who it is, what
+    it serves and where it listens, streams, and a book of other peers' addresses."""
+
+    @property
+    def identity(self) -> KeyPair: ...
+
+    @property
+    def config(self) -> PeerConfig:
+        """Its agent version goes out in every identify reply."""
+
+    @property
+    def advertised_addrs(self) -> list[Multiaddr]: ...
+
+    @property
+    def protocols(self) -> list[str]: ...
+
+    async def new_stream(self, peer: PeerID | Multiaddr | str, protocol: str, /) -> Stream: ...
+
+    def set_stream_handler(
+        self, protocol: str, handler: Callable[[Stream], Awaitable[None]], /
+    ) -> None: ...
+
+    def add_addresses(self, peer_id: PeerID, addrs: Iterable[Multiaddr | str], /) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +67,7 @@ class IdentifyInfo:
     observed_addr: Multiaddr | None
 
 
-def addrs_for(peer: Peer, remote: Multiaddr) -> list[Multiaddr]:
+def addrs_for(peer: IdentifyHost, remote: Multiaddr) -> list[Multiaddr]:
     """What we tell the peer at ``remote`` we can be reached at: never a loopback address
     unless it is on this machine too (loopback elsewhere is the remote's own)."""
     addrs = peer.advertised_addrs
@@ -63,7 +88,7 @@ def _is_loopback(addr: Multiaddr) -> bool:
         return False
 
 
-def encode_identify(peer: Peer, stream: Stream) -> bytes:
+def encode_identify(peer: IdentifyHost, stream: Stream) -> bytes:
     observed = stream.connection.remote_address
     fields: list[tuple[int, int | bytes]] = [
         (5, PROTOCOL_VERSION.encode()),
@@ -108,7 +133,7 @@ def decode_identify(data: bytes, remote: PeerID) -> IdentifyInfo:
     )
 
 
-def install_identify(peer: Peer) -> None:
+def install_identify(peer: IdentifyHost) -> None:
     async def serve_identify(stream: Stream) -> None:
         await stream.write(encode_frame(encode_identify(peer, stream)))
         await stream.close()
@@ -116,7 +141,7 @@ def install_identify(peer: Peer) -> None:
     peer.set_stream_handler(IDENTIFY_PROTOCOL_ID, serve_identify)
 
 
-async def identify(peer: Peer, remote: PeerID | Multiaddr | str) -> IdentifyInfo:
+async def identify(peer: IdentifyHost, remote: PeerID | Multiaddr | str) -> IdentifyInfo:
     """Ask ``remote`` who it is; raises RemoteProtocolError on a malformed reply."""
     stream = await peer.new_stream(remote, IDENTIFY_PROTOCOL_ID)
     decoder = FrameDecoder(limits.MAX_IDENTIFY_BYTES)

@@ -37,12 +37,14 @@ from peers.errors import (
     StreamReset,
 )
 from peers.identity import KeyPair, PeerID
-from peers.stream_api import StreamHost, StreamLike
+from peers.stream_api import RpcHost, StreamHost, StreamLike
 from peers.traffic import TrafficBook
 from peers.virtual_clock import run_virtual
 from peers.yamux import INITIAL_WINDOW_BYTES
 
 if TYPE_CHECKING:
+    from multiaddr import Multiaddr
+
     from peers.connection import Stream
     from peers.host import Peer
 
@@ -406,12 +408,14 @@ class MemoryPeer:
     def remove_stream_handler(self, protocol: str) -> None:
         self._handlers.pop(protocol, None)
 
-    async def new_stream(self, peer: PeerID, protocol: str) -> MemoryStream:
+    async def new_stream(self, peer: PeerID | Multiaddr | str, protocol: str) -> MemoryStream:
         """A stream to ``peer`` speaking ``protocol``, returned at once (as a real
         peer's lazily negotiated stream on an open connection is). Raises
-        :class:`DialError` if ``peer`` is unknown, dead, or this peer; a protocol the
-        remote does not serve surfaces as :class:`ProtocolNotSupported` from the
-        first read."""
+        :class:`DialError` if ``peer`` is unknown, dead, or this peer, or is an address
+        (the in-memory network has none: peers are named by id); a protocol the remote
+        does not serve surfaces as :class:`ProtocolNotSupported` from the first read."""
+        if not isinstance(peer, PeerID):
+            raise DialError(f"the in-memory network dials peer ids, not addresses: {peer}")
         if not self._alive:
             raise DialError("peer is closing")
         if peer == self.peer_id:
@@ -715,5 +719,5 @@ if TYPE_CHECKING:
     # The conformance mypy checks: the real classes and ours both have the surfaces.
     def _conforms(
         stream: Stream, peer: Peer, memory_stream: MemoryStream, memory_peer: MemoryPeer
-    ) -> tuple[StreamLike, StreamLike, StreamHost, StreamHost]:
-        return stream, memory_stream, peer, memory_peer
+    ) -> tuple[StreamLike, StreamLike, StreamHost, StreamHost, RpcHost, RpcHost]:
+        return stream, memory_stream, peer, memory_peer, peer, memory_peer

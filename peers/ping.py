@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from peers.connection import Stream
 from peers.errors import RemoteProtocolError
-
-if TYPE_CHECKING:
-    from peers.host import Peer
+from peers.stream_api import StreamHost, StreamLike
 
 PING_PROTOCOL_ID = "/ipfs/ping/1.0.0"
 PING_PAYLOAD_BYTES = 32
@@ -20,7 +16,7 @@ PING_PAYLOAD_BYTES = 32
 MAX_PINGS_PER_STREAM = 1000
 
 
-async def _serve_ping(stream: Stream) -> None:
+async def _serve_ping(stream: StreamLike) -> None:
     for _ in range(MAX_PINGS_PER_STREAM):
         try:
             payload = await stream.readexactly(PING_PAYLOAD_BYTES)
@@ -30,11 +26,11 @@ async def _serve_ping(stream: Stream) -> None:
     await stream.close()
 
 
-def install_ping(peer: Peer) -> None:
+def install_ping(peer: StreamHost) -> None:
     peer.set_stream_handler(PING_PROTOCOL_ID, _serve_ping)
 
 
-async def ping_once(stream: Stream, payload: bytes, clock: Callable[[], float]) -> float:
+async def ping_once(stream: StreamLike, payload: bytes, clock: Callable[[], float]) -> float:
     """Send one ping on ``stream``; the round-trip time in seconds.
 
     Raises :class:`RemoteProtocolError` if the echo differs.

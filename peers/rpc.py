@@ -53,7 +53,7 @@ from peers.serialization import (
     frame_buffers,
     unpack,
 )
-from peers.stream_api import StreamLike
+from peers.stream_api import RpcHost, StreamLike
 from peers.wire import from_wire, to_wire
 
 if TYPE_CHECKING:
@@ -61,8 +61,6 @@ if TYPE_CHECKING:
     # Stream. Python 3.11's TypeVar takes no default, and typing_extensions is not a
     # dependency of ours, so only the type checker sees it.
     from typing_extensions import TypeVar as DefaultTypeVar
-
-    from peers.host import Peer
 
     S = DefaultTypeVar("S", bound=StreamLike, default=Stream)
 else:
@@ -178,7 +176,7 @@ def _message_body(frame: list[Any]) -> Any:
     return frame[1]
 
 
-async def _serve_guarded(stream: Stream, work: Awaitable[None]) -> None:
+async def _serve_guarded(stream: StreamLike, work: Awaitable[None]) -> None:
     """Run ``work`` in this task, cancelling it as soon as the remote resets the stream."""
     task = asyncio.current_task()
     assert task is not None
@@ -200,7 +198,7 @@ async def _serve_guarded(stream: Stream, work: Awaitable[None]) -> None:
         stream.remove_on_failure(cancel_work)
 
 
-async def _first_frame(framed: FramedStream, timeout: float) -> list[Any] | None:
+async def _first_frame(framed: FramedStream[StreamLike], timeout: float) -> list[Any] | None:
     """The call's first frame, or :class:`RemoteProtocolError` after ``timeout`` s."""
     try:
         async with asyncio.timeout(timeout):
@@ -242,16 +240,16 @@ class _CallsInFlight:
                 del self.counts[remote]
 
 
-_CALLS: weakref.WeakKeyDictionary[Peer, _CallsInFlight] = weakref.WeakKeyDictionary()
+_CALLS: weakref.WeakKeyDictionary[RpcHost, _CallsInFlight] = weakref.WeakKeyDictionary()
 
 
-def calls_in_flight(peer: Peer) -> dict[PeerID, int]:
+def calls_in_flight(peer: RpcHost) -> dict[PeerID, int]:
     """Handlers running on ``peer`` now, by the remote peer they serve."""
     tracker = _CALLS.get(peer)
     return dict(tracker.counts) if tracker is not None else {}
 
 
-def _calls_of(peer: Peer) -> _CallsInFlight:
+def _calls_of(peer: RpcHost) -> _CallsInFlight:
     tracker = _CALLS.get(peer)
     if tracker is None:
         tracker = _CALLS[peer] = _CallsInFlight()
@@ -259,7 +257,7 @@ def _calls_of(peer: Peer) -> _CallsInFlight:
 
 
 async def _serve_admitted(
-    peer: Peer, stream: Stream, framed: FramedStream, work: Awaitable[None]
+    peer: RpcHost, stream: StreamLike, framed: FramedStream[StreamLike], work: Awaitable[None]
 ) -> None:
     """Run ``work`` for ``stream``'s remote if it is under its bound of calls in flight;
     else refuse the call with an error frame (the remote's, and only its, to retry)."""
@@ -277,7 +275,7 @@ async def _serve_admitted(
 
 
 def add_unary_handler(
-    peer: Peer,
+    peer: RpcHost,
     protocol: str,
     handler: Callable[[Req, CallContext], Awaitable[Resp]],
     request_type: type[Req],
@@ -295,7 +293,7 @@ def add_unary_handler(
     ``first_frame_timeout`` seconds is refused with an error frame.
     """
 
-    async def serve(stream: Stream) -> None:
+    async def serve(stream: StreamLike) -> None:
         framed = FramedStream(stream, max_frame_bytes, max_value_items)
 
         async def work() -> None:
@@ -323,7 +321,7 @@ def add_unary_handler(
 
 
 def add_stream_handler(
-    peer: Peer,
+    peer: RpcHost,
     protocol: str,
     handler: Callable[[AsyncIterator[Req], CallContext], AsyncIterator[Resp]],
     request_type: type[Req],
@@ -339,7 +337,7 @@ def add_stream_handler(
     that has not arrived within ``first_frame_timeout`` seconds is refused.
     """
 
-    async def serve(stream: Stream) -> None:
+    async def serve(stream: StreamLike) -> None:
         framed = FramedStream(stream, max_frame_bytes)
 
         async def work() -> None:
@@ -385,7 +383,7 @@ def add_stream_handler(
 
 
 async def call_unary(
-    peer: Peer,
+    peer: RpcHost,
     remote: PeerID | Multiaddr | str,
     protocol: str,
     request: object,
@@ -424,7 +422,7 @@ async def call_unary(
 
 
 async def _call_unary(
-    peer: Peer,
+    peer: RpcHost,
     remote: PeerID | Multiaddr | str,
     protocol: str,
     request: object,
@@ -454,7 +452,7 @@ async def _call_unary(
 
 
 async def call_stream(
-    peer: Peer,
+    peer: RpcHost,
     remote: PeerID | Multiaddr | str,
     protocol: str,
     requests: AsyncIterable[Any] | Iterable[Any],
@@ -486,7 +484,7 @@ async def call_stream(
 
 
 async def _call_stream(
-    peer: Peer,
+    peer: RpcHost,
     remote: PeerID | Multiaddr | str,
     protocol: str,
     requests: AsyncIterable[Any] | Iterable[Any],
@@ -523,7 +521,9 @@ async def _call_stream(
 
 
 async def _send_requests(
-    framed: FramedStream, requests: AsyncIterable[Any] | Iterable[Any], timeout: float | None
+    framed: FramedStream[StreamLike],
+    requests: AsyncIterable[Any] | Iterable[Any],
+    timeout: float | None,
 ) -> None:
     first = True
 

@@ -14,10 +14,15 @@ Methods take positional-only parameters: implementations name theirs as they lik
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from peers.errors import ConnectionClosed
 from peers.identity import KeyPair, PeerID
+
+if TYPE_CHECKING:
+    from multiaddr import Multiaddr
+
+    from peers.traffic import TrafficBook
 
 
 @runtime_checkable
@@ -92,5 +97,21 @@ class StreamHost(Protocol):
 
     def set_stream_handler(self, protocol: str, handler: StreamHandlerLike, /) -> None:
         """Serve ``protocol``; ``ValueError`` if a handler for it is already set."""
+
+    def remove_stream_handler(self, protocol: str, /) -> None: ...
+
+
+@runtime_checkable
+class RpcHost(Protocol):
+    """What :mod:`peers.rpc` needs of a peer: streams to a peer named by id or address,
+    handlers for inbound ones, and a book of traffic by protocol (``Peer.traffic``)."""
+
+    @property
+    def traffic(self) -> TrafficBook: ...
+
+    async def new_stream(self, peer: PeerID | Multiaddr | str, protocol: str, /) -> StreamLike:
+        """As :meth:`StreamHost.new_stream`; an address dials it first."""
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandlerLike, /) -> None: ...
 
     def remove_stream_handler(self, protocol: str, /) -> None: ...

@@ -54,3 +54,24 @@ def test_import_peers_does_not_load_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def _modules(path: Path) -> set[str]:
+    """Every module ``path`` imports from, in full (``peers.host``), under TYPE_CHECKING
+    too."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("module", ["rpc", "identify", "ping", "service"])
+def test_the_protocols_under_the_peer_do_not_depend_on_it(module: str) -> None:
+    """rpc, identify and ping run on a stream host (peers/stream_api.py, or identify's own
+    IdentifyHost): the Peer is built on them, not they on it; so is the service
+    skeleton every service (the Peer included) derives from."""
+    assert "peers.host" not in _modules(ROOT / "peers" / f"{module}.py")

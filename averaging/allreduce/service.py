@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from types import TracebackType
 
 import torch
 
@@ -23,6 +22,7 @@ from averaging.allreduce.records import RoundSpec
 from averaging.allreduce.wire import ALLREDUCE_PROTOCOL, decode_hello
 from peers.errors import PeersError
 from peers.rpc import FramedStream
+from peers.service import Service
 from peers.stream_api import StreamHost, StreamLike
 
 logger = logging.getLogger(__name__)
@@ -36,11 +36,12 @@ REMEMBERED_ROUNDS = 256
 HELLO_TIMEOUT = 10.0
 
 
-class AllReduceService:
+class AllReduceService(Service):
     """Runs butterfly rounds on ``peer`` (an async context manager that registers the
     protocol's handler). Several rounds may run at once, each under its own round id."""
 
     def __init__(self, peer: StreamHost, config: AllReduceConfig | None = None) -> None:
+        super().__init__()
         self.peer = peer
         self.config = config or AllReduceConfig()
         self._rounds: dict[bytes, RoundRunner] = {}
@@ -48,17 +49,11 @@ class AllReduceService:
         self._ended: OrderedDict[bytes, None] = OrderedDict()
         self._num_waiting = 0
 
-    async def __aenter__(self) -> AllReduceService:
-        self.peer.set_stream_handler(ALLREDUCE_PROTOCOL, self._on_stream)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.peer.remove_stream_handler(ALLREDUCE_PROTOCOL)
+    async def _start(self) -> None:
+        self._serve(
+            lambda: self.peer.set_stream_handler(ALLREDUCE_PROTOCOL, self._on_stream),
+            lambda: self.peer.remove_stream_handler(ALLREDUCE_PROTOCOL),
+        )
 
     def running(self, round_id: bytes) -> RoundRunner | None:
         """The round ``round_id`` while it runs here (for tools that inspect or drive it,

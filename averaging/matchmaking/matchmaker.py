@@ -16,7 +16,6 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from types import TracebackType
 
 from averaging.matchmaking.records import (
     DHT_KEY_PREFIX,
@@ -64,6 +63,7 @@ from peers.dht.records import RecordError, owner_marker, owner_of
 from peers.errors import PeersError
 from peers.identity import PeerID
 from peers.rpc import CallContext
+from peers.service import Service
 from peers.wire import WireError, from_wire, to_wire
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ def answer_from_wire(key: str, response: JoinResponse) -> JoinAnswer:
     return Rejected(reason)
 
 
-class Matchmaker:
+class Matchmaker(Service):
     """Forms averaging groups through ``dht``. Use ``async with Matchmaker(dht)``.
 
     Entering registers the join handler on the DHT's peer; leaving removes it and
@@ -188,6 +188,7 @@ class Matchmaker:
     """
 
     def __init__(self, dht: DHT, config: MatchmakingConfig | None = None) -> None:
+        super().__init__()
         self.dht = dht
         self.peer = dht.peer
         self.config = config or MatchmakingConfig()
@@ -196,21 +197,18 @@ class Matchmaker:
         self._counters = _Counters()
         self._open = False
 
-    async def __aenter__(self) -> Matchmaker:
-        self.peer.add_unary_handler(
-            JOIN_PROTOCOL, self.rpc_join, JoinRequest, max_frame_bytes=MAX_JOIN_REQUEST_BYTES
+    async def _start(self) -> None:
+        self._serve_unary(
+            self.peer,
+            JOIN_PROTOCOL,
+            self.rpc_join,
+            JoinRequest,
+            max_frame_bytes=MAX_JOIN_REQUEST_BYTES,
         )
         self._open = True
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def _stop(self) -> None:
         self._open = False
-        self.peer.remove_stream_handler(JOIN_PROTOCOL)
         for active in self._searches.values():
             self._release(active, "the matchmaker is closing")
 

@@ -16,7 +16,6 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from peers.errors import PeersError
 from peers.host import Peer
 from peers.identity import KeyPair, PeerID
 from peers.rpc import CallContext
+from peers.service import Service
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class StateServerStatistics:
     num_active_streams: int
 
 
-class StateServer:
+class StateServer(Service):
     """Serve a state to newcomers. Use ``async with StateServer(peer, ...) as server``.
 
     ``dht`` and ``prefix`` (together) make it announce itself so newcomers can find it.
@@ -110,6 +110,7 @@ class StateServer:
         config: StateServerConfig | None = None,
         signer: KeyPair | None = None,
     ) -> None:
+        super().__init__()
         if (dht is None) != (prefix is None):
             raise ValueError("give both dht and prefix to announce, or neither")
         if signer is not None and prefix is None:
@@ -123,30 +124,15 @@ class StateServer:
         self._streams: Counter[PeerID] = Counter()
         self._counters: Counter[str] = Counter()
         self._announce_now = asyncio.Event()
-        self._group: asyncio.TaskGroup | None = None
-        self._announcer: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> StateServer:
-        self.peer.add_unary_handler(MANIFEST_PROTOCOL, self.rpc_manifest, ManifestRequest)
-        self.peer.add_stream_handler(CHUNKS_PROTOCOL, self.rpc_chunks, ChunkRequest)
-        self._group = asyncio.TaskGroup()
-        await self._group.__aenter__()
+    async def _start(self) -> None:
+        self._serve_unary(self.peer, MANIFEST_PROTOCOL, self.rpc_manifest, ManifestRequest)
+        self._serve(
+            lambda: self.peer.add_stream_handler(CHUNKS_PROTOCOL, self.rpc_chunks, ChunkRequest),
+            lambda: self.peer.remove_stream_handler(CHUNKS_PROTOCOL),
+        )
         if self.dht is not None:
-            self._announcer = self._group.create_task(self._announce_forever())
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.peer.remove_stream_handler(MANIFEST_PROTOCOL)
-        self.peer.remove_stream_handler(CHUNKS_PROTOCOL)
-        if self._announcer is not None:
-            self._announcer.cancel()
-        assert self._group is not None
-        await self._group.__aexit__(None, None, None)  # the caller's error stays its own
+            self._spawn(self._announce_forever())
 
     @property
     def versions(self) -> tuple[int, ...]:

@@ -3,7 +3,8 @@
 The pure parts decide: :class:`RoutingTable` (who we know), :class:`Lookup` (whom to ask
 next), :class:`RecordStore` (what we keep). This module moves their decisions over the
 network, enforces timeouts, and owns the background work (bucket refresh, republish,
-re-bootstrap, pinging stale contacts) in a TaskGroup entered with ``async with``.
+re-bootstrap, pinging stale contacts) as a :class:`peers.service.Service` entered with
+``async with``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, TypeVar
 
 from peers.addresses import parse_multiaddr, split_peer_id
@@ -63,6 +63,7 @@ from peers.identity import PeerID
 from peers.pnet import missing_key_hint
 from peers.rpc import CallContext
 from peers.serialization import SerializationError, pack, unpack
+from peers.service import Service
 from peers.subnets import source_group
 from peers.wire import WireError
 
@@ -111,10 +112,11 @@ def _as_key(key: str | bytes) -> bytes:
     return key.encode() if isinstance(key, str) else bytes(key)
 
 
-class DHT:
+class DHT(Service):
     """A Kademlia node on a :class:`peers.Peer`. Use ``async with DHT(peer, config)``."""
 
     def __init__(self, peer: Peer, config: DHTConfig | None = None) -> None:
+        super().__init__()
         self.peer = peer
         self.config = config or DHTConfig()
         self.node_id = node_id_of(peer.peer_id)
@@ -122,18 +124,9 @@ class DHT:
         self.store_ = RecordStore()
         self._published: dict[tuple[bytes, bytes | None], _Published] = {}
         self._counters = _Counters()
-        self._group: asyncio.TaskGroup | None = None
         self._pinging: set[PeerID] = set()
         self._sender_info: SenderInfo | None = None
         self._addrs_told: dict[PeerID, tuple[str, ...]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Start background work in our TaskGroup, remembered so we can stop it."""
-        assert self._group is not None
-        task = self._group.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     @property
     def client_mode(self) -> bool:
@@ -153,53 +146,18 @@ class DHT:
 
     # --- lifecycle ---------------------------------------------------------------
 
-    async def __aenter__(self) -> DHT:
+    async def _start(self) -> None:
         if not self.client_mode:
-            self.peer.add_unary_handler(PING_PROTOCOL, self.rpc_ping, PingRequest, **_DHT_FRAMES)
-            self.peer.add_unary_handler(
-                FIND_NODE_PROTOCOL,
-                self.rpc_find_node,
-                FindNodeRequest,
-                **_DHT_FRAMES,
-            )
-            self.peer.add_unary_handler(
-                FIND_VALUE_PROTOCOL,
-                self.rpc_find_value,
-                FindValueRequest,
-                **_DHT_FRAMES,
-            )
-            self.peer.add_unary_handler(STORE_PROTOCOL, self.rpc_store, StoreRequest, **_DHT_FRAMES)
-        self._group = asyncio.TaskGroup()
-        await self._group.__aenter__()
-        started = False
-        try:
-            if self.config.initial_peers:
-                await self.bootstrap()
-            self._spawn(self._maintain())
-            started = True
-        finally:
-            if not started:
-                await self.__aexit__(None, None, None)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        assert self._group is not None
-        for task in list(self._tasks):  # our background work ends with us
-            task.cancel()
-        await self._group.__aexit__(None, None, None)  # the caller's error stays its own
-        if not self.client_mode:
-            for protocol in (
-                PING_PROTOCOL,
-                FIND_NODE_PROTOCOL,
-                FIND_VALUE_PROTOCOL,
-                STORE_PROTOCOL,
+            for protocol, handler, request_type in (
+                (PING_PROTOCOL, self.rpc_ping, PingRequest),
+                (FIND_NODE_PROTOCOL, self.rpc_find_node, FindNodeRequest),
+                (FIND_VALUE_PROTOCOL, self.rpc_find_value, FindValueRequest),
+                (STORE_PROTOCOL, self.rpc_store, StoreRequest),
             ):
-                self.peer.remove_stream_handler(protocol)
+                self._serve_unary(self.peer, protocol, handler, request_type, **_DHT_FRAMES)
+        if self.config.initial_peers:
+            await self.bootstrap()
+        self._spawn(self._maintain())
 
     async def bootstrap(self) -> int:
         """Join through the initial peers; the number that answered.

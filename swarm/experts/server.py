@@ -2,8 +2,8 @@
 
 ``async with ExpertServer(peer, backends, config, dht=dht)`` registers the experts
 protocol on ``peer``, starts one :class:`ModuleWorker` per module and (with a DHT)
-announces the modules once, then every ``announce_interval``; its tasks live in a
-TaskGroup it owns (CONTRIBUTING.md, "Every task has an owner"). Every request is checked
+announces the modules once, then every ``announce_interval``: a
+:class:`peers.service.Service`, whose tasks live in a TaskGroup it owns. Every request is checked
 against the module's schema before it is decoded or queued; a bad one costs only its
 caller a :class:`BadExpertRequest`. Each request is queued as its caller's (the remote
 peer's), within that caller's share of the module's queue, and a backward from a peer
@@ -22,7 +22,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 
 import torch
 
@@ -32,6 +31,7 @@ from peers.identity import PeerID
 from peers.rpc import CallContext
 from peers.runtime import keep_freed_memory
 from peers.serialization import MAX_FRAME_BYTES
+from peers.service import Service
 from peers.traffic import CallLatency, LatencyHistogram
 from swarm.experts.announce import Announcement, ExpertLocation, declare_experts
 from swarm.experts.backend import BackendStatistics, KeptForward, ModuleBackend
@@ -81,7 +81,7 @@ class ServerStatistics:
     their result: queueing and compute, as callers feel it (a refused one as a failure)."""
 
 
-class ExpertServer:
+class ExpertServer(Service):
     """Serves ``backends`` on ``peer``; announces them in ``dht`` if one is given.
 
     Constructing one tunes the process's allocator to keep freed memory
@@ -99,6 +99,7 @@ class ExpertServer:
         *,
         dht: DHT | None = None,
     ) -> None:
+        super().__init__()
         keep_freed_memory()  # before the executor threads the modules compute in start
         self.peer = peer
         self.config = config or ServerConfig()
@@ -127,8 +128,6 @@ class ExpertServer:
         """Whether the Linear layers compute with oneDNN (:mod:`swarm.experts.kernels`)."""
         largest = max((w.backend.info.max_request_bytes for w in self.workers.values()), default=0)
         self.max_frame_bytes = max(MAX_FRAME_BYTES, largest + FRAME_SLACK_BYTES)
-        self._group: asyncio.TaskGroup | None = None
-        self._tasks: list[asyncio.Task[None]] = []
         self._num_announcements = 0
         self._num_refused_trainings = 0
         self.step_guard: Callable[[str, int, str], None] | None = None
@@ -138,42 +137,27 @@ class ExpertServer:
         # hosted uids only: a request names one before it is timed
         self._latency: dict[tuple[str, str], LatencyHistogram] = {}
 
-    async def __aenter__(self) -> ExpertServer:
-        self._group = asyncio.TaskGroup()
-        await self._group.__aenter__()
-        self.peer.add_unary_handler(INFO_PROTOCOL, self.rpc_info, InfoRequest)
-        for protocol, handler, request_type in (
-            (FORWARD_PROTOCOL, self.rpc_forward, ForwardRequest),
-            (BACKWARD_PROTOCOL, self.rpc_backward, BackwardRequest),
-        ):
-            self.peer.add_unary_handler(
-                protocol, handler, request_type, max_frame_bytes=self.max_frame_bytes
-            )
+    async def _start(self) -> None:
+        self._serve_unary(self.peer, INFO_PROTOCOL, self.rpc_info, InfoRequest)
+        self._serve_unary(
+            self.peer,
+            FORWARD_PROTOCOL,
+            self.rpc_forward,
+            ForwardRequest,
+            max_frame_bytes=self.max_frame_bytes,
+        )
+        self._serve_unary(
+            self.peer,
+            BACKWARD_PROTOCOL,
+            self.rpc_backward,
+            BackwardRequest,
+            max_frame_bytes=self.max_frame_bytes,
+        )
         for worker in self.workers.values():
-            self._tasks.append(self._group.create_task(worker.run()))
+            self._spawn(worker.run())
         if self.dht is not None:
-            entered = False
-            try:
-                await self.announce()  # findable as soon as the body runs
-                entered = True
-            finally:
-                if not entered:  # cancelled while announcing: undo
-                    await self.__aexit__(None, None, None)
-            self._tasks.append(self._group.create_task(self._announce_forever()))
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        for protocol in (INFO_PROTOCOL, FORWARD_PROTOCOL, BACKWARD_PROTOCOL):
-            self.peer.remove_stream_handler(protocol)
-        for task in self._tasks:
-            task.cancel()
-        assert self._group is not None
-        await self._group.__aexit__(None, None, None)
+            await self.announce()  # findable as soon as the body runs
+            self._spawn(self._announce_forever())
 
     # --- handlers ------------------------------------------------------------------
 
