@@ -35,12 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peers.closing import ClosesOnExit
+from peers.processes import TERMINATE_GRACE_SECONDS, stop_processes
 
 #: Seconds a process has to print its ``ready`` line; generous because a loaded 2-core
 #: CI machine may start 30 interpreters at once.
 DEFAULT_STARTUP_TIMEOUT = 60.0
-#: Seconds a process gets to exit after SIGTERM before it is SIGKILLed.
-TERMINATE_GRACE_SECONDS = 5.0
 
 
 @dataclass
@@ -226,22 +225,7 @@ class LocalSwarm(ClosesOnExit):
         return proc.popen.wait(TERMINATE_GRACE_SECONDS)
 
     def close(self) -> None:
-        for proc in self.processes:
-            if proc.alive:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.popen.send_signal(signal.SIGCONT)
-                    proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-        for proc in self.processes:
-            try:
-                proc.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
-            for pipe in (proc.popen.stdin, proc.popen.stdout, proc.popen.stderr):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
+        stop_processes(proc.popen for proc in self.processes)
 
 
 def _pump_stdout(proc: PeerProcess) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from peers.config import LOOPBACK_LISTEN_ADDRS, PeerConfig
 from peers.dht import BlockingDHT
+from peers.processes import stop_processes
 from swarm.baseline import BaselineConfig, BaselineResult, run_baseline
 from swarm.errors import SwarmError, TaskError
 from swarm.progress_bar import ProgressBar, human_bytes
@@ -41,8 +42,6 @@ from swarm.trainer import TrainerConfig, plan_run
 #: More trainer processes than this on one machine teaches nothing more and only
 #: slows every one of them down.
 MAX_DEMO_PEERS = 16
-#: Seconds a trainer gets to exit after SIGTERM before it is SIGKILLed.
-TERMINATE_GRACE_SECONDS = 5.0
 #: Lines of a failed trainer's stderr shown in the error.
 STDERR_TAIL_LINES = 20
 
@@ -199,21 +198,7 @@ class _Children:
 
     def stop(self) -> None:
         """SIGTERM every child still running, wait, SIGKILL those that linger."""
-        for child in self.children:
-            if child.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.popen.terminate()
-        deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-        for child in self.children:
-            try:
-                child.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.popen.kill()
-                child.popen.wait()
-            for pipe in (child.popen.stdin, child.popen.stdout, child.popen.stderr):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
+        stop_processes(child.popen for child in self.children)
 
 
 @dataclass(frozen=True)

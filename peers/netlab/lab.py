@@ -30,8 +30,9 @@ from peers.netlab.commands import DEFAULT_COMMAND_TIMEOUT, NetlabError, run_chec
 from peers.netlab.delay_line import DelayLine, LineSettings
 from peers.netlab.hosts import LanHost, Node, PublicHost, Router
 from peers.netlab.nat import NAT_TYPES, NatType, cut_ruleset, cut_table, router_ruleset
-from peers.netlab.processes import TERMINATE_GRACE_SECONDS, OwnedProcesses
+from peers.netlab.processes import OwnedProcesses
 from peers.netlab.shaping import tbf_args
+from peers.processes import TERMINATE_GRACE_SECONDS
 
 #: The internet's addresses: public hosts and routers' WAN sides.
 INTERNET_NETWORK = ipaddress.IPv4Network("198.18.0.0/24")

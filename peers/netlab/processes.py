@@ -4,22 +4,12 @@ by name), and every wait bounded."""
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from peers.netlab.commands import NetlabError
-
-#: Seconds processes get, all together, to exit after SIGTERM before SIGKILL: enough
-#: for a Python peer to close its sockets, short enough that a hung one does not stall
-#: a test's teardown.
-TERMINATE_GRACE_SECONDS = 3.0
-#: Seconds to wait for a SIGKILLed process to be reaped. The kernel acts at once; the
-#: bound only guards against a process stuck in uninterruptible sleep.
-KILL_WAIT_SECONDS = 2.0
+from peers.processes import TERMINATE_GRACE_SECONDS, stop_processes
 
 
 def netns_exec_argv(namespace: str, argv: Sequence[str]) -> list[str]:
@@ -60,21 +50,5 @@ class OwnedProcesses:
         rest, and reap them; closes the pipes the lab's caller left open. Later
         :meth:`start` calls fail."""
         self._stopped = True
-        for popen in self._popens:
-            if popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_seconds
-        for popen in self._popens:
-            try:
-                popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    popen.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    popen.wait(KILL_WAIT_SECONDS)
-            for pipe in (popen.stdin, popen.stdout, popen.stderr):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
+        stop_processes(self._popens, grace_seconds=grace_seconds)
         self._popens.clear()
