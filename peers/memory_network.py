@@ -21,6 +21,7 @@ blocks as it does over TCP.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
 import random
@@ -30,14 +31,16 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
+from peers.addresses import parse_multiaddr, split_peer_id, tcp_multiaddr, with_peer_id
 from peers.errors import (
     ConnectionClosed,
     DialError,
+    PeerIDMismatch,
     ProtocolNotSupported,
     StreamReset,
 )
 from peers.identity import KeyPair, PeerID
-from peers.stream_api import RpcHost, StreamHost, StreamLike
+from peers.stream_api import AddressedHost, RpcHost, StreamHost, StreamLike
 from peers.traffic import TrafficBook
 from peers.virtual_clock import run_virtual
 from peers.yamux import INITIAL_WINDOW_BYTES
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Delivery",
+    "MemoryConnection",
     "MemoryNetwork",
     "MemoryPeer",
     "MemoryStream",
@@ -60,6 +64,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Where the network numbers its peers: the i-th peer added listens at the i-th address
+#: after this one (198.18.0.0/15 is set aside for benchmarking networks, RFC 2544), on
+#: :data:`LISTEN_PORT`, so addresses look like the lab's and never like a real host's.
+FIRST_ADDRESS = ipaddress.IPv4Address("198.18.0.0")
+LISTEN_PORT = 4001
 #: One-way latency of a link unless set: a LAN's, small against any protocol timeout.
 DEFAULT_LATENCY_SECONDS = 0.001
 #: Least gap between two deliveries on one link: asyncio's timer heap is not stable for
@@ -146,6 +155,7 @@ class MemoryNetwork:
         self._key_rng = random.Random(f"{seed}/keys")
         self._jitter_rng = random.Random(f"{seed}/jitter")
         self._peers: dict[PeerID, MemoryPeer] = {}
+        self._by_address: dict[str, PeerID] = {}
         self._links: dict[tuple[PeerID, PeerID], _Link] = {}
         self._paused_until: dict[PeerID, float] = {}
         self.on_frame: FrameCallback | None = None
@@ -157,8 +167,12 @@ class MemoryNetwork:
     # --- peers ---------------------------------------------------------------------
 
     def add_peer(self) -> MemoryPeer:
-        peer = MemoryPeer(self, KeyPair.from_seed(self._key_rng.randbytes(32)))
+        """A new peer, with the next identity and the next address (198.18.0.1, ...)."""
+        ip = FIRST_ADDRESS + len(self._peers) + 1
+        address = tcp_multiaddr(str(ip), LISTEN_PORT)
+        peer = MemoryPeer(self, KeyPair.from_seed(self._key_rng.randbytes(32)), address)
         self._peers[peer.peer_id] = peer
+        self._by_address[str(address)] = peer.peer_id
         return peer
 
     @property
@@ -375,13 +389,30 @@ def _id(peer: PeerRef) -> PeerID:
     return peer if isinstance(peer, PeerID) else peer.peer_id
 
 
-class MemoryPeer:
-    """A peer of a :class:`MemoryNetwork`, with the :class:`StreamHost` surface."""
+@dataclass(frozen=True, slots=True)
+class MemoryConnection:
+    """What :meth:`MemoryPeer.connection_to` says of a remote: where it reaches us from."""
 
-    def __init__(self, network: MemoryNetwork, identity: KeyPair) -> None:
+    remote_address: Multiaddr
+
+
+class MemoryPeer:
+    """A peer of a :class:`MemoryNetwork`, with the :class:`StreamHost` and
+    :class:`AddressedHost` surfaces.
+
+    Each peer has one address (``address``; :attr:`listen_addrs` adds ``/p2p/ID``) and
+    is connected to every live peer: the network routes by PeerID, so an address is how
+    code that starts from one (a DHT's initial peers) learns whom it names, and
+    :meth:`add_addresses` only keeps a book (:attr:`address_book`) for tests to read.
+    """
+
+    def __init__(self, network: MemoryNetwork, identity: KeyPair, address: Multiaddr) -> None:
         self.network = network
         self.identity = identity
         self.peer_id = identity.peer_id
+        self.address = address
+        #: Addresses other peers told us of (:meth:`add_addresses`), the latest per peer.
+        self.address_book: dict[PeerID, list[Multiaddr]] = {}
         #: Its unary calls' latencies, as a real peer's (``peers.rpc.call_unary``).
         self.traffic = TrafficBook()
         self._handlers: dict[str, MemoryStreamHandler] = {}
@@ -408,14 +439,38 @@ class MemoryPeer:
     def remove_stream_handler(self, protocol: str) -> None:
         self._handlers.pop(protocol, None)
 
-    async def new_stream(self, peer: PeerID | Multiaddr | str, protocol: str) -> MemoryStream:
-        """A stream to ``peer`` speaking ``protocol``, returned at once (as a real
-        peer's lazily negotiated stream on an open connection is). Raises
-        :class:`DialError` if ``peer`` is unknown, dead, or this peer, or is an address
-        (the in-memory network has none: peers are named by id); a protocol the remote
-        does not serve surfaces as :class:`ProtocolNotSupported` from the first read."""
-        if not isinstance(peer, PeerID):
-            raise DialError(f"the in-memory network dials peer ids, not addresses: {peer}")
+    @property
+    def listen_addrs(self) -> list[Multiaddr]:
+        return [with_peer_id(self.address, self.peer_id)]
+
+    async def connect(self, addr: Multiaddr | str) -> PeerID:
+        """Who is at ``addr``: :class:`DialError` if nobody (or a dead peer, or us),
+        :class:`PeerIDMismatch` if ``addr`` ends in another peer's ``/p2p/ID``."""
+        peer_id = self._resolve(addr)
+        self._reachable(peer_id)
+        return peer_id
+
+    def connection_to(self, peer_id: PeerID) -> MemoryConnection | None:
+        remote = self.network._peers.get(peer_id)
+        if remote is None or not remote._alive or not self._alive:
+            return None
+        return MemoryConnection(remote.address)
+
+    def add_addresses(self, peer_id: PeerID, addrs: Iterable[Multiaddr | str]) -> None:
+        self.address_book[peer_id] = [parse_multiaddr(a) for a in addrs]
+
+    def _resolve(self, addr: Multiaddr | str) -> PeerID:
+        """The peer at ``addr`` (an address of this network, with or without
+        ``/p2p/ID``)."""
+        transport, named = split_peer_id(parse_multiaddr(addr))
+        found = self.network._by_address.get(str(transport))
+        if found is None:
+            raise DialError(f"no peer of this in-memory network listens at {transport}")
+        if named is not None and named != found:
+            raise PeerIDMismatch(f"{addr} names {named}, but {found} listens there")
+        return found
+
+    def _reachable(self, peer: PeerID) -> MemoryPeer:
         if not self._alive:
             raise DialError("peer is closing")
         if peer == self.peer_id:
@@ -425,6 +480,17 @@ class MemoryPeer:
             raise DialError(f"no known address for {peer}")
         if not remote._alive:
             raise DialError(f"could not reach {peer}: it does not answer")
+        return remote
+
+    async def new_stream(self, peer: PeerID | Multiaddr | str, protocol: str) -> MemoryStream:
+        """A stream to ``peer`` (a PeerID, or an address :meth:`connect` accepts)
+        speaking ``protocol``, returned at once (as a real peer's lazily negotiated
+        stream on an open connection is). Raises :class:`DialError` if ``peer`` is
+        unknown, dead, or this peer; a protocol the remote does not serve surfaces as
+        :class:`ProtocolNotSupported` from the first read."""
+        if not isinstance(peer, PeerID):
+            peer = self._resolve(peer)
+        remote = self._reachable(peer)
         ours = MemoryStream(self, peer, protocol)
         theirs = MemoryStream(remote, self.peer_id, protocol)
         ours._other, theirs._other = theirs, ours
@@ -721,3 +787,6 @@ if TYPE_CHECKING:
         stream: Stream, peer: Peer, memory_stream: MemoryStream, memory_peer: MemoryPeer
     ) -> tuple[StreamLike, StreamLike, StreamHost, StreamHost, RpcHost, RpcHost]:
         return stream, memory_stream, peer, memory_peer, peer, memory_peer
+
+    def _addressed(peer: Peer, memory_peer: MemoryPeer) -> tuple[AddressedHost, AddressedHost]:
+        return peer, memory_peer

@@ -115,3 +115,41 @@ class RpcHost(Protocol):
     def set_stream_handler(self, protocol: str, handler: StreamHandlerLike, /) -> None: ...
 
     def remove_stream_handler(self, protocol: str, /) -> None: ...
+
+
+class ConnectionLike(Protocol):
+    """What a host says about its connection to one peer."""
+
+    @property
+    def remote_address(self) -> Multiaddr:
+        """The address the remote reaches us from (its end of the connection): what
+        per-network quotas count by (:mod:`peers.subnets`), never an address it claims."""
+
+
+@runtime_checkable
+class AddressedHost(RpcHost, Protocol):
+    """A host whose peers have addresses: what the DHT needs (:mod:`peers.dht`). It
+    listens at addresses it can tell others, dials an address to learn who is there,
+    keeps a book of where peers are, and says where a connected peer reaches it from."""
+
+    @property
+    def peer_id(self) -> PeerID: ...
+
+    @property
+    def identity(self) -> KeyPair: ...
+
+    @property
+    def listen_addrs(self) -> list[Multiaddr]:
+        """Where others can dial us, each ending in ``/p2p/OUR_ID``; none for a host that
+        cannot be dialed (behind NAT, or a client)."""
+
+    async def connect(self, addr: Multiaddr | str, /) -> PeerID:
+        """Reach ``addr`` and return who answered. Raises :class:`peers.errors.DialError`
+        if nobody does, :class:`peers.errors.PeerIDMismatch` if the address names
+        someone else."""
+
+    def connection_to(self, peer_id: PeerID, /) -> ConnectionLike | None:
+        """Our live connection to ``peer_id``, if there is one."""
+
+    def add_addresses(self, peer_id: PeerID, addrs: Iterable[Multiaddr | str], /) -> None:
+        """Remember where ``peer_id`` can be dialed (as learned from other peers)."""

@@ -20,6 +20,7 @@ they are.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 from multiaddr import Multiaddr
@@ -49,6 +50,11 @@ def public_block(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
     return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
 
 
+#: Remote addresses whose IP is remembered: a DHT node asks for each request it serves.
+ADDRESS_CACHE_SIZE = 4096
+
+
+@functools.lru_cache(maxsize=ADDRESS_CACHE_SIZE)
 def _first_ip(addr: Multiaddr | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     if addr is None:
         return None

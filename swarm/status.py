@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -228,7 +227,7 @@ async def gather_view(dht: DHT) -> SwarmView:
     """The swarm as seen from ``dht`` now: every status record, every announced peer
     (:mod:`peers.dht.presence`) and every peer in our routing table."""
     statuses = await read_statuses(dht)
-    now_wall, now_mono = dht_time(), time.monotonic()
+    now_wall, now_mono = dht_time(), asyncio.get_running_loop().time()  # as routing ages
     contacts = [
         Contact(p.peer_id, p.addrs, max(0.0, now_wall - p.last_seen), p.agent)
         for p in await list_peers(dht)

@@ -40,6 +40,36 @@ SWARM_MODULES = frozenset(
 CPU_BOUND_MODULES = frozenset({"tests/averaging/test_fault_checker.py"})
 
 
+#: Modules whose every test is ``slow`` (besides the swarm modules above): they start
+#: processes, a namespace lab or a benchmark, so each takes seconds to a minute. ``pytest
+#: -m "not slow"`` leaves them (and the tests marked ``slow`` one by one) out: the quick
+#: suite for the edit-test loop (CONTRIBUTING.md, "How tests are organised"). The plain
+#: ``pytest`` (the README's command, CI's) runs everything.
+SLOW_MODULES = SWARM_MODULES | frozenset(
+    {
+        "tests/peers/dht/test_dht_wan.py",
+        "tests/peers/dht/test_swarm.py",
+        "tests/peers/dht/test_sybil_lab.py",
+        "tests/peers/test_handshake_flood.py",
+        "tests/peers/test_keepalive_netns.py",
+        "tests/peers/test_nat_lab.py",
+        "tests/peers/test_netlab.py",
+        "tests/peers/test_netlab_links.py",
+        "tests/swarm/test_cli_train.py",
+        "tests/swarm/test_experts_swarm.py",
+        "tests/swarm/test_pipeline_cli.py",
+        "tests/swarm/test_private_swarm.py",
+        "tests/test_benchmarks_quick.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("::", 1)[0] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 def swarm_scope(nodeid: str) -> str:
     """The unit of work a test belongs to: ``swarms`` for the busy swarm modules and the
     CPU-bound ones, else the test itself."""

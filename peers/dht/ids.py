@@ -8,6 +8,7 @@ keeps that randomness and makes it verifiable). Record keys are hashed into the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import TypeAlias
@@ -26,6 +27,12 @@ def _sha256_id(data: bytes) -> NodeID:
     return int.from_bytes(hashlib.sha256(data).digest(), "big")
 
 
+#: Node ids remembered: every contact a DHT reply carries is hashed on arrival, and a
+#: busy node hears of the same few thousand peers over and over.
+NODE_ID_CACHE_SIZE = 1 << 14
+
+
+@functools.lru_cache(maxsize=NODE_ID_CACHE_SIZE)
 def node_id_of(peer_id: PeerID) -> NodeID:
     """The node id of ``peer_id``: sha256 of its multihash bytes, derived, never chosen."""
     return _sha256_id(peer_id.to_bytes())

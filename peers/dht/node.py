@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+import random
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from peers.addresses import parse_multiaddr, split_peer_id
 from peers.dht.config import (
@@ -61,9 +61,10 @@ from peers.errors import PeersError, StreamReset
 from peers.host import Peer
 from peers.identity import PeerID
 from peers.pnet import missing_key_hint
-from peers.rpc import CallContext
+from peers.rpc import CallContext, call_unary
 from peers.serialization import SerializationError, pack, unpack
 from peers.service import Service
+from peers.stream_api import AddressedHost
 from peers.subnets import source_group
 from peers.wire import WireError
 
@@ -78,6 +79,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+if TYPE_CHECKING:
+    # The host a DHT runs on: a Peer unless said otherwise (an in-memory peer in tests,
+    # peers.memory_network), so a bare ``DHT`` annotation keeps ``dht.peer`` a Peer.
+    # PEP 696 defaults are for the type checker only, as in peers.rpc.
+    from typing_extensions import TypeVar as DefaultTypeVar
+
+    H = DefaultTypeVar("H", bound=AddressedHost, default=Peer)
+else:
+    H = TypeVar("H", bound=AddressedHost)
 
 #: Every DHT protocol's frame bounds, both ways (``peers.dht.protocol``).
 _DHT_FRAMES: dict[str, Any] = {
@@ -112,10 +122,11 @@ def _as_key(key: str | bytes) -> bytes:
     return key.encode() if isinstance(key, str) else bytes(key)
 
 
-class DHT(Service):
-    """A Kademlia node on a :class:`peers.Peer`. Use ``async with DHT(peer, config)``."""
+class DHT(Service, Generic[H]):
+    """A Kademlia node on a :class:`peers.Peer` (or any
+    :class:`peers.stream_api.AddressedHost`). Use ``async with DHT(peer, config)``."""
 
-    def __init__(self, peer: Peer, config: DHTConfig | None = None) -> None:
+    def __init__(self, peer: H, config: DHTConfig | None = None) -> None:
         super().__init__()
         self.peer = peer
         self.config = config or DHTConfig()
@@ -127,6 +138,13 @@ class DHT(Service):
         self._pinging: set[PeerID] = set()
         self._sender_info: SenderInfo | None = None
         self._addrs_told: dict[PeerID, tuple[str, ...]] = {}
+
+    @staticmethod
+    def _now() -> float:
+        """The loop's clock: ``time.monotonic()`` on a real loop, the virtual one in
+        in-memory tests (:mod:`peers.virtual_clock`), so routing and republishing age
+        with the protocol's own timers."""
+        return asyncio.get_running_loop().time()
 
     @property
     def client_mode(self) -> bool:
@@ -163,7 +181,8 @@ class DHT(Service):
         """Join through the initial peers; the number that answered.
 
         Logs a warning naming each unreachable one; raises :class:`DHTError` if none
-        answers. Then looks up our own id, which fills our buckets (§2.3 "joining").
+        answers. Then looks up our own id, which fills our buckets, and an id at each
+        distance farther than the nearest node found (§2.3 "joining").
         """
         addrs = self.config.initial_peers
         results = await asyncio.gather(*(self._ping_addr(a) for a in addrs), return_exceptions=True)
@@ -178,7 +197,8 @@ class DHT(Service):
                     self.peer.peer_id,
                 )
             elif isinstance(result, BaseException):
-                hint = missing_key_hint(result, self.peer.config.swarm_key is not None)
+                have_key = isinstance(self.peer, Peer) and self.peer.config.swarm_key is not None
+                hint = missing_key_hint(result, have_key)
                 why = str(result) or type(result).__name__  # a timeout has no message
                 logger.warning("initial peer %s did not answer: %s%s", addr, why, hint)
             else:
@@ -186,7 +206,14 @@ class DHT(Service):
         if addrs and not reached:
             raise DHTError(f"none of the {len(addrs)} initial peers answered: {', '.join(addrs)}")
         await self.find_nearest(self.node_id)
+        # §2.3's second step; ids drawn from our own, so an in-memory run repeats.
+        targets = self.routing.join_targets(random.Random(self.node_id))
+        await asyncio.gather(*(self._refresh(t) for t in targets))
         return reached
+
+    async def _refresh(self, target: NodeID) -> None:
+        await self.find_nearest(target)
+        self.routing.mark_bucket_refreshed(target, self._now())
 
     async def _ping_addr(self, addr: str) -> None:
         async with asyncio.timeout(self.config.bootstrap_timeout):
@@ -210,13 +237,12 @@ class DHT(Service):
     async def maintain_once(self) -> None:
         """One maintenance pass: re-bootstrap if alone, refresh idle buckets, republish
         our records, purge expired ones. Runs every ``maintenance_interval`` seconds."""
-        now = time.monotonic()
+        now = self._now()
         if not len(self.routing) and self.config.initial_peers:
             with contextlib.suppress(DHTError):
                 await self.bootstrap()
         for target in self.routing.buckets_to_refresh(now, self.config.refresh_interval):
-            await self.find_nearest(target)
-            self.routing.mark_bucket_refreshed(target, time.monotonic())
+            await self._refresh(target)
         wall = dht_time()
         for slot, published in list(self._published.items()):
             if published.record.expiration_time <= wall:
@@ -245,7 +271,7 @@ class DHT(Service):
         self._learn(Contact(peer_id, addrs))
 
     def _learn(self, contact: Contact) -> None:
-        stale = self.routing.update(contact, time.monotonic(), source=self._source_of(contact))
+        stale = self.routing.update(contact, self._now(), source=self._source_of(contact))
         self._remember_addrs(contact)
         if stale is not None and stale.peer_id not in self._pinging and self._group is not None:
             self._pinging.add(stale.peer_id)
@@ -272,7 +298,7 @@ class DHT(Service):
             await self._call(stale, PING_PROTOCOL, PingRequest(self._sender()), PingResponse)
         except (PeersError, TimeoutError):
             self.routing.remove(stale.peer_id)
-            self.routing.update(newcomer, time.monotonic(), source=self._source_of(newcomer))
+            self.routing.update(newcomer, self._now(), source=self._source_of(newcomer))
         finally:
             self._pinging.discard(stale.peer_id)
 
@@ -355,7 +381,8 @@ class DHT(Service):
         self._counters.sent[name] += 1
         self._remember_addrs(contact)
         try:
-            response = await self.peer.call_unary(
+            response = await call_unary(
+                self.peer,
                 contact.peer_id,
                 protocol,
                 request,
@@ -365,7 +392,7 @@ class DHT(Service):
             )
         except (PeersError, TimeoutError):
             self._counters.failed[name] += 1
-            self.routing.record_failure(contact.peer_id, time.monotonic())
+            self.routing.record_failure(contact.peer_id, self._now())
             raise
         if contact.addrs:
             self._learn(contact)
@@ -503,7 +530,7 @@ class DHT(Service):
         if owner_of(record.key, record.subkey) == self.peer.peer_id:
             record = record.sign(self.peer.identity)
         validate(record, dht_time())
-        self._published[(record.key, record.subkey)] = _Published(record, time.monotonic())
+        self._published[(record.key, record.subkey)] = _Published(record, self._now())
         return await self._store_record(record)
 
     async def _store_record(self, record: Record) -> bool:

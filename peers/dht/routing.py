@@ -244,6 +244,22 @@ class RoutingTable:
             if now - bucket.last_refreshed >= refresh_interval
         ]
 
+    def join_targets(self, rng: random.Random) -> list[NodeID]:
+        """After a join's lookup of our own id, one random id at each distance farther
+        than our closest contact's (§2.3: "u refreshes all k-buckets further away than
+        its closest neighbor"): looking each up leaves us knowing a node in every
+        subtree of the id space that holds one. Without it, nodes that join together
+        learn only their own neighbourhood, and a lookup for a key in a subtree none of
+        them knows converges on the nearest nodes they do know, not the key's."""
+        nearest = self.nearest(self.local_id, 1)
+        if not nearest:
+            return []
+        closest_bit = distance(self.local_id, nearest[0].node_id).bit_length() - 1
+        return [
+            self.local_id ^ ((1 << bit) | rng.getrandbits(bit))
+            for bit in range(closest_bit + 1, ID_BITS)
+        ]
+
     def mark_bucket_refreshed(self, target: NodeID, now: float) -> None:
         """A lookup for ``target`` ran at ``now``: its bucket is fresh."""
         bucket = self._bucket_of(target)

@@ -42,6 +42,7 @@ def _schedule(n: int, faults: tuple[Fault, ...], **changes: object) -> Schedule:
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # about 30 s of one core: the quick suite runs the fixed schedules
 def test_a_thousand_random_schedules_keep_every_promise() -> None:
     failing: dict[int, list[Violation]] = {}
     for seed in range(NUM_SCHEDULES):

@@ -740,6 +740,7 @@ NUM_DONORS = 3
 KILL_AT_FRACTION = 0.3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_256_mib_from_three_donor_processes_survives_a_sigkill() -> None:
     with LocalSwarm() as swarm:

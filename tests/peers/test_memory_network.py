@@ -11,11 +11,19 @@ from typing import Any
 import pytest
 
 from peers import CallContext, DialError, Peer, PeersError, ProtocolNotSupported, StreamReset
+from peers.addresses import with_peer_id
 from peers.connection import Stream
 from peers.echo import ECHO_PROTOCOL_ID, install_echo
-from peers.memory_network import Delivery, MemoryNetwork, MemoryPeer, MemoryStream
+from peers.errors import PeerIDMismatch
+from peers.memory_network import (
+    Delivery,
+    MemoryConnection,
+    MemoryNetwork,
+    MemoryPeer,
+    MemoryStream,
+)
 from peers.rpc import FramedStream, add_unary_handler, call_unary
-from peers.stream_api import StreamHost, StreamLike
+from peers.stream_api import AddressedHost, StreamHost, StreamLike
 from peers.virtual_clock import Deadlock, Livelock, VirtualTimeExceeded, run_virtual
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -151,6 +159,39 @@ def test_unary_rpc_runs_over_the_memory_network() -> None:
             add_unary_handler(b, "/test/add", add, Add)
             total = await call_unary(a, b.peer_id, "/test/add", Add(2, 3), int)
             assert total == 5
+
+    run_virtual(main())
+
+
+def test_peers_have_addresses_that_dial_and_connect_the_peer_listening_there() -> None:
+    """Each peer listens at its own 198.18.x.y address; an address (with or without
+    /p2p/ID) opens a stream or connects to the peer there; one nobody listens at, a dead
+    peer's, or one that names someone else is refused with the error a real dial gives."""
+
+    async def main() -> None:
+        async with MemoryNetwork(seed=4) as net:
+            a, b, c = net.add_peer(), net.add_peer(), net.add_peer()
+            assert [str(p.address) for p in (a, b, c)] == [
+                f"/ip4/198.18.0.{i}/tcp/4001" for i in (1, 2, 3)
+            ]
+            assert a.listen_addrs == [with_peer_id(a.address, a.peer_id)]
+            b.set_stream_handler(ECHO, serve_echo)
+            for addr in (b.address, str(b.listen_addrs[0])):
+                stream = await a.new_stream(addr, ECHO)
+                assert stream.remote_peer_id == b.peer_id
+                stream.reset()
+            assert await a.connect(b.listen_addrs[0]) == b.peer_id
+            assert a.connection_to(b.peer_id) == MemoryConnection(b.address)
+            a.add_addresses(c.peer_id, [str(c.address)])
+            assert a.address_book[c.peer_id] == [c.address]
+            with pytest.raises(DialError, match="no peer of this in-memory network"):
+                await a.new_stream("/ip4/198.18.7.7/tcp/4001", ECHO)
+            with pytest.raises(PeerIDMismatch):
+                await a.connect(with_peer_id(b.address, c.peer_id))
+            net.kill(c)
+            assert a.connection_to(c.peer_id) is None
+            with pytest.raises(DialError, match="does not answer"):
+                await a.connect(c.listen_addrs[0])
 
     run_virtual(main())
 
@@ -449,7 +490,7 @@ def test_real_and_memory_classes_satisfy_the_protocols(arun: Run) -> None:
         async with MemoryNetwork(seed=13) as net:
             a, b = net.add_peer(), net.add_peer()
             b.set_stream_handler(ECHO, serve_echo)
-            assert isinstance(a, StreamHost)
+            assert isinstance(a, StreamHost) and isinstance(a, AddressedHost)
             assert isinstance(await a.new_stream(b.peer_id, ECHO), StreamLike)
 
     run_virtual(memory())
@@ -457,7 +498,7 @@ def test_real_and_memory_classes_satisfy_the_protocols(arun: Run) -> None:
     async def real() -> None:
         async with Peer() as a, Peer() as b:
             install_echo(a)
-            assert isinstance(b, StreamHost)
+            assert isinstance(b, StreamHost) and isinstance(b, AddressedHost)
             b.add_addresses(a.peer_id, a.listen_addrs)
             stream = await b.new_stream(a.peer_id, ECHO_PROTOCOL_ID)
             assert isinstance(stream, StreamLike)

@@ -278,3 +278,18 @@ def test_contacts_of_unknown_source_are_not_limited() -> None:
     for i, contact in enumerate(far_contacts(local, rng, K)):
         table.update(contact, float(i))
     assert len(table) == K
+
+
+def test_a_join_refreshes_one_id_at_each_distance_farther_than_the_closest_contact() -> None:
+    rng = seeded()
+    table = RoutingTable(rng.getrandbits(ID_BITS))
+    assert table.join_targets(rng) == []  # nobody known: nothing to refresh
+    contacts = [Contact(random_peer(rng)) for _ in range(40)]
+    for contact in contacts:
+        table.update(contact, 0.0)
+    known = table.contacts()
+    closest_bit = min(distance(table.local_id, c.node_id) for c in known).bit_length() - 1
+    targets = table.join_targets(rng)
+    # one per distance bucket above the closest contact's, highest differing bit = bucket
+    bits = [distance(table.local_id, t).bit_length() - 1 for t in targets]
+    assert bits == list(range(closest_bit + 1, ID_BITS))
