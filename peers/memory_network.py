@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Delivery",
     "MemoryConnection",
+    "MemoryNat",
     "MemoryNetwork",
     "MemoryPeer",
     "MemoryStream",
@@ -396,6 +397,14 @@ class MemoryConnection:
     remote_address: Multiaddr
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryNat:
+    """A memory peer's NAT status: it is behind none, so hole punching never applies
+    (``punchable`` is False, as for a public :class:`peers.Peer`)."""
+
+    punchable: bool = False
+
+
 class MemoryPeer:
     """A peer of a :class:`MemoryNetwork`, with the :class:`StreamHost` and
     :class:`AddressedHost` surfaces.
@@ -413,6 +422,7 @@ class MemoryPeer:
         self.address = address
         #: Addresses other peers told us of (:meth:`add_addresses`), the latest per peer.
         self.address_book: dict[PeerID, list[Multiaddr]] = {}
+        self.nat = MemoryNat()
         #: Its unary calls' latencies, as a real peer's (``peers.rpc.call_unary``).
         self.traffic = TrafficBook()
         self._handlers: dict[str, MemoryStreamHandler] = {}
@@ -442,6 +452,11 @@ class MemoryPeer:
     @property
     def listen_addrs(self) -> list[Multiaddr]:
         return [with_peer_id(self.address, self.peer_id)]
+
+    @property
+    def advertised_addrs(self) -> list[Multiaddr]:
+        """Every address we are reached at: :attr:`listen_addrs` (no relays here)."""
+        return self.listen_addrs
 
     async def connect(self, addr: Multiaddr | str) -> PeerID:
         """Who is at ``addr``: :class:`DialError` if nobody (or a dead peer, or us),
