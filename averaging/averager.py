@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Generic
 
 import torch
 
@@ -44,6 +44,7 @@ from peers.dht.node import DHT
 from peers.errors import LocalProtocolError
 from peers.identity import KeyPair, PeerID
 from peers.service import Service
+from peers.stream_api import ReachableHostT
 
 #: Bandwidth (bytes/s) a peer announces before it has measured its own: a common
 #: broadband figure, so a newcomer takes an ordinary share of the first round. A round
@@ -128,12 +129,12 @@ class AveragingStep:
         return len(self.group)
 
 
-class Averager(Service):
+class Averager(Service, Generic[ReachableHostT]):
     """Averages ``tensors`` (name -> CPU tensor, kept by reference and updated in place)
     with peers. Use ``async with Averager(dht, tensors, config)``."""
 
     def __init__(
-        self, dht: DHT, tensors: Mapping[str, torch.Tensor], config: AveragerConfig
+        self, dht: DHT[ReachableHostT], tensors: Mapping[str, torch.Tensor], config: AveragerConfig
     ) -> None:
         super().__init__()
         if not tensors:
@@ -150,7 +151,7 @@ class Averager(Service):
         self.bandwidth = INITIAL_BANDWIDTH
         self._rate_measured = False  # self.bandwidth is still INITIAL_BANDWIDTH
         self.schema = _schema(self.tensors, config)
-        self._matchmaker: Matchmaker | None = None
+        self._matchmaker: Matchmaker[ReachableHostT] | None = None
         self._service: AllReduceService | None = None
         self._state: StateServer | None = None
         self._feedback: dict[int, RoundFeedback] = {}  # by reducers per part

@@ -40,7 +40,7 @@ from peers.errors import (
     StreamReset,
 )
 from peers.identity import KeyPair, PeerID
-from peers.stream_api import AddressedHost, RpcHost, StreamHost, StreamLike
+from peers.stream_api import ReachableHost, RpcHost, StreamHost, StreamLike
 from peers.traffic import TrafficBook
 from peers.virtual_clock import run_virtual
 from peers.yamux import INITIAL_WINDOW_BYTES
@@ -407,7 +407,7 @@ class MemoryNat:
 
 class MemoryPeer:
     """A peer of a :class:`MemoryNetwork`, with the :class:`StreamHost` and
-    :class:`AddressedHost` surfaces.
+    :class:`ReachableHost` surfaces.
 
     Each peer has one address (``address``; :attr:`listen_addrs` adds ``/p2p/ID``) and
     is connected to every live peer: the network routes by PeerID, so an address is how
@@ -803,5 +803,5 @@ if TYPE_CHECKING:
     ) -> tuple[StreamLike, StreamLike, StreamHost, StreamHost, RpcHost, RpcHost]:
         return stream, memory_stream, peer, memory_peer, peer, memory_peer
 
-    def _addressed(peer: Peer, memory_peer: MemoryPeer) -> tuple[AddressedHost, AddressedHost]:
+    def _addressed(peer: Peer, memory_peer: MemoryPeer) -> tuple[ReachableHost, ReachableHost]:
         return peer, memory_peer

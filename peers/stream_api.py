@@ -14,7 +14,7 @@ Methods take positional-only parameters: implementations name theirs as they lik
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from peers.errors import ConnectionClosed
 from peers.identity import KeyPair, PeerID
@@ -153,3 +153,36 @@ class AddressedHost(RpcHost, Protocol):
 
     def add_addresses(self, peer_id: PeerID, addrs: Iterable[Multiaddr | str], /) -> None:
         """Remember where ``peer_id`` can be dialed (as learned from other peers)."""
+
+
+class PunchStatus(Protocol):
+    @property
+    def punchable(self) -> bool:
+        """Whether we are behind a NAT that hole punching gets through
+        (:attr:`peers.nat.NatManager.punchable`)."""
+
+
+@runtime_checkable
+class ReachableHost(AddressedHost, Protocol):
+    """An :class:`AddressedHost` that says every address it is reached at (relayed ones
+    too) and whether hole punching reaches it: what the averaging services need of
+    their peer (matchmaking, the state server)."""
+
+    @property
+    def advertised_addrs(self) -> list[Multiaddr]: ...
+
+    @property
+    def nat(self) -> PunchStatus: ...
+
+
+if TYPE_CHECKING:
+    # Services generic over their host (the matchmaker, the averager) default to a real
+    # Peer, so a bare ``Averager`` annotation keeps ``averager.peer`` a Peer. PEP 696
+    # defaults are for the type checker only, as in peers.rpc.
+    from typing_extensions import TypeVar as DefaultTypeVar
+
+    from peers.host import Peer
+
+    ReachableHostT = DefaultTypeVar("ReachableHostT", bound=ReachableHost, default=Peer)
+else:
+    ReachableHostT = TypeVar("ReachableHostT", bound=ReachableHost)

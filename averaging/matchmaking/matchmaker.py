@@ -16,7 +16,7 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Generic
 
 from averaging.matchmaking.records import (
     DHT_KEY_PREFIX,
@@ -65,45 +65,11 @@ from peers.errors import PeersError
 from peers.identity import PeerID
 from peers.rpc import CallContext, call_unary
 from peers.service import Service
-from peers.stream_api import AddressedHost
+from peers.stream_api import ReachableHostT
 from peers.wire import WireError, from_wire, to_wire
-
-if TYPE_CHECKING:
-    from multiaddr import Multiaddr
-
-    from peers.host import Peer
 
 logger = logging.getLogger(__name__)
 
-
-class PunchStatus(Protocol):
-    @property
-    def punchable(self) -> bool:
-        """Whether we are behind a NAT that hole punching gets through
-        (:attr:`peers.nat.NatManager.punchable`)."""
-
-
-@runtime_checkable
-class MatchmakingHost(AddressedHost, Protocol):
-    """What the matchmaker needs of its DHT's host: an :class:`AddressedHost` that says
-    every address it is reached at (relayed ones too) and whether hole punching reaches
-    it. :class:`peers.Peer` is one; so is the in-memory peer of tests."""
-
-    @property
-    def advertised_addrs(self) -> list[Multiaddr]: ...
-
-    @property
-    def nat(self) -> PunchStatus: ...
-
-
-if TYPE_CHECKING:
-    # A bare ``Matchmaker`` is one on a Peer (a type-checker-only PEP 696 default, as
-    # in peers.rpc and peers.dht.node).
-    from typing_extensions import TypeVar as DefaultTypeVar
-
-    M = DefaultTypeVar("M", bound=MatchmakingHost, default=Peer)
-else:
-    M = TypeVar("M", bound=MatchmakingHost)
 
 #: Keys whose finished groups we remember, so that a late joiner learns who is already
 #: placed (and stops trying them) instead of only "not searching". A peer runs one or a
@@ -217,17 +183,17 @@ def answer_from_wire(key: str, response: JoinResponse) -> JoinAnswer:
     return Rejected(reason)
 
 
-class Matchmaker(Service, Generic[M]):
+class Matchmaker(Service, Generic[ReachableHostT]):
     """Forms averaging groups through ``dht``. Use ``async with Matchmaker(dht)``.
 
     Entering registers the join handler on the DHT's peer; leaving removes it and
     refuses the joins still held. Searches run in their callers' tasks.
     """
 
-    def __init__(self, dht: DHT[M], config: MatchmakingConfig | None = None) -> None:
+    def __init__(self, dht: DHT[ReachableHostT], config: MatchmakingConfig | None = None) -> None:
         super().__init__()
         self.dht = dht
-        self.peer: M = dht.peer
+        self.peer: ReachableHostT = dht.peer
         self.config = config or MatchmakingConfig()
         self._searches: dict[str, _Active] = {}
         self._recent: OrderedDict[str, tuple[PeerID, ...]] = OrderedDict()
@@ -508,11 +474,3 @@ class Matchmaker(Service, Generic[M]):
             num_joins_served=self._counters.joins_served,
             num_joins_held=sum(a.search.num_held for a in self._searches.values()),
         )
-
-
-if TYPE_CHECKING:
-    from peers.memory_network import MemoryPeer
-
-    # The conformance mypy checks: the real peer and the in-memory one are both hosts.
-    def _conforms(peer: Peer, memory_peer: MemoryPeer) -> tuple[MatchmakingHost, MatchmakingHost]:
-        return peer, memory_peer

@@ -1,6 +1,7 @@
 """The donor side of state sync: serve frozen snapshots of a state and announce them.
 
-``StateServer`` serves, on a :class:`peers.Peer`, the manifest (unary) and the chunks
+``StateServer`` serves, on a :class:`peers.Peer` (any
+:class:`peers.stream_api.ReachableHost`), the manifest (unary) and the chunks
 (streaming) of the last ``num_versions_kept`` versions given to :meth:`set_state`. A
 version's snapshot is copied and hashed once, when it is set, and never changes after:
 every download of a version gets the same bytes, whatever training does meanwhile.
@@ -37,10 +38,10 @@ from averaging.state.manifest import (
 from averaging.state.signing import sign_manifest
 from peers.dht import DHT, dht_time, owner_marker
 from peers.errors import PeersError
-from peers.host import Peer
 from peers.identity import KeyPair, PeerID
-from peers.rpc import CallContext
+from peers.rpc import CallContext, add_stream_handler
 from peers.service import Service
+from peers.stream_api import ReachableHost
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +104,9 @@ class StateServer(Service):
 
     def __init__(
         self,
-        peer: Peer,
+        peer: ReachableHost,
         *,
-        dht: DHT | None = None,
+        dht: DHT[Any] | None = None,
         prefix: str | None = None,
         config: StateServerConfig | None = None,
         signer: KeyPair | None = None,
@@ -128,7 +129,7 @@ class StateServer(Service):
     async def _start(self) -> None:
         self._serve_unary(self.peer, MANIFEST_PROTOCOL, self.rpc_manifest, ManifestRequest)
         self._serve(
-            lambda: self.peer.add_stream_handler(CHUNKS_PROTOCOL, self.rpc_chunks, ChunkRequest),
+            lambda: add_stream_handler(self.peer, CHUNKS_PROTOCOL, self.rpc_chunks, ChunkRequest),
             lambda: self.peer.remove_stream_handler(CHUNKS_PROTOCOL),
         )
         if self.dht is not None:

@@ -56,9 +56,10 @@ from averaging.state.schedule import ChunkSchedule
 from averaging.state.signing import check_signed
 from peers.dht import DHT, owner_of
 from peers.errors import PeersError
-from peers.host import Peer
 from peers.identity import PeerID
+from peers.rpc import call_stream, call_unary
 from peers.serialization import pack
+from peers.stream_api import AddressedHost
 from peers.subnets import source_group
 from peers.wire import to_wire
 
@@ -94,10 +95,10 @@ class _Offer:
 
 
 async def load_state_from_peers(
-    peer: Peer,
+    peer: AddressedHost,
     *,
     donors: Sequence[Donor] | None = None,
-    dht: DHT | None = None,
+    dht: DHT[Any] | None = None,
     prefix: str | None = None,
     version: int | None = None,
     max_version: int | None = None,
@@ -159,7 +160,7 @@ class _Sync:
 
     def __init__(
         self,
-        peer: Peer,
+        peer: AddressedHost,
         config: StateSyncConfig,
         wanted: _Wanted,
         on_progress: ProgressCallback | None,
@@ -220,7 +221,8 @@ class _Sync:
                     peer_id = await self.peer.connect(target)
                 if peer_id in self.failures or peer_id == self.peer.peer_id:
                     return None
-                manifest = await self.peer.call_unary(
+                manifest = await call_unary(
+                    self.peer,
                     peer_id,
                     MANIFEST_PROTOCOL,
                     ManifestRequest(self.wanted.version),
@@ -375,7 +377,7 @@ class _Download:
             while (request := await outbox.get()) is not None:
                 yield request
 
-        responses = self.sync.peer.call_stream(donor, CHUNKS_PROTOCOL, requests(), ChunkResponse)
+        responses = call_stream(self.sync.peer, donor, CHUNKS_PROTOCOL, requests(), ChunkResponse)
         try:
             while not schedule.complete:
                 while (
@@ -460,7 +462,7 @@ class _Download:
         )
 
 
-async def _discover(peer: Peer, dht: DHT, prefix: str) -> list[PeerID]:
+async def _discover(peer: AddressedHost, dht: DHT[Any], prefix: str) -> list[PeerID]:
     """Donors announced under ``prefix``, newest announced version first. Announcements
     that do not parse are skipped (the DHT checked each one's signature, not its sense)."""
     key = state_key(prefix)

@@ -1,0 +1,144 @@
+"""The averager (matchmaking, then a butterfly round) on the in-memory network and its
+virtual clock: whole averaging steps among 10 peers at internet round trips and
+bandwidths, and a member lost mid-round, in seconds of real time and the same every
+run. The loopback and process tests (test_averager.py, test_allreduce_faults.py) stay
+for the real transport."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import torch
+
+from averaging import AllReduceConfig, Averager, AveragerConfig, AveragingStep, MatchmakingConfig
+from peers.dht.config import DHTConfig
+from peers.dht.node import DHT
+from peers.memory_network import MemoryNetwork, MemoryPeer, run_virtual
+
+T = TypeVar("T")
+ROUND_TRIP = 0.080
+CONFIG = AveragerConfig(
+    prefix="memory-run",
+    matchmaking=MatchmakingConfig(
+        target_group_size=16,
+        min_group_size=2,
+        search_timeout=20.0,
+        gather_timeout=2.0,
+        request_timeout=3.0,
+        poll_interval_seconds=0.25,
+    ),
+    allreduce=AllReduceConfig(sender_timeout=5.0, reducer_timeout=10.0, round_timeout=30.0),
+)
+DHT_OPTIONS = {"rpc_timeout": 2.0, "maintenance_interval": 3600.0}
+
+
+def _tensors(rank: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    return {
+        "weight": torch.randn(128, 129, generator=gen),
+        "bias": torch.randn(129, generator=gen),
+    }
+
+
+def _run(
+    scenario: Callable[[MemoryNetwork, list[Averager[MemoryPeer]]], Awaitable[T]],
+    num_peers: int,
+    *,
+    bytes_per_second: float | None = None,
+) -> T:
+    """``scenario(net, averagers)`` on ``num_peers`` averagers whose links have an 80 ms
+    round trip (and ``bytes_per_second`` each way, if given), on the virtual clock."""
+
+    async def main() -> T:
+        async with (
+            MemoryNetwork(seed=0, latency_seconds=ROUND_TRIP / 2) as net,
+            contextlib.AsyncExitStack() as stack,
+        ):
+            peers = [net.add_peer() for _ in range(num_peers)]
+            if bytes_per_second is not None:
+                for i, a in enumerate(peers):
+                    for b in peers[i + 1 :]:
+                        net.set_bandwidth(a, b, bytes_per_second)
+            initial = (str(peers[0].listen_addrs[0]),)
+            first = DHT(peers[0], DHTConfig(**DHT_OPTIONS))
+            await stack.enter_async_context(first)
+            rest = [DHT(p, DHTConfig(initial_peers=initial, **DHT_OPTIONS)) for p in peers[1:]]
+            await asyncio.gather(*(stack.enter_async_context(d) for d in rest))
+            averagers = [
+                Averager(d, _tensors(rank), CONFIG) for rank, d in enumerate([first, *rest])
+            ]
+            for averager in averagers:
+                await stack.enter_async_context(averager)
+            return await scenario(net, averagers)
+
+    return run_virtual(main(), max_virtual_seconds=3600)
+
+
+def _mean(num_peers: int) -> dict[str, torch.Tensor]:
+    originals = [_tensors(rank) for rank in range(num_peers)]
+    return {k: sum(o[k].double() for o in originals) / num_peers for k in originals[0]}
+
+
+def test_ten_averagers_80_ms_apart_hold_the_mean_step_after_step() -> None:
+    """Two steps in a row on links of 80 ms round trip and 12.5 MB/s (100 Mbit/s):
+    every step forms one group of 10 and every member ends with the mean, bit for bit the
+    same tensors on every member."""
+    num_peers = 10
+
+    async def scenario(net: MemoryNetwork, avgs: list[Averager[MemoryPeer]]) -> list[float]:
+        took = []
+        for step in range(2):
+            started = asyncio.get_running_loop().time()
+            results: list[AveragingStep] = await asyncio.gather(*(a.step(step) for a in avgs))
+            took.append(asyncio.get_running_loop().time() - started)
+            for result in results:
+                assert result.num_peers == num_peers and result.outcome.transfer.agreed
+            for name, expected in _mean(num_peers).items():
+                for a in avgs:
+                    assert torch.allclose(a.tensors[name].double(), expected, atol=1e-5)
+                    assert torch.equal(a.tensors[name], avgs[0].tensors[name])
+        return took
+
+    took = _run(scenario, num_peers, bytes_per_second=12.5e6)
+    # virtual seconds: the gather window, then a round of a few round trips
+    assert all(t < CONFIG.matchmaking.gather_timeout + 25 * ROUND_TRIP for t in took), took
+
+
+def test_a_member_killed_mid_round_costs_only_itself() -> None:
+    """One of eight members dies as the butterfly round starts: the seven others still
+    end the step, agree on one result, and hold the mean of the members whose
+    contribution counted; the step after forms a group of the seven."""
+    num_peers = 8
+
+    async def scenario(net: MemoryNetwork, avgs: list[Averager[MemoryPeer]]) -> None:
+        victim, survivors = avgs[3], [a for a in avgs if a is not avgs[3]]
+        original = _tensors(3)
+
+        def kill_on_first_chunk(src: object, dst: object, protocol: str, num_bytes: int) -> None:
+            if src == victim.peer.peer_id and "allreduce" in protocol and net.on_frame:
+                net.on_frame = None
+                net.kill(victim.peer)
+
+        net.on_frame = kill_on_first_chunk
+        steps = [asyncio.create_task(a.step("cut")) for a in avgs]
+        results = await asyncio.gather(*steps[:3], *steps[4:])
+        assert not victim.peer.is_alive
+        fingerprints = {tuple(a.tensors["weight"].flatten()[:8].tolist()) for a in survivors}
+        assert len(fingerprints) == 1  # one result among the survivors
+        for result in results:
+            assert result.num_peers == num_peers
+            assert victim.peer.peer_id in result.outcome.result.report.failed
+        # the survivors' mean, without the victim's tensors (it sent nothing)
+        expected = {
+            k: sum(_tensors(r)[k].double() for r in range(num_peers) if r != 3) / (num_peers - 1)
+            for k in original
+        }
+        for name, mean in expected.items():
+            assert torch.allclose(survivors[0].tensors[name].double(), mean, atol=1e-5)
+        following = await asyncio.gather(*(a.step("after") for a in survivors))
+        assert {r.num_peers for r in following} == {num_peers - 1}
+
+    _run(scenario, num_peers)
