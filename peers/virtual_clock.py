@@ -7,7 +7,8 @@ long as its callbacks take, and the same program always sees the same times (tri
 MockClock with ``autojump_threshold=0``; see docs/design/memory-network.md).
 
 The loop is for in-memory code only: real sockets and threads do not follow its clock
-(``run_in_executor`` refuses; a real file descriptor is polled but never waited for).
+(work given to ``run_in_executor`` runs inline, at once; a real file descriptor is polled
+but never waited for).
 A loop with nothing ready and no timer while the main coroutine is unfinished would
 wait forever: it raises :class:`Deadlock` instead.
 """
@@ -119,7 +120,21 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
     def run_in_executor(
         self, executor: Executor | None, func: Callable[[*Ts], T], *args: *Ts
     ) -> asyncio.Future[T]:
-        raise VirtualClockError("threads do not follow the virtual clock: run_in_executor refused")
+        """Run ``func`` here and now, in the loop's thread, and return its settled future.
+
+        Work handed to a thread (``asyncio.to_thread``: a state snapshot's copy and hash)
+        is CPU work, which takes no virtual time here; run inline it also keeps the run
+        deterministic, which a real thread finishing at a real moment would not. Only
+        work that waits on something outside the loop (a socket, a sleep) cannot be
+        simulated this way, and blocks the whole run while it waits."""
+        future: asyncio.Future[T] = self.create_future()
+        try:
+            future.set_result(func(*args))
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            future.set_exception(e)
+        return future
 
     def _virtual_wait(self, timeout: float | None) -> None:
         """What a select with ``timeout`` does here: jump the clock, or raise."""

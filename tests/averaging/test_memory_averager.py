@@ -14,6 +14,7 @@ from typing import TypeVar
 import torch
 
 from averaging import AllReduceConfig, Averager, AveragerConfig, AveragingStep, MatchmakingConfig
+from averaging.state.manifest import CHUNKS_PROTOCOL
 from peers.dht.config import DHTConfig
 from peers.dht.node import DHT
 from peers.memory_network import MemoryNetwork, MemoryPeer, run_virtual
@@ -142,3 +143,41 @@ def test_a_member_killed_mid_round_costs_only_itself() -> None:
         assert {r.num_peers for r in following} == {num_peers - 1}
 
     _run(scenario, num_peers)
+
+
+def test_a_newcomer_loads_the_state_when_a_donor_dies_mid_download() -> None:
+    """Three donors share a 24 MB state (12 chunks); the newcomer downloads from all
+    three at 80 ms and 100 Mbit/s, and one donor dies after sending it two chunks: the
+    download finishes from the other two, re-asking for what the dead one owed, and the
+    state is the donors' own, bit for bit."""
+    momentum = torch.arange(6 * 1024 * 1024, dtype=torch.float32)
+
+    async def scenario(net: MemoryNetwork, avgs: list[Averager[MemoryPeer]]) -> None:
+        donors, newcomer = avgs[:3], avgs[3]
+        for donor in donors[1:]:
+            for name, tensor in donor.tensors.items():
+                tensor.copy_(donors[0].tensors[name])  # donors hold one state
+        for donor in donors:
+            await donor.share_state(5, {"epoch": 5}, extra={"momentum": momentum})
+        victim = donors[1]
+        sent = 0
+
+        def kill_after_two_chunks(src: object, dst: object, protocol: str, size: int) -> None:
+            nonlocal sent
+            if src == victim.peer.peer_id and protocol == CHUNKS_PROTOCOL and size > 1 << 20:
+                sent += 1
+                if sent == 3:  # this third chunk is lost with it
+                    net.kill(victim.peer)
+
+        net.on_frame = kill_after_two_chunks
+        loaded = await newcomer.load_state_from_peers(timeout=60.0)
+        assert not victim.peer.is_alive
+        assert loaded.version == 5 and loaded.metadata == {"epoch": 5}
+        assert torch.equal(loaded.tensors["extra/momentum"], momentum)
+        for name, tensor in newcomer.tensors.items():
+            assert torch.equal(tensor, donors[0].tensors[name])
+        by_donor = {d.peer_id: d for d in loaded.report.donors}
+        assert by_donor[victim.peer.peer_id].failure is not None
+        assert loaded.report.num_chunks_retried >= 1
+
+    _run(scenario, 4, bytes_per_second=12.5e6)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,22 @@ def test_spinning_without_time_moving_is_a_livelock() -> None:
 
     with pytest.raises(Livelock):
         run_virtual(main(), max_iterations_without_advance=1000)
+
+
+def test_work_given_to_a_thread_runs_inline_and_takes_no_virtual_time() -> None:
+    """``asyncio.to_thread`` (a state snapshot's hashing) runs at once in the loop's
+    thread: same result, same exception, no virtual time, the same order every run."""
+
+    async def main() -> None:
+        loop_thread = threading.get_ident()
+        started = now()
+        assert await asyncio.to_thread(sum, [1, 2, 3]) == 6
+        assert await asyncio.to_thread(threading.get_ident) == loop_thread
+        with pytest.raises(ZeroDivisionError):
+            await asyncio.to_thread(lambda: 1 / 0)
+        assert now() == started
+
+    run_virtual(main())
 
 
 def test_a_run_stops_at_its_virtual_time_limit() -> None:
