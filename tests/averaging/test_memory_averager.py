@@ -15,7 +15,14 @@ from typing import TypeVar
 import pytest
 import torch
 
-from averaging import AllReduceConfig, Averager, AveragerConfig, AveragingStep, MatchmakingConfig
+from averaging import (
+    AllReduceConfig,
+    Averager,
+    AveragerConfig,
+    AveragingStep,
+    CenteredClipConfig,
+    MatchmakingConfig,
+)
 from averaging.gossip import GossipSchedule, MoshpitConfig, MoshpitGrid, gossip
 from averaging.state.manifest import CHUNKS_PROTOCOL
 from peers.dht.config import DHTConfig
@@ -228,3 +235,37 @@ def test_moshpit_gossip_among_sixteen_peers_reaches_the_global_mean(seed: int) -
     spreads = [float((v - v.mean(0)).norm(dim=1).max()) for v in [initial, *after]]
     assert spreads[-1] < 1e-6 * spreads[0], [s / spreads[0] for s in spreads]
     assert torch.allclose(after[-1], initial.mean(0).expand(num_peers, -1), atol=1e-5)
+
+
+def _attacked(rank: int) -> dict[str, torch.Tensor]:
+    """Peer 0 sends -1000 times a vector like the others'; the rest are honest."""
+    x = _vector(rank)["x"] * 3.0 + 1.0
+    return {"x": -1000.0 * x if rank == 0 else x}
+
+
+def test_centered_clip_keeps_a_minus_1000x_member_from_moving_the_mean() -> None:
+    """Ten members at 80 ms, one sending -1000x: with CenteredClip (tau twice the honest
+    spread) everyone ends within tau / 9 of the honest mean (the bound at convergence,
+    one attacker in ten); the plain mean lands far outside it. Every member holds the
+    same result either way."""
+    num_peers = 10
+    honest = torch.stack([_attacked(r)["x"] for r in range(1, num_peers)]).double()
+    honest_mean = honest.mean(0)
+    tau = 2.0 * float((honest - honest_mean).norm(dim=1).max())
+
+    def distance(aggregation: CenteredClipConfig | None) -> float:
+        config = dataclasses.replace(CONFIG, aggregation=aggregation)
+
+        async def scenario(net: MemoryNetwork, avgs: list[Averager[MemoryPeer]]) -> float:
+            steps = await asyncio.gather(*(a.step("clip") for a in avgs))
+            assert {s.num_peers for s in steps} == {num_peers}
+            results = [a.tensors["x"] for a in avgs]
+            assert all(torch.equal(x, results[0]) for x in results)
+            return float((results[0].double() - honest_mean).norm())
+
+        return _run(scenario, num_peers, config=config, tensors=_attacked)
+
+    clipped = distance(CenteredClipConfig(tau=tau, num_iterations=100))
+    plain = distance(None)
+    assert clipped <= tau / (num_peers - 1) * (1 + 1e-3), (clipped, tau)
+    assert plain > tau / (num_peers - 1)
