@@ -204,10 +204,13 @@ def _vector(rank: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("seed", range(3))
 def test_moshpit_gossip_among_sixteen_peers_reaches_the_global_mean(seed: int) -> None:
     """Moshpit SGD's grid (4 x 4, groups of up to 8) on a schedule of 3 s rounds at 80 ms
-    round trips: the peers' spread falls below 1e-6 of the initial one within 12 rounds
-    (simulated with ideal groups from random starts: at most 11) and every peer holds the
-    global mean. The 16-process version (test_gossip_and_clip.py) runs one seed."""
-    num_peers, rounds = 16, 12
+    round trips: within 20 rounds the peers' spread falls below 1e-6 of the initial one
+    and every peer holds the global mean. Ideal groups need at most 11 rounds (simulated
+    from random starts); real matchmaking sometimes splits a grid line, and a group's
+    next coordinates come from its random round id, so runs of one seed differ (12
+    rounds failed once in CI). The 16-process version (test_gossip_and_clip.py) runs one
+    seed, also 20 rounds."""
+    num_peers, rounds = 16, 20
     config = dataclasses.replace(
         CONFIG,
         prefix=f"gossip{seed}",
