@@ -15,7 +15,7 @@ from peers import CallContext, DialError, Peer, PeersError, ProtocolNotSupported
 from peers.addresses import with_peer_id
 from peers.connection import Stream
 from peers.echo import ECHO_PROTOCOL_ID, install_echo
-from peers.errors import PeerIDMismatch
+from peers.errors import AddressError, PeerIDMismatch
 from peers.memory_network import (
     Delivery,
     MemoryConnection,
@@ -203,6 +203,9 @@ def test_peers_have_addresses_that_dial_and_connect_the_peer_listening_there() -
             assert a.address_book[c.peer_id] == [c.address]
             with pytest.raises(DialError, match="no peer of this in-memory network"):
                 await a.new_stream("/ip4/198.18.7.7/tcp/4001", ECHO)
+            with pytest.raises(AddressError, match="invalid multiaddr"):
+                await a.connect("not an address")
+            assert await a.connect(b.address) == b.peer_id  # and it goes on dialing
             with pytest.raises(PeerIDMismatch):
                 await a.connect(with_peer_id(b.address, c.peer_id))
             net.kill(c)
