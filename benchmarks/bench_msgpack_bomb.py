@@ -23,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or a
 from _common import emit_result, print_table
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import msgpack
 from peers.serialization import SerializationError, unpack
+from peers.testing import peak_rss_bytes
 from peers.varint import encode_uvarint
 size, mode = int(sys.argv[1]), sys.argv[2]
 inner = 8192
@@ -33,7 +34,7 @@ count = size // (inner + 5)
 inner_array = b"\xdd" + inner.to_bytes(4, "big") + b"\x90" * inner
 head = b"\xdd" + count.to_bytes(4, "big") + inner_array * count
 body = encode_uvarint(len(head)) + head
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_rss_bytes()
 started = time.perf_counter()
 refused = False
 try:
@@ -47,8 +48,8 @@ try:
 except SerializationError:
     refused = True
 seconds = time.perf_counter() - started
-grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-record = {"seconds": seconds, "rss_MiB": grown / 1024, "refused": refused}
+grown = peak_rss_bytes() - before
+record = {"seconds": seconds, "rss_MiB": grown / 2**20, "refused": refused}
 print(json.dumps({**record, "frame_MiB": len(body) / 2**20}))
 """
 

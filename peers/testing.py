@@ -63,6 +63,30 @@ class Node:
 Target = Callable[[Node], Awaitable[None]]
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux)."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held since it started (Linux).
+
+    Not ``getrusage(RUSAGE_SELF).ru_maxrss``: that keeps the peak of the process image
+    before ``exec``, and a child started from a large process (a pytest worker late in a
+    run, a benchmark holding hivemind) reports its parent's size as its own peak.
+    """
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name == field:
+                return int(value.split()[0])  # "  1234 kB"
+    raise OSError(f"/proc/self/status has no {field}")
+
+
 class SwarmError(Exception):
     """A local swarm process failed to start, report, or behave."""
 

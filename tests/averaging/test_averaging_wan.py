@@ -113,11 +113,16 @@ def test_a_round_on_a_slow_link_is_paced_by_the_measured_rates_and_completes() -
             reports = _step_all(procs, round_key)
             _check_mean(reports, held)
             assert max(r["seconds"] for r in reports) > 2.5, reports  # past the default budget
-            # The measured rates size the parts: the slow link reduces less than any fast
-            # one, while it still averages its whole vector. (Not "the fast ones alike"
-            # from the first paced round on: the first round, cut short, can leave a fast
-            # member's measurement low; it is measured again in each.)
+            # The measured rates size the parts: the slow link reduces less than an equal
+            # part, while it still averages its whole vector. From the second paced round
+            # on (two measurements, smoothed), less than any fast one. Not in the first:
+            # the round that measured for it was cut short, and one fast member starved
+            # of CPU (the suite's other worker beside five processes on two cores) can
+            # measure its link below 20 Mbit/s once; it has in CI.
             for r in reports:
+                slow_part = r["reduced"].get(slow, 0)
                 fast = [n for member, n in r["reduced"].items() if member != slow]
-                assert len(fast) == 3 and r["reduced"].get(slow, 0) < min(fast), r
+                assert len(fast) == 3 and slow_part < elements // 4, r
+                if round_key == 2:
+                    assert slow_part < min(fast), r
             held = [torch.tensor(r["head"]) for r in reports]

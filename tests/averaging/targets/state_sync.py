@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import resource
 import signal
 
 import torch
 
 from averaging.state.donor import StateServer
 from averaging.state.sync import load_state_from_peers
-from peers.testing import Node
+from peers.testing import Node, peak_rss_bytes, rss_bytes
 
 
 def make_state(seed: int) -> dict[str, torch.Tensor]:
@@ -37,15 +36,6 @@ def digest_of(tensors: dict[str, torch.Tensor]) -> str:
         digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
-
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 async def donor(node: Node) -> None:
@@ -76,7 +66,7 @@ async def newcomer(node: Node) -> None:
             os.kill(kill_pid, signal.SIGKILL)  # mid-download, with chunks in flight
             killed_at.append(done / total)
 
-    baseline = current_rss_bytes()
+    baseline = rss_bytes()
     loaded = await load_state_from_peers(
         node.peer, donors=command["donors"], timeout=120, on_progress=on_progress
     )

@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import resource
 from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 
 from peers.rpc import CallContext
-from peers.testing import Node
+from peers.testing import Node, peak_rss_bytes, rss_bytes
 
 PROTOCOL = "/test/bulk/1.0.0"
 CHUNK_ITEMS = 1 << 20  # 4 MiB of uint32 per frame
 
 
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 async def receiver(node: Node) -> None:
     total_items = int(node.options["num_bytes"]) // 4
-    baseline = current_rss_bytes()
+    baseline = rss_bytes()
     destination = np.empty(total_items, dtype=np.uint32)
 
     async def receive(
@@ -53,7 +43,7 @@ async def receiver(node: Node) -> None:
 async def sender(node: Node) -> None:
     command = await node.receive()
     total_items = int(command["num_bytes"]) // 4
-    baseline = current_rss_bytes()
+    baseline = rss_bytes()
     array = np.arange(total_items, dtype=np.uint32)
 
     def chunks() -> Iterator[np.ndarray]:
