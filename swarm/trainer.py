@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -373,6 +373,27 @@ def train(
 LIVE_RECORD_SECONDS = 2.0
 
 
+class DealerView(Protocol):
+    """What the dealer reads of the optimizer: :class:`CollaborativeOptimizer`, or its
+    async driver (``swarm.collaborative.driver``) in in-memory tests."""
+
+    @property
+    def config(self) -> CollaborativeConfig: ...
+    @property
+    def dht(self) -> Any: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def phase(self) -> int: ...
+    @property
+    def inner_step(self) -> int: ...
+    @property
+    def accumulated(self) -> int: ...
+    def members(self) -> list[PeerID]: ...
+    def delivered(self) -> set[PeerID]: ...
+    def working(self, within: float) -> set[PeerID]: ...
+
+
 class _Dealer:
     """Which samples this peer trains on next (see :mod:`swarm.shares`).
 
@@ -389,7 +410,7 @@ class _Dealer:
 
     def __init__(
         self,
-        opt: CollaborativeOptimizer,
+        opt: DealerView,
         run_id: str,
         plan: RunPlan,
         patience: float,

@@ -58,7 +58,7 @@ from averaging.matchmaking.search import (
     Rejected,
 )
 from peers.addresses import parse_multiaddr, split_peer_id
-from peers.dht.node import DHT, ValueWithExpiration, dht_time
+from peers.dht.node import DHT, ValueWithExpiration
 from peers.dht.protocol import MAX_CONTACT_ADDRS
 from peers.dht.records import RecordError, owner_marker, owner_of
 from peers.errors import PeersError
@@ -321,7 +321,7 @@ class Matchmaker(Service, Generic[ReachableHostT]):
         loop = asyncio.get_running_loop()
         me = search.me
         value = to_wire(Declaration(list(me.addrs), me.client_mode))
-        expiration = dht_time() + (search.deadline - loop.time())
+        expiration = self.dht.clock() + (search.deadline - loop.time())
         try:
             async with asyncio.timeout(self.config.request_timeout):
                 stored = await self.dht.store(

@@ -36,7 +36,7 @@ from averaging.state.manifest import (
     build_snapshot,
 )
 from averaging.state.signing import sign_manifest
-from peers.dht import DHT, dht_time, owner_marker
+from peers.dht import DHT, owner_marker
 from peers.errors import PeersError
 from peers.identity import KeyPair, PeerID
 from peers.rpc import CallContext, add_stream_handler
@@ -263,7 +263,7 @@ class StateServer(Service):
         return await self.dht.store(
             state_key(self.prefix),
             value,
-            dht_time() + self.config.announce_ttl_seconds,
+            self.dht.clock() + self.config.announce_ttl_seconds,
             subkey=owner_marker(self.peer.peer_id),
         )
 

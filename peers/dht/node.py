@@ -126,9 +126,14 @@ class DHT(Service, Generic[H]):
     """A Kademlia node on a :class:`peers.Peer` (or any
     :class:`peers.stream_api.AddressedHost`). Use ``async with DHT(peer, config)``."""
 
-    def __init__(self, peer: H, config: DHTConfig | None = None) -> None:
+    def __init__(
+        self, peer: H, config: DHTConfig | None = None, *, clock: Callable[[], float] = dht_time
+    ) -> None:
         super().__init__()
         self.peer = peer
+        #: The shared wall clock that records' expirations are read against:
+        #: :func:`dht_time`, or in in-memory tests one that follows the virtual loop.
+        self.clock = clock
         self.config = config or DHTConfig()
         self.node_id = node_id_of(peer.peer_id)
         self.routing = RoutingTable(self.node_id, k=self.config.k)
@@ -243,7 +248,7 @@ class DHT(Service, Generic[H]):
                 await self.bootstrap()
         for target in self.routing.buckets_to_refresh(now, self.config.refresh_interval):
             await self._refresh(target)
-        wall = dht_time()
+        wall = self.clock()
         for slot, published in list(self._published.items()):
             if published.record.expiration_time <= wall:
                 del self._published[slot]
@@ -340,7 +345,7 @@ class DHT(Service, Generic[H]):
     ) -> FindValueResponse:
         self._counters.served["find_value"] += 1
         self._heard_from(context.remote_peer_id, request.sender)
-        records, more = _page(self._records_for(request.key, dht_time()), request.after)
+        records, more = _page(self._records_for(request.key, self.clock()), request.after)
         nearest = self.routing.nearest(
             key_id(request.key), self.config.k, exclude=(context.remote_peer_id,)
         )
@@ -357,7 +362,7 @@ class DHT(Service, Generic[H]):
         conn = self.peer.connection_to(context.remote_peer_id)
         source = source_group(conn and conn.remote_address, context.remote_peer_id)
         accepted = []
-        now = dht_time()
+        now = self.clock()
         for wire in request.records:
             if not self._is_near(wire.key):
                 self._counters.stores_refused_far += 1
@@ -513,8 +518,8 @@ class DHT(Service, Generic[H]):
         *,
         subkey: str | bytes | None = None,
     ) -> bool:
-        """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time`` (a
-        wall-clock time, e.g. ``dht_time() + 60``) at the closest replicas.
+        """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time`` (a wall-clock
+        time on the DHT's :attr:`clock`, e.g. ``dht.clock() + 60``) at the closest replicas.
 
         If the key or subkey names us as owner (``records.owner_marker``), the record is
         signed. True if at least one replica (possibly this node) accepted it. Raises
@@ -529,7 +534,7 @@ class DHT(Service, Generic[H]):
         )
         if owner_of(record.key, record.subkey) == self.peer.peer_id:
             record = record.sign(self.peer.identity)
-        validate(record, dht_time())
+        validate(record, self.clock())
         self._published[(record.key, record.subkey)] = _Published(record, self._now())
         return await self._store_record(record)
 
@@ -557,7 +562,7 @@ class DHT(Service, Generic[H]):
                 len(merged) < replicas
                 or distance(self.node_id, target) < distance(merged[-1].node_id, target)
             ):
-                stored = self.store_.store(record, source=OWN_SOURCE, now=dht_time())
+                stored = self.store_.store(record, source=OWN_SOURCE, now=self.clock())
                 if stored is StoreResult.ACCEPTED:
                     accepted += 1
             stores = [
@@ -586,7 +591,7 @@ class DHT(Service, Generic[H]):
         Records from peers are validated (expiry, size, owner signatures) before use.
         """
         raw_key = _as_key(key)
-        now = dht_time()
+        now = self.clock()
         best: dict[bytes | None, Record] = {}
         holders: dict[PeerID, set[bytes | None]] = {}
 

@@ -1,6 +1,8 @@
 """Collaborative training: a torch optimizer that steps with the swarm (docs/training.md).
 
-- :mod:`~swarm.collaborative.optimizer`: :class:`CollaborativeOptimizer`, the driver;
+- :mod:`~swarm.collaborative.optimizer`: :class:`CollaborativeOptimizer`, the blocking
+  face of :mod:`~swarm.collaborative.driver`'s ``CollaborativeDriver`` (the same, as
+  coroutines on the DHT's loop: async code, in-memory tests);
 - :mod:`~swarm.collaborative.config`: :class:`CollaborativeConfig`, :class:`DiLoCoConfig`,
   :class:`OptimizerStatistics`, :class:`OptimizerError`;
 - :mod:`~swarm.collaborative.machine`: when to wait, average, step or resync (pure);

@@ -36,8 +36,7 @@ def _hostile_peer(boot: str) -> tuple[BlockingDHT, CollaborativeOptimizer]:
         inner, dht, CollaborativeConfig(run_id="demo", target_batch_size=GLOBAL_BATCH, **FAST)
     )
     opt.epoch = 10**6
-    opt._share_state()
-    opt._publish_now()
+    opt.share_state()
     return dht, opt
 
 

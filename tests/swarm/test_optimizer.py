@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
 import time
@@ -59,7 +60,7 @@ def test_close_cancels_the_progress_publishes_in_flight() -> None:
             assert _wait_until_closed(held, timeout=3.0), "the publish still dials"
 
         async def left() -> int:
-            return len(opt._tasks)
+            return len(opt.driver._tasks)
 
         assert dht.peer.run(left(), timeout=5) == 0
 
@@ -88,17 +89,22 @@ def test_a_record_is_republished_when_it_changed_or_grew_old() -> None:
         param = torch.nn.Parameter(torch.zeros(4))
         config = CollaborativeConfig(run_id="cadence", target_batch_size=8)
         with CollaborativeOptimizer(torch.optim.SGD([param], lr=0.1), dht, config) as opt:
-            mine = opt._mine()
-            now = time.monotonic()
-            opt._published = (mine, now)
-            assert not opt._stale(mine)  # unchanged and fresh
-            more = dataclasses.replace(mine, samples=mine.samples + 4, time=mine.time + 0.01)
-            assert not opt._stale(more)  # changed, but published within progress_interval
-            opt._published = (mine, now - 2 * config.progress_interval)
-            assert opt._stale(more)
-            assert not opt._stale(dataclasses.replace(mine, time=mine.time + 0.1))  # same content
-            opt._published = (mine, now - config.refresh_interval)
-            assert opt._stale(mine)  # unchanged, but due for a refresh
+            driver = opt.driver
+
+            async def check() -> None:  # on the loop, whose clock stamps publications
+                mine = driver.machine.mine(driver.clock())
+                now = asyncio.get_running_loop().time()
+                driver._published = (mine, now)
+                assert not driver._stale(mine)  # unchanged and fresh
+                more = dataclasses.replace(mine, samples=mine.samples + 4, time=mine.time + 0.01)
+                assert not driver._stale(more)  # changed, but published within progress_interval
+                driver._published = (mine, now - 2 * config.progress_interval)
+                assert driver._stale(more)
+                assert not driver._stale(dataclasses.replace(mine, time=mine.time + 0.1))
+                driver._published = (mine, now - config.refresh_interval)
+                assert driver._stale(mine)  # unchanged, but due for a refresh
+
+            dht.peer.run(check())
 
 
 def test_a_nan_update_is_dropped_and_training_goes_on() -> None:
@@ -143,11 +149,13 @@ def test_a_loaded_state_carries_its_rounds_fingerprint_and_a_malformed_one_is_re
                         time.sleep(0.05)
                     assert joiner.load_state_from_peers()
                     assert joiner.epoch == 3 and torch.equal(new.detach(), old.detach())
-                    assert joiner._mine().fingerprint == donor._mine().fingerprint != b""
+                    assert (
+                        joiner.driver.machine.fingerprint == donor.driver.machine.fingerprint != b""
+                    )
                     specs = [TensorSpec("extra/param/0", "float32", [4])]
                     for bad in (10**12, b"x" * 33, "text"):
                         _, metadata = pack_state(
                             [new], {"inner": joiner.optimizer}, {"epoch": 3, "fingerprint": bad}
                         )
-                        problem = joiner._state_problem(3, specs, metadata)
+                        problem = joiner.driver._state_problem(3, specs, metadata)
                         assert problem is not None and "fingerprint" in problem, problem

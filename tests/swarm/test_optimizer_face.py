@@ -203,7 +203,7 @@ def test_the_codec_chosen_is_the_codec_used_or_refused_with_a_reason(dht: Blocki
     with CollaborativeOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), dht, _config(allreduce=half)
     ) as opt:
-        assert isinstance(opt._averager.config.allreduce.codec, Float16Codec)
+        assert isinstance(opt.driver.averager.config.allreduce.codec, Float16Codec)
     with pytest.raises(OptimizerError, match=r"diloco\.codec"):
         _config(allreduce=half, diloco=DiLoCoConfig())
     assert isinstance(_config(diloco=DiLoCoConfig()).allreduce.codec, NoneCodec)
@@ -219,9 +219,9 @@ def test_a_diloco_state_dict_keeps_the_outer_optimizer_and_anchor(dht: BlockingD
         assert opt.epoch == 2
         state = opt.state_dict()
         assert set(state) >= {"outer", "anchor"} and len(state["anchor"]) == 2
-        opt._diloco.anchor[0].add_(1.0)
+        opt.driver.diloco.anchor[0].add_(1.0)
         opt.load_state_dict(state)
-        assert torch.equal(opt._diloco.anchor[0], state["anchor"][0])
+        assert torch.equal(opt.driver.diloco.anchor[0], state["anchor"][0])
         with pytest.raises(OptimizerError, match="anchor does not fit"):
             opt.load_state_dict({**state, "anchor": [torch.zeros(7)] * 2})
 
