@@ -41,6 +41,7 @@ def _start(
     }
     honest = [swarm.start(1, target=HONEST, options=options)[0] for _ in range(3)]
     (attacker,) = swarm.start(1, target=hostile, options=options)
+    attacker.wait_report("poisoning", 60)  # its patch is in place (else it exited)
     return honest, attacker
 
 

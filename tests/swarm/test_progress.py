@@ -8,7 +8,7 @@ import time
 from peers import KeyPair, PeerID
 from peers.dht import BlockingDHT, dht_time
 from peers.dht.records import owner_marker
-from swarm.collaborative.optimizer import _parse_records
+from swarm.collaborative.driver import _parse_records
 from swarm.collaborative.progress import PeerProgress, split_winner, summarize
 
 

@@ -9,19 +9,22 @@ from typing import Any
 import torch
 
 from peers.testing import Node
-from swarm.collaborative.optimizer import CollaborativeOptimizer
+from swarm.collaborative.driver import CollaborativeDriver
 from swarm.testing import trainer_node
 
 
 async def poisoning_trainer(node: Node) -> None:
     factor = float(node.options.get("poison", -1000.0))
-    honest_start = CollaborativeOptimizer._start_round  # (the update is built: send it)
+    # (the update is built: poison it, then send it). Read from the class, so a rename
+    # fails here, before any training, and the test sees the attacker exit.
+    honest_start = CollaborativeDriver._start_round
 
-    def poisoned(self: CollaborativeOptimizer, *args: Any, **kwargs: Any) -> Any:
+    def poisoned(self: CollaborativeDriver[Any], *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
-            for b in self.buffers:
+            for b in self.averaged.host:
                 b.mul_(factor)
         return honest_start(self, *args, **kwargs)
 
-    CollaborativeOptimizer._start_round = poisoned  # type: ignore[method-assign]
+    CollaborativeDriver._start_round = poisoned  # type: ignore[method-assign]
+    node.report({"event": "poisoning"})
     await trainer_node(node)
