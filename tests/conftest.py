@@ -33,19 +33,11 @@ SWARM_MODULES = frozenset(
     }
 )
 
-#: Modules with tests that keep one core busy for tens of seconds in the test process
-#: itself (the thousand-schedule fault checker; whole averaging and training runs on the
-#: in-memory network). Next to a swarm on the other worker they starved the swarm's
-#: processes: a test on a fixed gossip period failed, and a WAN lab round paced for its
-#: links overran once in CI; so they run in the swarms' unit, before or after the swarms, never
-#: beside them.
-CPU_BOUND_MODULES = frozenset(
-    {
-        "tests/averaging/test_fault_checker.py",
-        "tests/averaging/test_memory_averager.py",
-        "tests/swarm/test_memory_collaborative.py",
-    }
-)
+#: Modules with a test that keeps one core busy for tens of seconds in the test process
+#: itself (the thousand-schedule fault checker). Next to a swarm on the other worker it
+#: starved the swarm's processes, and a test on a fixed gossip period failed; so they
+#: run in the swarms' unit, before or after the swarms, never beside them.
+CPU_BOUND_MODULES = frozenset({"tests/averaging/test_fault_checker.py"})
 
 
 #: Modules whose every test is ``slow`` (besides the swarm modules above): they start

@@ -19,4 +19,5 @@ async def lying_reducer(node: Node) -> None:
         return [dataclasses.replace(o, values=o.values + lie) for o in honest(self, part_index)]
 
     ButterflyRound.publishable_chunks = lying  # type: ignore[method-assign]
+    node.report({"event": "attacking"})
     await trainer_node(node)

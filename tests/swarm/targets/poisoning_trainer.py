@@ -26,5 +26,5 @@ async def poisoning_trainer(node: Node) -> None:
         return honest_start(self, *args, **kwargs)
 
     CollaborativeDriver._start_round = poisoned  # type: ignore[method-assign]
-    node.report({"event": "poisoning"})
+    node.report({"event": "attacking"})
     await trainer_node(node)
