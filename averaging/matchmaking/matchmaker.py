@@ -304,12 +304,20 @@ class Matchmaker(Service, Generic[ReachableHostT]):
         return group
 
     async def _declare_and_drive(self, search: GroupSearch, active: _Active) -> Group:
-        """Store our declaration while the search runs, not before it: a store is a
-        lookup and then the store itself (two round trips), and the search needs
-        neither to read the key and join a leader, who learns of us by our join. Once
-        the search ends, a store still under way is abandoned (we are placed)."""
+        """Store our declaration, and search: the search waits for the store at most half
+        a poll interval (a store is a lookup and then the store itself, two round trips,
+        and the search needs neither to read the key and join a leader, who learns of
+        us by our join), then runs beside it. Stored before our first read, the
+        declarations of peers that start together are all there when each reads: at
+        once concurrent, the first reads missed them and the group formed a poll
+        interval later (0.5 s a step on loopback). Once the search ends, a store still
+        under way is abandoned (we are placed)."""
         declaring = asyncio.create_task(self._declare(search))
         try:
+            # A store that is quick (loopback, a LAN, most internet links) lands before our
+            # first read, so peers that start together see each other at once; waiting
+            # for a slow one would cost its two round trips, and the search goes ahead.
+            await asyncio.wait([declaring], timeout=self.config.poll_interval_seconds / 2)
             return await self._drive(active)
         finally:
             declaring.cancel()

@@ -283,10 +283,10 @@ def test_two_halves_of_a_cut_swarm_train_apart_and_end_on_one_model() -> None:
     assert all(n >= 2 for n in apart), apart  # both halves trained on while cut
     for t in trainers:
         assert t.driver.epoch == 24 and t.settled
-    # The halves met at different epochs and on different branches: the peers reconciled
-    # them by loading states, and the minority saw the split.
-    assert any(t.driver.statistics().num_splits >= 1 for t in trainers[3:])
-    assert all(t.driver.statistics().num_state_loads >= 1 for t in trainers[3:])
+    # The halves met on different branches: one of them loaded the other's state (by
+    # split detection, or as peers behind the swarm's epoch: which, timing decides).
+    loads = [t.driver.statistics().num_state_loads for t in trainers]
+    assert all(n >= 1 for n in loads[:3]) or all(n >= 1 for n in loads[3:]), loads
     _one_model(trainers)
 
 
