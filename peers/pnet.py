@@ -36,8 +36,6 @@ import threading
 from collections.abc import Iterable
 from typing import Any, cast
 
-from Crypto.Cipher import Salsa20
-
 from peers.errors import PeersError
 
 #: Bytes of a swarm key.
@@ -170,6 +168,11 @@ class XSalsa20:
         _check_key(key)
         if len(nonce) != NONCE_BYTES:
             raise ValueError(f"an XSalsa20 nonce is {NONCE_BYTES} bytes")
+        # Imported here: pycryptodome's cipher modules take about 30 ms to load, which
+        # every peer's start-up (a bootstrap peer's, the CLI's) paid for a feature that
+        # only private swarms use.
+        from Crypto.Cipher import Salsa20
+
         self._cipher = Salsa20.new(key=hsalsa20(key, nonce[:16]), nonce=nonce[16:])
 
     def xor(self, data: bytes | bytearray | memoryview) -> bytes:
