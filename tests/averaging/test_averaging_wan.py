@@ -72,12 +72,29 @@ def _step_all(procs: list[PeerProcess], round_key: int) -> list[dict[str, Any]]:
 def _check_mean(reports: list[dict[str, Any]], held: list[torch.Tensor]) -> None:
     """Every member agreed on one result, the whole vector averaged, and it is the mean of
     what the members ``held`` before the round (their first values)."""
-    assert len({r["fingerprint"] for r in reports}) == 1, reports  # one result
+    summary = _summary(reports)
+    assert len({r["fingerprint"] for r in reports}) == 1, summary  # one result
     mean = sum(held) / len(held)
     for r in reports:
-        assert r["agreed"] and r["fraction"] == 1.0 and not r["failed"], r
+        assert r["agreed"] and r["fraction"] == 1.0 and not r["failed"], summary
         assert len(r["members"]) == len(reports), r
         assert torch.allclose(torch.tensor(r["head"]), mean, atol=1e-6), r["head"]
+
+
+def _summary(reports: list[dict[str, Any]]) -> str:
+    """One line per member, whole (pytest cuts a long report dict short): what a failed
+    round's report says of where it failed."""
+    lines = []
+    for i, r in enumerate(reports):
+        reduced = {m[-6:]: n for m, n in r["reduced"].items()}
+        failed = {m[-6:]: reason[:160] for m, reason in r["failed"].items()}
+        lines.append(
+            f"member {i}: {len(r['members'])} members, agreed {r['agreed']}, fraction "
+            f"{r['fraction']:.3f}, {r['seconds']:.2f} s, announced "
+            f"{r['announced'] / 1e6:.2f} MB/s, reduced {reduced}, failed {failed}, "
+            f"result {r['fingerprint'][:8]}"
+        )
+    return "\n".join(lines)
 
 
 def test_four_peers_80_ms_apart_with_lossy_links_average_to_the_mean() -> None:
@@ -122,7 +139,7 @@ def test_a_round_on_a_slow_link_is_paced_by_the_measured_rates_and_completes() -
             for r in reports:
                 slow_part = r["reduced"].get(slow, 0)
                 fast = [n for member, n in r["reduced"].items() if member != slow]
-                assert len(fast) == 3 and slow_part < elements // 4, r
+                assert len(fast) == 3 and slow_part < elements // 4, _summary(reports)
                 if round_key == 2:
-                    assert slow_part < min(fast), r
+                    assert slow_part < min(fast), _summary(reports)
             held = [torch.tensor(r["head"]) for r in reports]
