@@ -98,23 +98,26 @@ def test_three_peers_without_ranks_fill_each_global_batch_exactly() -> None:
 
 
 def test_a_killed_peer_restarts_syncs_and_the_result_still_matches() -> None:
-    baseline = _baseline()
+    # Half the recipe (160 steps), the kill at step 50. On the virtual clock the same
+    # story (test_memory_collaborative.py) ends within 1e-4 of one process's loss.
+    num_samples = NUM_SAMPLES // 2
+    baseline = _baseline(num_samples)
     with LocalSwarm() as swarm:
         (boot,) = swarm.start(1, target="peers.dht.testing:dht_node")
-        peers = _start(swarm, boot, NUM_PEERS)
+        peers = _start(swarm, boot, NUM_PEERS, num_samples=num_samples)
         victim = peers[2]
-        while victim.wait_report("progress", 120)["epoch"] < 100:
+        while victim.wait_report("progress", 120)["epoch"] < 50:
             pass
         swarm.kill(victim)
         survivors = [p for p in peers if p is not victim]
         for p in survivors:  # the others keep training without error
             p.wait_report("progress", 60)
-        (restarted,) = _start(swarm, boot, 1)
+        (restarted,) = _start(swarm, boot, 1, num_samples=num_samples)
         results = [p.wait_report("trained", 240) for p in [*survivors, restarted]]
     print("baseline", baseline, "swarm", [(r["metrics"], r["statistics"]) for r in results])
     assert results[-1]["statistics"]["num_state_loads"] >= 1  # it synced from the others
     for r in results:
-        assert r["epochs"] == NUM_SAMPLES // GLOBAL_BATCH
+        assert r["epochs"] == num_samples // GLOBAL_BATCH
         assert _close_to(r["metrics"], baseline), (r["metrics"], baseline)
     # one model, not branches: a round that split, then a round of everyone, once ended
     # as two pairs of peers 25% apart in loss with every counter clean
