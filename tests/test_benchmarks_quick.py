@@ -66,6 +66,23 @@ def test_nat_benchmark_runs() -> None:
         assert result["figures"]["training_samples_per_s_public"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_long_fat_pipe_measurement_runs() -> None:
+    from peers.netlab import lab_available
+
+    result = _run(
+        "measure_long_fat_pipe.py", "--quick", "--megabytes", "2", "--reps", "2", timeout=100
+    )
+    assert result["benchmark"] == "long_fat_pipe"
+    if not lab_available()[0]:
+        assert result["skipped"]
+        return
+    figures, ratios = result["figures"], result["ratios"]
+    assert isinstance(figures, dict) and isinstance(ratios, dict)
+    assert figures["default_buffers_both_threaded_MB_per_s"] > 0
+    assert 0 < ratios["default_buffers_both_ours_fraction_of_link"] <= 1
+
+
 @pytest.mark.skipif(not HAVE_HIVEMIND, reason="the baseline column is hivemind's serializer")
 def test_msgpack_bomb_benchmark_runs() -> None:
     result = _run("bench_msgpack_bomb.py", "--quick", timeout=200)
