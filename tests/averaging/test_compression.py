@@ -454,7 +454,12 @@ def test_powersgd_warm_start_improves_and_its_state_is_bounded(seed: int) -> Non
     for _ in range(3):
         codec.encode(matrix, key="m")
     warm = codec.error_bound(matrix, key="m")
-    assert warm < cold / 2, (cold, warm)
+    # Warm-started power iterations reach the best rank-4 approximation (the SVD's),
+    # whose error is the floor; a cold start can already be near it, so "at most half of
+    # cold" held for most seeds but is not a property.
+    u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+    floor = float((matrix - (u[:, :4] * s[:4]) @ vh[:4]).abs().max())
+    assert warm <= 1.01 * floor and warm < cold, (cold, warm, floor)
     assert codec.error_bound(matrix) == cold  # no key: no state, the same first Q
     for key in ("a", "b", "c"):
         codec.encode(matrix, key=key)
