@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -187,11 +188,12 @@ async def _ours(
             await asyncio.sleep(0.5)  # the last FINs go out
         return []
     address = Multiaddr(f"/ip4/{host}/tcp/{PORT}/p2p/{remote}")
-    peers = [Peer(PeerConfig(listen_addrs=())) for _ in range(connections)]
     times = []
-    for p in peers:
-        await p.__aenter__()
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [
+            await stack.enter_async_context(Peer(PeerConfig(listen_addrs=())))
+            for _ in range(connections)
+        ]
         for _ in range(reps):
             streams = [await p.new_stream(address, protocol) for p in peers]
             started = time.perf_counter()
@@ -203,9 +205,6 @@ async def _ours(
                 await s.close()
                 await s.read()  # the server's FIN: it has everything
             times.append(time.perf_counter() - started)
-    finally:
-        for p in peers:
-            await p.__aexit__(None, None, None)
     return times
 
 
@@ -281,14 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remote", default="", help=argparse.SUPPRESS)
     parser.add_argument("--both", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    megabytes = args.megabytes or 32
-    reps = args.reps or (3 if args.quick else 5)
+    megabytes = 32 if args.megabytes is None else args.megabytes
+    reps = (3 if args.quick else 5) if args.reps is None else args.reps
     if args.role is not None:
         args.megabytes, args.reps = megabytes, reps
         mover(args)
         return 0
     if reps < 2:
         parser.error(f"--reps {reps}: the first repetition is untimed; give at least 2")
+    if megabytes < 1:
+        parser.error(f"--megabytes {megabytes}: give at least 1 (MiB per direction)")
+    if not args.rate_mbit > 0 or not args.one_way_ms >= 0:
+        parser.error(
+            f"--rate-mbit {args.rate_mbit:g} --one-way-ms {args.one_way_ms:g}: give a rate"
+            " above 0 and a delay of at least 0"
+        )
     from peers.netlab import Lab, lab_available
 
     available, reason = lab_available()

@@ -168,9 +168,9 @@ class XSalsa20:
         _check_key(key)
         if len(nonce) != NONCE_BYTES:
             raise ValueError(f"an XSalsa20 nonce is {NONCE_BYTES} bytes")
-        # Imported here: pycryptodome's cipher modules take about 30 ms to load, which
-        # every peer's start-up (a bootstrap peer's, the CLI's) paid for a feature that
-        # only private swarms use.
+        # Imported here: pycryptodome's cipher modules are slow to load, and every peer's
+        # start-up (a bootstrap peer's, the CLI's) paid for a feature that only private
+        # swarms use (docs/benchmarks.md, the architecture issue's before and after).
         from Crypto.Cipher import Salsa20
 
         self._cipher = Salsa20.new(key=hsalsa20(key, nonce[:16]), nonce=nonce[16:])

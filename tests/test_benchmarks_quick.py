@@ -135,6 +135,9 @@ def test_pipeline_benchmark_runs_and_checks_the_synchronous_losses() -> None:
         ("bench_wan.py", ["--train-outer-momentum", "1"], "outer_momentum must be in [0, 1)"),
         ("bench_pipeline.py", ["--models", "wide,gpt5"], "unknown model(s) gpt5"),
         ("bench_pipeline.py", ["--widths", "64,30"], "each a multiple of the 4 heads"),
+        ("measure_long_fat_pipe.py", ["--reps", "1"], "the first repetition is untimed"),
+        ("measure_long_fat_pipe.py", ["--megabytes", "0"], "--megabytes 0: give at least 1"),
+        ("measure_long_fat_pipe.py", ["--rate-mbit", "-5"], "give a rate above 0"),
     ],
 )
 def test_bad_benchmark_flags_fail_at_once_with_a_clear_error(

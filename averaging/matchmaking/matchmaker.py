@@ -310,7 +310,7 @@ class Matchmaker(Service, Generic[ReachableHostT]):
         us by our join), then runs beside it. Stored before our first read, the
         declarations of peers that start together are all there when each reads: at
         once concurrent, the first reads missed them and the group formed a poll
-        interval later (0.5 s a step on loopback). Once the search ends, a store still
+        interval later (docs/averaging-matchmaking.md). Once the search ends, a store still
         under way is abandoned (we are placed)."""
         declaring = asyncio.create_task(self._declare(search))
         try:
