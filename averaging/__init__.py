@@ -113,6 +113,7 @@ from averaging.state.manifest import (
     StateRequestError,
     StateSyncError,
     StateSyncTimeout,
+    VersionGoneError,
 )
 from averaging.state.records import DonorReport, LoadedState, StateSyncConfig, SyncReport
 from averaging.state.sync import load_state_from_peers
@@ -205,6 +206,7 @@ __all__ = [
     "TopKCodec",
     "TransferStatistics",
     "Uniform8BitCodec",
+    "VersionGoneError",
     "Withdrawn",
     "centered_clip",
     "choose_codec",

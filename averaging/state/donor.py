@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
@@ -33,6 +35,7 @@ from averaging.state.manifest import (
     ManifestRequest,
     Snapshot,
     StateRequestError,
+    VersionGoneError,
     build_snapshot,
 )
 from averaging.state.signing import sign_manifest
@@ -64,6 +67,12 @@ class StateServerConfig:
     num_versions_kept: int = 2
     """Versions served at once. Two lets a download of the previous version finish while
     the next is announced; each costs a copy of the state in memory."""
+    hold_seconds: float = 60.0
+    """A version whose manifest or a chunk was asked for within this many seconds stays
+    served past ``num_versions_kept``: a peer that sets versions faster than a newcomer
+    downloads one does not cut the download short."""
+    max_versions_held: int = 4
+    """Versions served at most, the held ones included (memory: a copy each)."""
     max_concurrent_streams: int = 32
     """Chunk streams served at once, from all peers; more are refused as busy."""
     max_streams_per_peer: int = 4
@@ -78,6 +87,12 @@ class StateServerConfig:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
         if not 1 <= self.num_versions_kept <= MAX_VERSIONS_KEPT:
             raise ValueError(f"num_versions_kept must be in [1, {MAX_VERSIONS_KEPT}]")
+        if not self.num_versions_kept <= self.max_versions_held <= MAX_VERSIONS_KEPT:
+            raise ValueError(
+                f"max_versions_held must be in [num_versions_kept, {MAX_VERSIONS_KEPT}]"
+            )
+        if not self.hold_seconds >= 0:
+            raise ValueError("hold_seconds must be 0 or more")
         if self.max_concurrent_streams < 1 or self.max_streams_per_peer < 1:
             raise ValueError("stream limits must be at least 1")
         if not 0 < self.announce_interval_seconds < self.announce_ttl_seconds:
@@ -122,6 +137,7 @@ class StateServer(Service):
         self.prefix = prefix
         self.config = config or StateServerConfig()
         self._snapshots: dict[int, Snapshot] = {}  # oldest first
+        self._asked_at: dict[int, float] = {}  # version -> when a newcomer last asked for it
         self._streams: Counter[PeerID] = Counter()
         self._counters: Counter[str] = Counter()
         self._announce_now = asyncio.Event()
@@ -172,10 +188,20 @@ class StateServer(Service):
             signed = sign_manifest(self.signer, self.prefix, snapshot.manifest)
             snapshot = replace(snapshot, manifest=signed)
         self._snapshots[version] = snapshot
-        while len(self._snapshots) > self.config.num_versions_kept:
-            del self._snapshots[next(iter(self._snapshots))]
+        self._drop_old_versions()
         self._announce_now.set()
         return snapshot.manifest
+
+    def _drop_old_versions(self) -> None:
+        """Keep the newest ``num_versions_kept`` versions, and older ones a newcomer asked
+        for within ``hold_seconds``, at most ``max_versions_held`` in all (the newest)."""
+        now = time.monotonic()
+        older = list(self._snapshots)[: -self.config.num_versions_kept]
+        for version in older:
+            held = now < self._asked_at.get(version, -math.inf) + self.config.hold_seconds
+            if not held or len(self._snapshots) > self.config.max_versions_held:
+                del self._snapshots[version]
+                self._asked_at.pop(version, None)
 
     def _check_newer(self, version: int) -> None:
         if self._snapshots and version <= max(self._snapshots):
@@ -188,12 +214,13 @@ class StateServer(Service):
         if not self._snapshots:
             raise StateRequestError("no state is served here yet")
         if version is None:
-            return self._snapshots[max(self._snapshots)]
+            version = max(self._snapshots)
         snapshot = self._snapshots.get(version)
         if snapshot is None:
-            raise StateRequestError(
+            raise VersionGoneError(
                 f"version {version} is not served here (serving {list(self._snapshots)})"
             )
+        self._asked_at[version] = time.monotonic()
         return snapshot
 
     # --- handlers -------------------------------------------------------------------
@@ -225,7 +252,10 @@ class StateServer(Service):
                 try:
                     snapshot = self._snapshot(request.version)
                     parts = snapshot.chunk_parts(request.index)
-                except (StateRequestError, IndexError) as e:
+                except StateRequestError:
+                    self._counters["refused"] += 1
+                    raise
+                except IndexError as e:
                     self._counters["refused"] += 1
                     raise StateRequestError(str(e)) from e
                 self._counters["chunks"] += 1

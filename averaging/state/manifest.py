@@ -84,6 +84,11 @@ class StateRequestError(StateSyncError, RemoteProtocolError):
     or the donor is too busy; the caller receives it as a ``RemoteError``."""
 
 
+class VersionGoneError(StateRequestError):
+    """The version asked for is not (or no longer) served by this donor: it moved on to
+    newer ones. Not a fault: a newcomer looks again for what the donor serves now."""
+
+
 # --- wire messages ----------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -45,6 +46,7 @@ from averaging.state.manifest import (
     StateSyncError,
     StateSyncTimeout,
     TensorSpec,
+    VersionGoneError,
     byte_view,
     chunk_digest,
     decode_metadata,
@@ -55,7 +57,7 @@ from averaging.state.records import DonorReport, LoadedState, StateSyncConfig, S
 from averaging.state.schedule import ChunkSchedule
 from averaging.state.signing import check_signed
 from peers.dht import DHT, owner_of
-from peers.errors import PeersError
+from peers.errors import PeersError, RemoteError
 from peers.identity import PeerID
 from peers.rpc import call_stream, call_unary
 from peers.serialization import pack
@@ -69,6 +71,10 @@ logger = logging.getLogger(__name__)
 MAX_ANNOUNCED_ADDRS = 8
 #: Donors whose manifests one discovery round asks for at once.
 MAX_MANIFEST_QUERIES = 32
+#: Times one donor may move on to a newer version under a download (its chunks then
+#: come from the version it serves now) before it is dropped: a donor whose versions
+#: always change faster than a download ends cannot provide a state.
+MAX_MOVES_PER_DONOR = 3
 
 Donor: TypeAlias = "PeerID | Multiaddr | str"
 ProgressCallback = Callable[[int, int], None]
@@ -171,6 +177,7 @@ class _Sync:
         self.on_progress = on_progress
         self.started = time.monotonic()
         self.failures: dict[PeerID, str] = {}  # donors out for good, and why
+        self.moves: Counter[PeerID] = Counter()  # versions donors dropped under a download
         self.unreachable: dict[str, str] = {}  # donors we could not even identify
         self.asked: list[PeerID] = []
         self.download: _Download | None = None
@@ -264,6 +271,12 @@ class _Sync:
             )
             if reason is not None:
                 raise DonorError(f"its state does not fit: {reason}")
+
+    def moved_on(self, donor: PeerID) -> bool:
+        """Count that ``donor`` no longer serves the version downloaded; False once it has
+        done so more than :data:`MAX_MOVES_PER_DONOR` times (then it is a failure)."""
+        self.moves[donor] += 1
+        return self.moves[donor] <= MAX_MOVES_PER_DONOR
 
     def _remember(self, peer_id: PeerID) -> None:
         if peer_id not in self.asked:
@@ -403,7 +416,10 @@ class _Download:
                     await self._drop(donor, f"sent no chunk for {self.sync.config.chunk_timeout} s")
                     return
                 except PeersError as e:
-                    await self._drop(donor, _describe(e))
+                    if _moved_on(e) and self.sync.moved_on(donor):
+                        await self._drop(donor, _describe(e), for_good=False)
+                    else:
+                        await self._drop(donor, _describe(e))
                     return
                 schedule.received(donor, expected, num_bytes)
                 self.bytes_done += num_bytes
@@ -437,9 +453,12 @@ class _Download:
             self.views[tensor][start:end] = part
         return self.layout.chunk_size(index)
 
-    async def _drop(self, donor: PeerID, reason: str) -> None:
+    async def _drop(self, donor: PeerID, reason: str, *, for_good: bool = True) -> None:
+        """``donor`` sends no more chunks of this download; with ``for_good``, none of any
+        other either (else it is asked again for what it serves now)."""
         logger.info("dropping state donor %s: %s", donor, reason)
-        self.sync.failures.setdefault(donor, reason)
+        if for_good:
+            self.sync.failures.setdefault(donor, reason)
         if self.schedule.fail(donor, reason):
             async with self.changed:
                 self.changed.notify_all()
@@ -486,6 +505,11 @@ async def _discover(peer: AddressedHost, dht: DHT[Any], prefix: str) -> list[Pee
         announced.append((version, owner))
     announced.sort(key=lambda item: -item[0])
     return [owner for _, owner in announced]
+
+
+def _moved_on(error: PeersError) -> bool:
+    """Whether ``error`` is a donor's word that it no longer serves the version asked."""
+    return isinstance(error, RemoteError) and error.remote_type == VersionGoneError.__name__
 
 
 def _describe(error: BaseException) -> str:

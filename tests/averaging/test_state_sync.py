@@ -35,6 +35,7 @@ from averaging.state.manifest import (
     StateSyncError,
     StateSyncTimeout,
     TensorSpec,
+    VersionGoneError,
     build_snapshot,
     byte_view,
     layout_from_manifest,
@@ -536,14 +537,18 @@ def test_bad_requests_get_remote_errors_and_the_donor_keeps_serving() -> None:
             await caller.call_unary(
                 donor.peer_id, MANIFEST_PROTOCOL, ManifestRequest(4), Manifest, timeout=10
             )
-        assert caught.value.remote_type == "StateRequestError"
-        for request in (ChunkRequest(5, 10**6), ChunkRequest(5, -1), ChunkRequest(9, 0)):
+        assert caught.value.remote_type == "VersionGoneError"
+        for request, refusal in (
+            (ChunkRequest(5, 10**6), "StateRequestError"),
+            (ChunkRequest(5, -1), "StateRequestError"),
+            (ChunkRequest(9, 0), "VersionGoneError"),
+        ):
             with pytest.raises(RemoteError) as caught:
                 async for _ in caller.call_stream(
                     donor.peer_id, CHUNKS_PROTOCOL, [request], ChunkResponse, timeout=10
                 ):
                     pass
-            assert caught.value.remote_type == "StateRequestError"
+            assert caught.value.remote_type == refusal
         with pytest.raises(RemoteError):  # not a ChunkRequest at all
             async for _ in caller.call_stream(
                 donor.peer_id, CHUNKS_PROTOCOL, ["garbage"], ChunkResponse, timeout=10
@@ -575,9 +580,8 @@ def test_versions_are_frozen_and_the_oldest_dropped() -> None:
 
     async def test(stack: contextlib.AsyncExitStack) -> None:
         original = {k: v.clone() for k, v in states[0].items()}
-        donor, server = await _serve(
-            stack, states[0], version=1, config=StateServerConfig(chunk_bytes=CHUNK)
-        )
+        config = StateServerConfig(chunk_bytes=CHUNK, hold_seconds=0)  # see the next test
+        donor, server = await _serve(stack, states[0], version=1, config=config)
         for tensor in states[0].values():  # training goes on: version 1 must not change
             byte_view(tensor)[:] ^= 1
         newcomer = await stack.enter_async_context(Peer())
@@ -595,6 +599,99 @@ def test_versions_are_frozen_and_the_oldest_dropped() -> None:
             await load_state_from_peers(newcomer, donors=[donor.peer_id], version=1, timeout=10)
 
     run_with_stack(test)
+
+
+@pytest.mark.timeout(60)
+def test_a_version_a_newcomer_asked_for_is_held_past_newer_ones_up_to_the_cap() -> None:
+    """A peer that sets versions faster than a newcomer downloads one (a small model
+    trained fast) keeps the version the newcomer is fetching, past ``num_versions_kept``,
+    up to ``max_versions_held`` versions in all."""
+    states = [make_state(seed) for seed in range(7)]
+
+    async def test(stack: contextlib.AsyncExitStack) -> None:
+        donor, server = await _serve(stack, states[1], version=1)
+        caller = await stack.enter_async_context(Peer())
+        await caller.connect(_addr(donor))
+
+        async def ask(version: int) -> None:
+            await caller.call_unary(
+                donor.peer_id, MANIFEST_PROTOCOL, ManifestRequest(version), Manifest, timeout=10
+            )
+
+        await ask(1)
+        for version in (2, 3, 4):
+            await server.set_state(version, states[version])
+        assert server.versions == (1, 3, 4)  # 2 was never asked for: dropped
+        loaded = await load_state_from_peers(caller, donors=[donor.peer_id], version=1)
+        assert_same_state(loaded.tensors, states[1])
+        await ask(3)
+        await ask(4)
+        await server.set_state(5, states[5])
+        assert server.versions == (1, 3, 4, 5)
+        await server.set_state(6, states[6])
+        assert server.versions == (3, 4, 5, 6)  # the cap: the oldest held one goes
+        with pytest.raises(StateSyncError, match="version 1 is not served"):
+            await load_state_from_peers(caller, donors=[donor.peer_id], version=1, timeout=10)
+
+    run_with_stack(test)
+
+
+def test_bad_hold_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_versions_held"):
+        StateServerConfig(num_versions_kept=3, max_versions_held=2)
+    with pytest.raises(ValueError, match="max_versions_held"):
+        StateServerConfig(max_versions_held=9)
+    with pytest.raises(ValueError, match="hold_seconds"):
+        StateServerConfig(hold_seconds=-1)
+
+
+@pytest.mark.timeout(60)
+def test_a_donor_that_moves_on_under_a_download_is_asked_again() -> None:
+    """A donor answering that the version being downloaded is no longer served has not
+    failed: the newcomer asks it again and loads what it serves now. One that moves on
+    under every download is dropped after a few, with a clear error."""
+    states = [make_state(seed) for seed in range(3)]
+
+    async def test(stack: contextlib.AsyncExitStack) -> None:
+        newcomer = await stack.enter_async_context(Peer())
+        once = await _moving_donor(stack, states, moves=1)
+        loaded = await load_state_from_peers(newcomer, donors=[_addr(once)], timeout=30)
+        assert loaded.version == 1 and loaded.report.failed_donors == ()
+        assert_same_state(loaded.tensors, states[1])
+        always = await _moving_donor(stack, states, moves=100)
+        with pytest.raises(StateSyncError, match="VersionGoneError") as caught:
+            await load_state_from_peers(newcomer, donors=[_addr(always)], timeout=30)
+        assert not isinstance(caught.value, TimeoutError)
+
+    run_with_stack(test)
+
+
+async def _moving_donor(
+    stack: contextlib.AsyncExitStack, states: list[dict[str, torch.Tensor]], *, moves: int
+) -> Peer:
+    """A donor that sets a new version after each download's first chunk, ``moves``
+    times: its manifest names the newest, its chunks only the newest's."""
+    snapshots = [build_snapshot(v, s, {"step": v}, chunk_bytes=CHUNK) for v, s in enumerate(states)]
+    current = [0]
+    peer = await stack.enter_async_context(Peer())
+
+    async def rpc_manifest(request: ManifestRequest, context: CallContext) -> Manifest:
+        return snapshots[current[0] % len(snapshots)].manifest
+
+    async def rpc_chunks(
+        requests: AsyncIterator[ChunkRequest], context: CallContext
+    ) -> AsyncIterator[ChunkResponse]:
+        async for request in requests:
+            snapshot = snapshots[current[0] % len(snapshots)]
+            if request.version != snapshot.manifest.version:
+                raise VersionGoneError(f"version {request.version} is not served here")
+            yield ChunkResponse(request.index, snapshot.chunk_parts(request.index))
+            if current[0] < moves:
+                current[0] += 1
+
+    peer.add_unary_handler(MANIFEST_PROTOCOL, rpc_manifest, ManifestRequest)
+    peer.add_stream_handler(CHUNKS_PROTOCOL, rpc_chunks, ChunkRequest)
+    return peer
 
 
 @pytest.mark.timeout(60)
