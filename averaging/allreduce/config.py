@@ -112,9 +112,9 @@ class TransferStatistics:
     one it copied): every peer reporting agreement holds the same tensor, bit for bit.
     False when no result won a majority by ``round_timeout``, or this peer could not
     copy the one that did."""
-    busiest_bytes_per_second: float | None = None
-    """The download rate in the busiest stretch of the contributions this peer received
-    for the parts it reduces (:func:`~averaging.allreduce.pace.busiest_rate`); None when
+    carried_bytes_per_second: float | None = None
+    """The highest download rate this peer's link demonstrably carried the contributions
+    to the parts it reduces at (:func:`~averaging.allreduce.pace.carried_rate`); None when
     too few came (a small part, or none)."""
 
 
@@ -132,8 +132,8 @@ class AllReduceResult:
 
     @property
     def link_bytes_per_second(self) -> float:
-        """What this round says of this peer's link: the rate of its busiest stretch, or
-        the whole round's where too few frames came. The bandwidth it announces for the
-        next round's partition."""
-        busiest = self.transfer.busiest_bytes_per_second
-        return self.received_bytes_per_second if busiest is None else busiest
+        """What this round says of this peer's link: the rate it demonstrably carried,
+        or the whole round's where too few frames came. The bandwidth it announces for
+        the next round's partition."""
+        carried = self.transfer.carried_bytes_per_second
+        return self.received_bytes_per_second if carried is None else carried

@@ -66,7 +66,7 @@ from averaging.allreduce.config import (
     TransferStatistics,
 )
 from averaging.allreduce.feedback import RoundErrors
-from averaging.allreduce.pace import busiest_rate
+from averaging.allreduce.pace import carried_rate
 from averaging.allreduce.partition import chunk_ranges
 from averaging.allreduce.records import (
     ChunksAveraged,
@@ -274,7 +274,7 @@ class RoundRunner:
             bytes_received=self._bytes_received,
             seconds=self._loop.time() - self._started,
             agreed=agreed,
-            busiest_bytes_per_second=busiest_rate(self._arrivals),
+            carried_bytes_per_second=carried_rate(self._arrivals, self._started),
         )
         self._arrivals.clear()
         return AllReduceResult(result, transfer)

@@ -27,44 +27,50 @@ SLACK = 3.0
 MAX_SLOWDOWN = 10.0
 
 
-#: The rate a member announces is that of the shortest stretch of its last round that
-#: brought it this share of the round's bytes.
-BUSIEST_SHARE = 0.25
-#: A round that brought fewer frames than this has no stretch worth timing (a quarter of
-#: them, a few frames, can arrive in one burst and read as any rate): its average rate
-#: stands.
+#: The rate a member announces is the highest its link demonstrably carried in its last
+#: round: over every prefix of the round's arrivals that brought at least this share of
+#: their bytes (:func:`carried_rate`).
+CARRIED_SHARE = 0.25
+#: A round that brought fewer frames than this has too few to time (a quarter of them, a
+#: few frames, can come in one read): its average rate stands.
 MIN_FRAMES_TIMED = 16
 
 
-def busiest_rate(
-    arrivals: Sequence[tuple[float, int]], share: float = BUSIEST_SHARE
+def carried_rate(
+    arrivals: Sequence[tuple[float, int]], start: float, share: float = CARRIED_SHARE
 ) -> float | None:
-    """Bytes per second in the shortest stretch of ``arrivals`` (``(time, bytes)`` per
-    frame read, in time order) that brought at least ``share`` of their bytes; None when
-    there are fewer than :data:`MIN_FRAMES_TIMED` frames or no stretch takes time.
+    """The highest rate, in bytes per second, at which ``arrivals`` (``(time, bytes)``
+    per frame read, in time order) must have come since ``start`` (the round's): over
+    every prefix that brought at least ``share`` of their bytes, those bytes over the
+    time since ``start``. None when there are fewer than :data:`MIN_FRAMES_TIMED`
+    frames or no prefix takes time.
 
     A round's average download rate is the same at every member (each waits for the
-    slowest one), so it cannot tell a fast link from a slow one; the busiest stretch of
-    a round can: a fast member receives its bursts at its own link's rate. The round
-    runner times the contributions to the parts a member reduces, not the averages it
-    receives: those come at the pace of each part's slowest contributor, and a member
-    with a small part, which receives mostly averages, would measure its link as slow
-    and keep its small part."""
+    slowest one), so it cannot tell a fast link from a slow one. A fast member gets most
+    of its bytes early, at its own link's rate, and then waits for the slowest: the
+    prefix that ends with its early bytes shows its link. The runner times the
+    contributions to the parts a member reduces, not the averages it receives: those
+    come at the pace of each part's slowest contributor, and a member with a small part,
+    which receives mostly averages, would measure its link as slow and keep its small
+    part.
+
+    Why prefixes from the round's start, and not the busiest stretch anywhere in the
+    round: reads come in bursts (a hole TCP fills after a loss releases what queued
+    behind it; a process starved of CPU reads its backlog at once), and a short stretch
+    that starts just before a burst times bytes that had been arriving for a while (3-5x
+    a 20 Mbit/s link in the lab). Bytes read by a time had arrived by then, and none
+    before the round began, so a prefix's rate is at most the link's, however the reads
+    bunch: a member never claims more than its link carried. The price: a fast link
+    reads low by the share of the prefix that the first chunk's latency takes."""
     if len(arrivals) < MIN_FRAMES_TIMED:
         return None
-    total = sum(n for _, n in arrivals)
-    target = share * total
+    target = share * sum(n for _, n in arrivals)
     best: float | None = None
-    window = 0  # bytes of frames (i, j]: those that arrived after frame i's time
-    i = 0
-    for j in range(1, len(arrivals)):
-        window += arrivals[j][1]
-        while i + 1 < j and window - arrivals[i + 1][1] >= target:
-            i += 1
-            window -= arrivals[i][1]
-        seconds = arrivals[j][0] - arrivals[i][0]
-        if window >= target and seconds > 0:
-            rate = window / seconds
+    received = 0
+    for at, n in arrivals:
+        received += n
+        if received >= target and received and at > start:
+            rate = received / (at - start)
             best = rate if best is None else max(best, rate)
     return best
 

@@ -1,7 +1,7 @@
 """Averaging over internet-like links (the namespace lab with link shapes), peers 80 ms
 apart (20 ms each way on each end): four on 100 Mbit/s links with 1% loss on every link;
-four on unequal links, where the slow one's measured rate must shrink its part (its
-busiest stretch measures its link, and averages stream back per chunk, so a small
+four on unequal links, where the slow one's measured rate must shrink its part (the
+rate its link demonstrably carried, and averages stream back per chunk, so a small
 part is what a slow link should have).
 Correctness, not speed: every round agrees, every member holds the same tensor, and it
 is the mean of what they started with."""
@@ -117,8 +117,8 @@ def test_a_round_on_a_slow_link_is_paced_by_the_measured_rates_and_completes() -
     elements = 1 << 21
     options = {"sender_timeout": 3.0, "reducer_timeout": 9.5, "round_timeout": 12.0}
     # Chunks of 128 KiB: a fast member's part of this small vector then comes in a few
-    # dozen chunks, enough frames to time a busiest stretch (fewer, and the round's
-    # average rate stands: equal parts).
+    # dozen chunks, enough frames to time (fewer, and the round's average rate
+    # stands: equal parts).
     options["chunk_elements"] = 1 << 15
     with Lab() as lab, LocalSwarm() as swarm:
         procs = _averaging_peers(lab, swarm, [200, 200, 200, 20], 0.0, elements, **options)
