@@ -27,6 +27,9 @@ members) unless said:
 - ``far2`` and ``far`` (long fat pipes): 2 and 4 members on 200 Mbit/s links, 50 ms one
   way (200 ms round trip); 16M elements.
 
+In every scenario the averager steps' part shares and measured rates are in the JSON
+figures (``..._part_shares_ours_each_step``): on equal links the parts should be equal.
+
 Three more scenarios, every link 100 Mbit/s and 20 ms one way (80 ms round trip):
 
 - ``dht``: 32 DHT peers (``--quick --scenarios dht``: 8, where a reader often holds a
@@ -1161,13 +1164,16 @@ def link_bound_figures(
                     figures[f"{key}_measured_parts_seconds_ours"] = round(measured_s, 3)
                 if equal_s is not None and measured_s is not None:
                     ratios[f"{key}_measured_parts_vs_equal_parts"] = round(equal_s / measured_s, 3)
-                if steps is not None and steps.shares:
-                    last = steps.shares[-1]
-                    figures[f"{key}_part_shares_ours"] = [round(x, 3) for x in last]
-                    figures[f"{key}_measured_MB_per_s_ours"] = [
-                        round(x / 1e6, 2) for x in steps.measured[-1]
-                    ]
-                    shares = " ".join(f"{x:.2f}" for x in last)
+            if steps is not None and steps.shares:  # equal links should get equal parts
+                last = steps.shares[-1]
+                figures[f"{key}_part_shares_ours"] = [round(x, 3) for x in last]
+                figures[f"{key}_measured_MB_per_s_ours"] = [
+                    round(x / 1e6, 2) for x in steps.measured[-1]
+                ]
+                figures[f"{key}_part_shares_ours_each_step"] = [
+                    [round(x, 3) for x in step] for step in steps.shares
+                ]
+                shares = " ".join(f"{x:.2f}" for x in last)
             if ours_s is not None:
                 ratios[f"{key}_fraction_of_link_bound"] = round(bound / ours_s, 3)
             if hers_s is not None:
