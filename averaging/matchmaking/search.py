@@ -8,7 +8,8 @@ and answers to the joins we hold. No sockets, no clock: every call takes ``now``
 The protocol (docs/averaging-matchmaking.md):
 
 1. Declare under the key (the driver stores it), then *gather*: read the key every
-   poll interval until ``target_group_size`` peers are visible or the gather window ends.
+   poll interval (the first few reads sooner: :data:`FIRST_REREAD_SHARE`) until
+   ``target_group_size`` peers are visible or the gather window ends.
 2. The *leader* is the visible peer of smallest :func:`rank` among those that accept
    connections. Everyone else joins it with one call, which the leader holds until it
    forms the groups; a callee that knows a better-ranked leader answers with a redirect,
@@ -52,6 +53,12 @@ REPLY_MARGIN_FRACTION = 0.1
 #: Peers a search remembers (declarations, joiners, redirect targets). One key holds at
 #: most 1024 declarations; the rest is slack for joiners and redirects.
 MAX_VIEW = 4 * MAX_PENDING_JOINS
+#: The first reads of a search come sooner than the poll interval: this share of it after
+#: the first, twice that after the second, and so on up to the interval. Peers that start
+#: together store their declarations within a few round trips of each other, and one
+#: whose first read came before the others' stores would otherwise learn of them a whole
+#: interval later, with the joins that found a leader waiting on it meanwhile.
+FIRST_REREAD_SHARE = 1 / 8
 
 
 class Role(enum.Enum):
@@ -226,6 +233,7 @@ class GroupSearch:
         self._leader: Candidate | None = None
         self._retry_at = 0.0
         self._next_poll = now
+        self._reads = 0  # reads of the key that came back
         self._outcome: Formed | Failed | None = None
         self._last_problem = ""
         self.placed: tuple[PeerID, ...] = ()
@@ -281,7 +289,9 @@ class GroupSearch:
         driver's to drop). A leader that now sees a better-ranked one hands over."""
         for candidate in candidates:
             self._see(candidate)
-        self._next_poll = now + self.config.poll_interval_seconds
+        self._reads += 1
+        share = min(1.0, FIRST_REREAD_SHARE * 2 ** min(self._reads - 1, 16))
+        self._next_poll = now + share * self.config.poll_interval_seconds
         if self.role is Role.LEADING:
             best = self._best()
             if best is not None and best.peer_id != self.me.peer_id:

@@ -128,6 +128,42 @@ def test_plan_groups_properties() -> None:
     assert balanced_sizes(10, 3) == [4, 3, 3]
 
 
+def test_the_first_reads_come_sooner_than_the_poll_interval() -> None:
+    """A peer whose first read came before the others' declarations landed sees them at
+    its second read, an eighth of the interval later, not a whole interval later (on
+    loopback, 2 of every 3 four-peer steps used to wait that interval); the gaps then
+    double up to the interval. With ``form_when_full``, the group forms as soon as the
+    late reader joins."""
+    config = replace(CONFIG, target_group_size=4, min_group_size=4, form_when_full=True)
+    interval = config.poll_interval_seconds
+    me, *others = [_member(p) for p in _ids(4)]
+    search = GroupSearch(key="k", me=me, config=config, now=0.0, timeout=10.0)
+    assert search.next_action(0.0) == Poll(until=search.deadline)
+    search.on_declarations([], 0.0)  # read before anyone else's store landed
+    reads = [0.0]
+    for _ in range(5):
+        action = search.next_action(reads[-1])
+        assert isinstance(action, Sleep)
+        assert isinstance(search.next_action(action.until), Poll)
+        reads.append(action.until)
+        search.on_declarations([], action.until)
+    gaps = [b - a for a, b in itertools.pairwise(reads)]
+    assert gaps == pytest.approx([interval * f for f in (1 / 8, 1 / 4, 1 / 2, 1, 1)])
+    # The others' declarations are there at the second read: a full view, a leader.
+    late = GroupSearch(key="k", me=me, config=config, now=0.0, timeout=10.0)
+    late.on_declarations([], 0.0)
+    second = interval / 8
+    assert late.next_action(second) == Poll(until=late.deadline)
+    late.on_declarations([o.candidate() for o in others], second)
+    action = late.next_action(second)
+    best = choose_leader("k", [m.candidate() for m in (me, *others)])
+    assert best is not None
+    if best.peer_id == me.peer_id:
+        assert late.role is Role.LEADING
+    else:
+        assert action == Join(best)
+
+
 # --- a simulated swarm of searches: pure, with a simulated clock ------------------------
 
 CONFIG = MatchmakingConfig(
