@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -362,6 +364,27 @@ class Stream:
 StreamHandler = Callable[[Stream], Awaitable[None]]
 
 
+#: Where ``struct tcp_info`` keeps ``tcpi_rtt`` (microseconds): after 8 one-byte fields
+#: and 15 four-byte ones, in every Linux since 2.6.
+_TCPI_RTT_OFFSET = 68
+
+
+def tcp_round_trip_seconds(sock: socket.socket) -> float | None:
+    """``sock``'s smoothed round-trip time by the kernel's TCP (Linux ``TCP_INFO``),
+    ``None`` where it cannot be read or is not measured yet."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None or sock.type != socket.SOCK_STREAM:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, _TCPI_RTT_OFFSET + 4)
+    except OSError:
+        return None
+    if len(info) < _TCPI_RTT_OFFSET + 4:
+        return None
+    (micros,) = struct.unpack_from("I", info, _TCPI_RTT_OFFSET)
+    return micros / 1e6 if micros > 0 else None
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionInfo:
     remote_peer_id: PeerID
@@ -434,6 +457,16 @@ class Connection:
         if self._streams:
             return None
         return max(0.0, now - self._streams_changed_at)
+
+    def round_trip_seconds(self) -> float | None:
+        """The kernel's smoothed round-trip time of this connection's TCP socket
+        (``TCP_INFO``'s ``tcpi_rtt``), ``None`` where there is none to read: a relayed
+        connection, a platform without ``TCP_INFO``, a closed socket. Measured by TCP
+        itself on every acknowledged segment, so it costs nothing to ask."""
+        if self.relayed or self.is_closed:
+            return None
+        sock = self._writer.get_extra_info("socket")
+        return tcp_round_trip_seconds(sock) if sock is not None else None
 
     def session_statistics(self) -> YamuxStatistics:
         """Counters of the yamux session: streams, and bytes each way."""

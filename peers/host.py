@@ -90,6 +90,10 @@ StreamHandler = Callable[[Stream], Awaitable[None]]
 #: that changes networks is right again within this, and a DHT that learns hundreds of
 #: addresses a second reads them rarely.
 LOCAL_NETWORKS_SECONDS = 30.0
+#: A peer we could not dial a further connection to is not tried again for this long.
+POOL_RETRY_SECONDS = 300.0
+#: Peers whose failed further dial is remembered (the oldest forgotten first).
+MAX_POOL_FAILURES_KEPT = 1024
 
 
 @dataclass
@@ -118,6 +122,10 @@ class Peer(Service):
         self.traffic = TrafficBook()
         self._connections: dict[PeerID, list[Connection]] = defaultdict(list)
         self._dialing: dict[PeerID, asyncio.Future[Connection]] = {}
+        #: Further connections being dialed (``new_pooled_stream``: one per peer at a
+        #: time), and when a further dial to each peer last failed (monotonic).
+        self._pool_dialing: dict[PeerID, asyncio.Future[None]] = {}
+        self._pool_failed: dict[PeerID, float] = {}
         self._admission = InboundAdmission(
             max_connections_per_ip=self.config.max_connections_per_ip,
             max_connections_per_subnet=self.config.max_connections_per_subnet,
@@ -843,6 +851,77 @@ class Peer(Service):
         else:
             peer_id = await self.connect(peer)
         conn = await self._get_connection(peer_id)
+        return await self._open_stream_on(conn, protocols)
+
+    def round_trip(self, peer_id: PeerID) -> float | None:
+        """The round-trip time of our direct connection to ``peer_id`` as its TCP
+        measures it (seconds), ``None`` with no direct connection or no figure yet."""
+        conn = self.connection_to(peer_id)
+        return conn.round_trip_seconds() if conn is not None else None
+
+    async def new_pooled_stream(self, peer_id: PeerID, protocol: str, index: int) -> Stream:
+        """A stream to ``peer_id`` speaking ``protocol`` on our ``index``-th direct
+        connection to it (0 is the one :meth:`new_stream` uses), dialing another one
+        when there are fewer: bulk transfers that several TCP connections carry faster
+        than one (a window caps each on a long fat pipe). Raises :class:`DialError` when
+        no further connection can be made (the peer is reached only through a relay or a
+        hole punch, or refuses more); a peer that could not be dialed again is not tried
+        again for ``POOL_RETRY_SECONDS``."""
+        if not 0 < index < self.config.max_connections_per_peer:
+            raise ValueError(
+                f"connection index {index} is outside 1..{self.config.max_connections_per_peer - 1}"
+            )
+        first = await self._get_connection(peer_id)
+        if first.relayed:
+            raise DialError(f"{peer_id} is reached through a relay: no connection to add")
+        while True:
+            pooled = self.direct_connections(peer_id)
+            if first in pooled:  # the one new_stream uses comes first
+                pooled.remove(first)
+                pooled.insert(0, first)
+            if len(pooled) > index:
+                conn = pooled[index]
+                break
+            pending = self._pool_dialing.get(peer_id)
+            if pending is not None:  # one dial at a time per peer: then count again
+                await asyncio.wait([pending])
+                continue
+            dialed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._pool_dialing[peer_id] = dialed
+            try:
+                conn = await self._dial_another(peer_id, first)
+            finally:
+                del self._pool_dialing[peer_id]
+                dialed.set_result(None)
+            break
+        return await self._open_stream_on(conn, protocol)
+
+    def direct_connections(self, peer_id: PeerID) -> list[Connection]:
+        """Our live direct (not relayed) connections to ``peer_id``, oldest first."""
+        return [c for c in self._connections.get(peer_id, ()) if not c.is_closed and not c.relayed]
+
+    async def _dial_another(self, peer_id: PeerID, first: Connection) -> Connection:
+        failed_at = self._pool_failed.get(peer_id)
+        now = time.monotonic()
+        if failed_at is not None and now < failed_at + POOL_RETRY_SECONDS:
+            raise DialError(f"{peer_id} could not be dialed again lately")
+        # Where our first connection reached it, else where it listens; a punched
+        # connection's address is one its NAT opened for that connection alone.
+        addrs = [first.remote_address] if first.outbound else []
+        addrs += [a for a in self.known_addresses(peer_id) if not is_circuit(a) and a not in addrs]
+        errors: list[str] = []
+        for addr in addrs:
+            try:
+                return await self._dial_address(addr, peer_id)
+            except (DialError, HandshakeError, PeerIDMismatch, LimitExceeded) as e:
+                errors.append(f"{addr}: {e}")
+        self._pool_failed[peer_id] = now
+        while len(self._pool_failed) > MAX_POOL_FAILURES_KEPT:
+            del self._pool_failed[next(iter(self._pool_failed))]
+        tried = "; ".join(errors) or "no address to dial"
+        raise DialError(f"no further connection to {peer_id}: {tried}")
+
+    async def _open_stream_on(self, conn: Connection, protocols: str | list[str]) -> Stream:
         proposals = [protocols] if isinstance(protocols, str) else list(protocols)
         stream = conn.open_stream_raw()
         dialer = MultistreamDialer(proposals)

@@ -514,6 +514,23 @@ class MemoryPeer:
         self.network._send(self.peer_id, theirs, _OPEN)
         return ours
 
+    def round_trip(self, peer_id: PeerID) -> float | None:
+        """The latency of the links to ``peer_id`` and back (``None`` for a peer not
+        in the network): what a real peer's TCP measures."""
+        if peer_id not in self.network._peers or peer_id == self.peer_id:
+            return None
+        there = self.network._link(self.peer_id, peer_id)
+        back = self.network._link(peer_id, self.peer_id)
+        return there.latency_seconds + back.latency_seconds
+
+    async def new_pooled_stream(self, peer_id: PeerID, protocol: str, index: int) -> MemoryStream:
+        """As :meth:`new_stream`: this network's links have no per-connection window,
+        so a pool of connections is one link (protocol code runs its pooled path
+        unchanged; how the bytes share the link is the same)."""
+        if index < 1:
+            raise ValueError(f"connection index {index} is not a further connection")
+        return await self.new_stream(peer_id, protocol)
+
     def create_task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run ``coro`` as a task this peer owns: cancelled when the peer is killed or
         closed (a dead process runs nothing). The caller awaits it for its result."""

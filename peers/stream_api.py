@@ -102,6 +102,21 @@ class StreamHost(Protocol):
 
 
 @runtime_checkable
+class PooledStreamHost(StreamHost, Protocol):
+    """A :class:`StreamHost` that can spread one transfer over several connections to
+    a peer (:meth:`peers.host.Peer.new_pooled_stream`) and says each link's round trip:
+    what the all-reduce uses on long fat pipes, where one TCP window caps a connection."""
+
+    def round_trip(self, peer_id: PeerID, /) -> float | None:
+        """Seconds there and back on our connection to ``peer_id``, ``None`` unknown."""
+
+    async def new_pooled_stream(self, peer_id: PeerID, protocol: str, index: int, /) -> StreamLike:
+        """A stream to ``peer_id`` on our ``index``-th connection to it (``index`` >= 1;
+        0 is :meth:`new_stream`'s). Raises :class:`peers.errors.DialError` where no
+        further connection can be made."""
+
+
+@runtime_checkable
 class RpcHost(Protocol):
     """What :mod:`peers.rpc` needs of a peer: streams to a peer named by id or address,
     handlers for inbound ones, and a book of traffic by protocol (``Peer.traffic``)."""
