@@ -258,6 +258,19 @@ def _shares(members: Any, weights: Any, elements: int) -> dict[str, float]:
     }
 
 
+def _allreduce_config(command: dict[str, Any]) -> Any:
+    """A round's ``AllReduceConfig``: the codec named, and links on as many connections
+    as named (the config's default when none is)."""
+    from averaging import AllReduceConfig
+
+    connections = command.get("connections_per_member")
+    if connections is None:
+        return AllReduceConfig(codec=make_codec(command["codec"]))
+    return AllReduceConfig(
+        codec=make_codec(command["codec"]), connections_per_member=int(connections)
+    )
+
+
 async def ours_node(node: Any) -> None:
     """The :mod:`peers.testing` target: serve commands until the parent stops us."""
     import asyncio
@@ -265,7 +278,6 @@ async def ours_node(node: Any) -> None:
     import torch
 
     from averaging import (
-        AllReduceConfig,
         AllReduceService,
         Averager,
         AveragerConfig,
@@ -301,7 +313,7 @@ async def ours_node(node: Any) -> None:
                 for peer_id, maddr in members:
                     if peer_id != node.peer.peer_id:
                         node.peer.add_addresses(peer_id, [maddr])
-                config = AllReduceConfig(codec=make_codec(command["codec"]))
+                config = _allreduce_config(command)
                 copies = int(command.get("reducers_per_part", 1))
                 rates = command.get("rates")  # the links' rates: pace the round as for them
                 spec = RoundSpec(
@@ -354,7 +366,7 @@ async def ours_node(node: Any) -> None:
                         search_timeout=float(command["timeout"]),
                         form_when_full=True,  # as hivemind's leader does
                     ),
-                    allreduce=AllReduceConfig(codec=make_codec(command["codec"])),
+                    allreduce=_allreduce_config(command),
                 )
                 if averager is None or averager_key != (command["prefix"], command["codec"]):
                     # One averager per codec, kept across steps: it carries the rate it

@@ -147,6 +147,9 @@ class Plan:
     reducers_per_part: int = 1
     """Our rounds' ``RoundSpec.reducers_per_part`` (3: each coordinate reduced by three
     members, the median kept; hivemind has no such mode and runs as always)."""
+    connections_per_member: int | None = None
+    """Our ``AllReduceConfig.connections_per_member`` (None: its default): 1 measures
+    links on one connection each, as before lanes."""
 
     def __post_init__(self) -> None:
         if self.num_peers < 2:
@@ -372,6 +375,7 @@ def measure_ours(
                         "start_at": time.monotonic() + START_DELAY,
                         "reducers_per_part": plan.reducers_per_part,
                         "rates": rates,
+                        "connections_per_member": plan.connections_per_member,
                     }
                     for member in members:
                         member.send(command)
@@ -407,6 +411,7 @@ def measure_ours(
                         "gather_seconds": plan.matchmaking_seconds,
                         "timeout": plan.matchmaking_seconds + 30.0,
                         "start_at": time.monotonic() + step_delay,
+                        "connections_per_member": plan.connections_per_member,
                     }
                     for member in members:
                         member.send(command)

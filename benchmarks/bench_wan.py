@@ -1251,6 +1251,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds per size and codec")
     parser.add_argument("--step-rounds", type=int, help="timed full steps (0: none of ours)")
     parser.add_argument(
+        "--connections-per-member",
+        type=int,
+        choices=range(1, 13),
+        metavar="N",
+        help="all-reduce scenarios: the connections our members' links run on together on"
+        " long round trips (AllReduceConfig.connections_per_member; default its 2: in a"
+        " pair two per link; 1: one per link, as before lanes)",
+    )
+    parser.add_argument(
         "--no-slow-start-after-idle",
         action="store_true",
         help="all-reduce scenarios: set net.ipv4.tcp_slow_start_after_idle=0 in every"
@@ -1303,6 +1312,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the WAN benchmark needs the namespace lab: {why}", file=sys.stderr)
         return 1
     plan = with_counts(QUICK if args.quick else FULL, args)
+    if args.connections_per_member is not None:
+        plan = replace(plan, connections_per_member=args.connections_per_member)
     notes: list[str] = []
     hivemind, why = (
         (None, "disabled with --no-hivemind") if args.no_hivemind else installed_hivemind()

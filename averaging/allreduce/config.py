@@ -13,6 +13,9 @@ from peers.errors import LocalProtocolError
 #: copy, a late averaged chunk), and then again for its links to close: a round returns
 #: within ``round_timeout + 2 * FLUSH_SECONDS`` (:attr:`AllReduceConfig.return_bound`).
 FLUSH_SECONDS = 2.0
+#: The most ``AllReduceConfig.connections_per_member`` may ask (a link runs on at most
+#: ``wire.MAX_LANES`` connections whatever it asks).
+MAX_CONNECTIONS_PER_MEMBER = 64
 
 
 class AllReduceError(LocalProtocolError):
@@ -60,6 +63,22 @@ class AllReduceConfig:
     (``Codec.round_safe``: stateless, no coordinate dropped; top-k and PowerSGD are
     refused). Lossy codecs are fine: every member holds what the others decoded, so
     results stay identical."""
+    connections_per_member: int = 2
+    """TCP connections a member's links of a round run on together, at least, when their
+    round trip is at least ``pooled_round_trip`` (1: one per link, always). On a long
+    fat pipe one connection carries what its window allows per round trip, less than
+    the link can; a member's links share its access link, so with ``k`` links each runs
+    on ``ceil(connections_per_member / k)`` connections (in a pair, 2 each by default;
+    in a larger group one each, already as many). The opener of a link adds further
+    lanes on further connections (``Peer.new_pooled_stream``), and chunks go out on
+    whichever lane is free first. A member that cannot be dialed again (behind a NAT,
+    through a relay) keeps one. At most ``wire.MAX_LANES`` per link, and
+    :data:`MAX_CONNECTIONS_PER_MEMBER`."""
+    pooled_round_trip: float = 0.05
+    """Seconds of round trip (TCP's own measure of the link's first connection) from
+    which ``connections_per_member`` applies. Below it one window covers what a link of
+    half a gigabit or less carries, and a further connection only costs its handshake
+    (docs/design/averaging.md, "Long fat pipes")."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -78,6 +97,20 @@ class AllReduceConfig:
             raise AllReduceError("round_timeout must be longer than reducer_timeout")
         if self.max_round_timeout < self.round_timeout:
             raise AllReduceError("max_round_timeout must be at least round_timeout")
+        if (
+            isinstance(self.connections_per_member, bool)
+            or not isinstance(self.connections_per_member, int)
+            or not 1 <= self.connections_per_member <= MAX_CONNECTIONS_PER_MEMBER
+        ):
+            raise AllReduceError(
+                f"connections_per_member must be an int in 1..{MAX_CONNECTIONS_PER_MEMBER}"
+            )
+        if (
+            not isinstance(self.pooled_round_trip, int | float)
+            or not math.isfinite(self.pooled_round_trip)
+            or self.pooled_round_trip < 0
+        ):
+            raise AllReduceError("pooled_round_trip must be a non-negative number of seconds")
         if not isinstance(self.chunk_elements, int) or self.chunk_elements <= 0:
             raise AllReduceError("chunk_elements must be a positive int")
         if not isinstance(self.codec, Codec):

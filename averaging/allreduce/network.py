@@ -84,17 +84,20 @@ from averaging.allreduce.records import (
 )
 from averaging.allreduce.wire import (
     ALLREDUCE_PROTOCOL,
+    MAX_LANES,
     AveragedMessage,
     ChunkMessage,
     CopyMessage,
     EchoMessage,
     FetchMessage,
     HaveMessage,
+    Hello,
     Message,
     NoticeMessage,
     SuspectMessage,
     VoteMessage,
     accusations_of,
+    decode_hello,
     decode_message,
     echo_from_wire,
     echo_to_wire,
@@ -109,7 +112,7 @@ from peers.errors import IdentityError, PeersError, RemoteProtocolError
 from peers.identity import PeerID
 from peers.rpc import FramedStream
 from peers.serialization import frame_buffers
-from peers.stream_api import StreamHost, StreamLike
+from peers.stream_api import PooledStreamHost, StreamHost, StreamLike
 
 logger = logging.getLogger(__name__)
 
@@ -137,17 +140,27 @@ _Item = Outgoing | _AveragedRef | _CopyRef | Message
 
 
 @dataclass(eq=False)
+class _Lane:
+    """One stream of a link: lane 0 carries every message, a further lane (on another
+    connection) only chunks: :func:`_is_bulk` items."""
+
+    index: int
+    framed: FramedStream[StreamLike]
+    writer: asyncio.Task[None] | None = None
+    counted: int = 0  # bytes read up to the last frame
+
+
+@dataclass(eq=False)
 class _Link:
     peer_id: PeerID
     opened_by_me: bool
-    framed: FramedStream[StreamLike] | None = None
+    lanes: dict[int, _Lane] = field(default_factory=dict)
     outbox: deque[_Item] = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     dead: bool = False
     ignored: bool = False
-    writer: asyncio.Task[None] | None = None
-    counted: int = 0  # bytes read up to the last frame
+    heard: asyncio.Event = field(default_factory=asyncio.Event)  # a first frame came
 
     def send(self, item: _Item) -> None:
         if not self.dead and not self.finished.is_set():
@@ -155,8 +168,20 @@ class _Link:
             self.wake.set()
 
     @property
+    def framed(self) -> FramedStream[StreamLike] | None:
+        """The first lane's stream, once the link is open."""
+        first = self.lanes.get(0)
+        return first.framed if first is not None else None
+
+    @property
     def usable(self) -> bool:
         return self.framed is not None and not self.dead and not self.finished.is_set()
+
+
+def _is_bulk(item: _Item) -> bool:
+    """What a further lane may carry: chunks, whose order does not matter (each names
+    its part and chunk). Everything else keeps its order on the first lane."""
+    return isinstance(item, Outgoing | _AveragedRef | _CopyRef)
 
 
 @dataclass(frozen=True, slots=True)
@@ -883,51 +908,107 @@ class RoundRunner:
         except (PeersError, OSError) as e:
             self._link_failed(link, e)
             return
-        self._attach(link, framed)
+        self._attach(link, _Lane(0, framed))
+        if self._num_lanes(link.peer_id) > 1:
+            # Once the member has answered on the first lane: it holds the link, so a
+            # further lane cannot overtake it there (a peer that predates lanes would
+            # take an early one for the link, and refuse the first).
+            await link.heard.wait()
+            assert self._tasks is not None
+            for index in range(1, self._num_lanes(link.peer_id)):
+                self._link_tasks.append(self._tasks.create_task(self._open_lane(link, index)))
+
+    def _num_lanes(self, member: PeerID) -> int:
+        """How many lanes my link to ``member`` runs on: where its first connection's
+        round trip is long enough that a window caps one connection, enough that my
+        links run on ``connections_per_member`` connections together."""
+        wanted = min(MAX_LANES, math.ceil(self.config.connections_per_member / len(self.links)))
+        if wanted <= 1 or not isinstance(self.peer, PooledStreamHost):
+            return 1
+        round_trip = self.peer.round_trip(member)
+        if round_trip is None or round_trip < self.config.pooled_round_trip:
+            return 1
+        return wanted
+
+    async def _open_lane(self, link: _Link, index: int) -> None:
+        """Add lane ``index`` to a link I opened. Whatever goes wrong leaves the link
+        on the lanes it has: nothing was sent on this one yet."""
+        assert isinstance(self.peer, PooledStreamHost)
+        framed: FramedStream[StreamLike] | None = None
+        try:
+            stream = await self.peer.new_pooled_stream(link.peer_id, ALLREDUCE_PROTOCOL, index)
+            framed = FramedStream(stream)
+            await framed.write_frame(encode_hello(self.spec, index))
+            async with asyncio.timeout(self.config.join_timeout):
+                answer = decode_hello(await framed.read_frame())
+            if answer != Hello(self.spec.round_id, self._spec_digest, index):
+                raise RemoteProtocolError("the member answered another lane")
+        except (PeersError, OSError, TimeoutError) as e:
+            logger.debug("round %s: no lane %d to %s: %r", self._tag, index, link.peer_id, e)
+        except BaseException:  # cancelled: the round is over
+            if framed is not None:
+                framed.stream.reset()
+            raise
+        else:
+            self._attach(link, _Lane(index, framed))  # (resets it if the link is over)
+            return
+        if framed is not None:
+            framed.stream.reset()
 
     async def accept(
-        self, remote: PeerID, framed: FramedStream[StreamLike], spec_digest: bytes
+        self, remote: PeerID, framed: FramedStream[StreamLike], spec_digest: bytes, lane: int = 0
     ) -> None:
-        """Serve a link another member opened; returns when the round is done with it.
-        Raises :class:`AllReduceError` for a remote that should not open one, or whose
-        spec of this round differs from mine (a leader that gave members different
+        """Serve a link's ``lane`` another member opened; returns when the round is done
+        with it. Raises :class:`AllReduceError` for a remote that should not open one, or
+        whose spec of this round differs from mine (a leader that gave members different
         specs: the link is refused, and its end excludes me as it would a dead peer)."""
         link = self.links.get(remote)
-        if link is None or link.opened_by_me or link.framed is not None or link.dead:
-            raise AllReduceError(f"{remote} does not open a link to this peer in this round")
+        if link is None or link.opened_by_me or lane in link.lanes or link.dead:
+            raise AllReduceError(
+                f"{remote} does not open lane {lane} of a link to this peer in this round"
+            )
         if spec_digest != self._spec_digest:
             raise AllReduceError(f"{remote} was given another spec for this round")
-        self._attach(link, framed)
+        if lane > 0:
+            await framed.write_frame(encode_hello(self.spec, lane))
+            if lane in link.lanes or link.dead:  # (while the answer was written)
+                raise AllReduceError(f"{remote} opened lane {lane} twice")
+        self._attach(link, _Lane(lane, framed))
         await link.finished.wait()
 
-    def _attach(self, link: _Link, framed: FramedStream[StreamLike]) -> None:
+    def _attach(self, link: _Link, lane: _Lane) -> bool:
+        """Run ``lane`` (its reader and writer); False, and the stream reset, when the
+        link is over (the round ended while it was opened)."""
         assert self._tasks is not None
-        if link.finished.is_set():  # the round ended while this link was being opened
-            framed.stream.reset()
-            return
-        link.framed = framed
-        self._link_tasks.append(self._tasks.create_task(self._read(link)))
-        link.writer = self._tasks.create_task(self._write(link))
-        self._link_tasks.append(link.writer)
+        if link.finished.is_set() or link.dead:
+            lane.framed.stream.reset()
+            return False
+        link.lanes[lane.index] = lane
+        self._link_tasks.append(self._tasks.create_task(self._read(link, lane)))
+        lane.writer = self._tasks.create_task(self._write(link, lane))
+        self._link_tasks.append(lane.writer)
+        link.wake.set()  # a further lane takes what waits in the outbox now
+        return True
 
-    async def _read(self, link: _Link) -> None:
-        assert link.framed is not None
+    async def _read(self, link: _Link, lane: _Lane) -> None:
+        framed = lane.framed
         try:
             while not link.finished.is_set():
-                frame = await link.framed.read_frame()
+                frame = await framed.read_frame()
                 if link.finished.is_set():
                     break  # the round is over: nothing may change it now
                 if frame is None:
                     raise EOFError("the member closed the link")
                 now = self._last_heard[link.peer_id] = self._loop.time()
                 self._first_heard_at.setdefault(link.peer_id, now)
+                link.heard.set()
                 message = decode_message(frame)
-                read = link.framed.bytes_read
+                read = framed.bytes_read
                 if isinstance(message, ChunkMessage):
                     # Contributions to my parts time my link; averages do not: they
                     # come at the pace of the slowest contributor to their part.
-                    self._arrivals.append((now, read - link.counted))
-                link.counted = read
+                    self._arrivals.append((now, read - lane.counted))
+                lane.counted = read
                 self._receive(link.peer_id, message, link.ignored)
         except (PeersError, OSError, EOFError) as e:
             if not link.finished.is_set():
@@ -943,17 +1024,21 @@ class RoundRunner:
             return
         self._link_failed(link, error)
 
-    async def _write(self, link: _Link) -> None:
-        assert link.framed is not None
+    async def _write(self, link: _Link, lane: _Lane) -> None:
+        """Send what the link's outbox holds, in order, each item when this lane is
+        free: every lane takes the next chunk as its last write returns, so a faster
+        connection carries more; only the first lane takes other messages (a further
+        lane waits while one is next)."""
+        stream = lane.framed.stream
         try:
             while True:
-                while link.outbox:
+                while link.outbox and (lane.index == 0 or _is_bulk(link.outbox[0])):
                     frame = self._encode(link.outbox.popleft())
                     if frame is None:
                         continue
                     buffers = frame_buffers(frame)
                     self._bytes_sent += sum(len(b) for b in buffers)
-                    await link.framed.stream.write_many(buffers)
+                    await stream.write_many(buffers)
                 if link.finished.is_set() or link.dead:
                     return
                 link.wake.clear()
@@ -1014,19 +1099,17 @@ class RoundRunner:
         for link in self.links.values():
             link.finished.set()
             link.wake.set()
-        writers = [link.writer for link in self.links.values() if link.writer is not None]
+        lanes = [lane for link in self.links.values() for lane in link.lanes.values()]
+        writers = [lane.writer for lane in lanes if lane.writer is not None]
         if writers:  # each writer returns once its outbox is flushed
             await asyncio.wait(writers, timeout=FLUSH_SECONDS)
         # All at once: one slow or dead remote must not hold the others' closes (and
         # the round's return) for FLUSH_SECONDS each.
-        await asyncio.gather(
-            *(_close_stream(link.framed.stream) for link in self.links.values() if link.framed)
-        )
+        await asyncio.gather(*(_close_stream(lane.framed.stream) for lane in lanes))
         for task in self._link_tasks:
             task.cancel()
-        for link in self.links.values():
-            if link.framed is not None:
-                self._bytes_received += link.framed.bytes_read
+        for lane in lanes:
+            self._bytes_received += lane.framed.bytes_read
 
 
 async def _close_stream(stream: StreamLike) -> None:

@@ -106,7 +106,7 @@ class AllReduceService(Service):
                 frame = await framed.read_frame()
             hello = decode_hello(frame)
             runner = await self._wait_for_round(hello.round_id)
-            await runner.accept(stream.remote_peer_id, framed, hello.spec_digest)
+            await runner.accept(stream.remote_peer_id, framed, hello.spec_digest, hello.lane)
         except (TimeoutError, PeersError) as e:
             logger.info("allreduce link from %s refused: %r", stream.remote_peer_id, e)
             stream.reset()

@@ -1,9 +1,13 @@
 """Wire messages of a networked butterfly round (``/swarmtrain/averaging/allreduce/4.0.0``).
 
 A round runs over one stream per pair of members (:func:`link_opener` says which side
-opens it). The opener's first frame is a :class:`Hello` naming the round and the digest
-of its spec; after that
-both sides send any of the other messages, each frame a msgpack array ``[tag, body]``:
+opens it), its first lane; on a long round trip the opener may add further lanes, each
+a stream on another connection to the same member, which carry chunks only (chunk,
+averaged and copy messages; every other message travels on the first lane). Each
+lane's first frame is a :class:`Hello` naming the round, the digest of its spec and the
+lane; the accepting end answers a further lane's Hello with the same Hello before it is
+used. After that both sides send any of the other messages, each frame a msgpack array
+``[tag, body]``:
 
 - :class:`ChunkMessage` a sender's encoded chunk of a part the receiver reduces;
 - :class:`AveragedMessage` a reducer's encoded, averaged chunk, with its contributors;
@@ -43,6 +47,10 @@ from peers.wire import WireError, from_wire, to_wire
 
 ALLREDUCE_PROTOCOL = "/swarmtrain/averaging/allreduce/4.0.0"
 
+#: Streams one link may run on (its first and further lanes, each on its own
+#: connection): as many as a peer keeps connections to one other by default.
+MAX_LANES = 4
+
 #: Members one message may name: a group is at most this large (matchmaking's bound).
 MAX_NAMED_MEMBERS = 1024
 
@@ -51,6 +59,12 @@ MAX_NAMED_MEMBERS = 1024
 class Hello:
     round_id: bytes
     spec_digest: bytes
+    lane: int = 0
+    """0 for a link's first stream; 1.. for a further stream on another connection to
+    the same member (a lane, :data:`MAX_LANES` at most), which the accepting end
+    confirms by sending the same Hello back before either end sends chunks on it.
+    A peer that predates lanes ignores the field and refuses such a stream as a second
+    link, and the opener then carries on with one."""
 
 
 @dataclass(frozen=True)
@@ -162,16 +176,21 @@ def decode_message(frame: object) -> Message:
 
 
 def decode_hello(frame: object) -> Hello:
-    """The first frame of a link; raises :class:`WireError` if it is not a Hello."""
+    """The first frame of a link; raises :class:`WireError` if it is not a Hello, or
+    names a lane outside ``0 .. MAX_LANES - 1``."""
     if not isinstance(frame, list) or len(frame) != 2 or frame[0] != 0:
         raise WireError("a link must start with a Hello frame")
-    return from_wire(Hello, frame[1])
+    hello = from_wire(Hello, frame[1])
+    if not 0 <= hello.lane < MAX_LANES:
+        raise WireError(f"a Hello names lane {hello.lane}, outside 0..{MAX_LANES - 1}")
+    return hello
 
 
-def encode_hello(spec: RoundSpec) -> list[Any]:
-    """The first frame of a link of ``spec``'s round: its id, and the digest of what
-    every member's spec shares (a member given another spec is refused)."""
-    return [0, to_wire(Hello(spec.round_id, spec.digest()))]
+def encode_hello(spec: RoundSpec, lane: int = 0) -> list[Any]:
+    """The first frame of a link's ``lane`` in ``spec``'s round: its id, and the
+    digest of what every member's spec shares (a member given another spec is
+    refused)."""
+    return [0, to_wire(Hello(spec.round_id, spec.digest(), lane))]
 
 
 def peer_ids(raw: list[bytes]) -> frozenset[PeerID]:

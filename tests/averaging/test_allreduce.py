@@ -16,7 +16,7 @@ import torch
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
 from averaging.allreduce.agreement import sign_vote, vote_signed_by
 from averaging.allreduce.config import AllReduceError
-from averaging.allreduce.network import RoundRunner, _Link
+from averaging.allreduce.network import RoundRunner, _Lane, _Link
 from averaging.allreduce.records import PartDigest, fingerprint_of
 from averaging.allreduce.wire import (
     ALLREDUCE_PROTOCOL,
@@ -478,7 +478,7 @@ def test_a_rounds_links_are_closed_at_once_not_one_after_another(arun: Run) -> N
             framed.stream = stream
             framed.bytes_read = 0
             peer_id = KeyPair.from_seed(bytes([i + 1]) * 32).peer_id
-            runner.links[peer_id] = _Link(peer_id, opened_by_me=True, framed=framed)
+            runner.links[peer_id] = _Link(peer_id, opened_by_me=True, lanes={0: _Lane(0, framed)})
         runner._link_tasks = []
         runner._bytes_received = 0
         await runner._close_links()

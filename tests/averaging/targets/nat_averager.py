@@ -65,6 +65,7 @@ async def nat_averager(node: Node) -> None:
             round_timeout=float(options.get("round_timeout", 40.0)),
             chunk_elements=int(options.get("chunk_elements", AllReduceConfig.chunk_elements)),
             join_timeout=10.0,
+            connections_per_member=int(options.get("connections_per_member", 2)),
         ),
     )
     dht_config = DHTConfig(initial_peers=tuple(options["initial_peers"]), rpc_timeout=5.0)
@@ -98,10 +99,13 @@ async def _step(
             reduced[str(part.reducer)] = reduced.get(str(part.reducer), 0) + part.end - part.start
     peer = node.peer
     connections = {}
+    further_bytes = 0  # received on further connections to members (the round's lanes)
     for member in step.group.members:
         conn = peer.connection_to(member)
         if member != peer.peer_id and conn is not None:
             connections[str(member)] = "relayed" if conn.relayed else "direct"
+            for further in peer.direct_connections(member)[1:]:
+                further_bytes += further.session_statistics().num_data_bytes_received
     return {
         "event": "stepped",
         "fingerprint": hashlib.sha256(tensor.numpy().tobytes()).hexdigest(),
@@ -112,6 +116,7 @@ async def _step(
         "fraction": report.fraction_averaged,
         "seconds": step.allreduce_seconds,
         "connections": connections,
+        "further_bytes": further_bytes,
         "head": tensor[:4].tolist(),
         "announced": averager.bandwidth,
     }

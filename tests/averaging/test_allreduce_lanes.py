@@ -1,0 +1,252 @@
+"""A round's links on several connections each (lanes): on a long round trip the
+opener of a link adds further streams on further connections, and chunks travel on
+whichever is free. Real peers on loopback, with the round-trip threshold at 0 so that
+loopback counts as long."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+from averaging import AllReduceConfig, AllReduceService, RoundSpec
+from averaging.allreduce import service as service_module
+from averaging.allreduce.config import FLUSH_SECONDS
+from averaging.allreduce.network import RoundRunner, _Lane, _Link
+from averaging.allreduce.wire import Hello, decode_hello
+from peers import Peer
+from peers.memory_network import MemoryNetwork, run_virtual
+from tests.averaging.test_allreduce import _meet, _specs
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+POOLED = AllReduceConfig(
+    sender_timeout=3.0,
+    reducer_timeout=6.0,
+    round_timeout=12.0,
+    chunk_elements=1 << 16,
+    connections_per_member=6,  # 3 links each: 2 connections per link
+    pooled_round_trip=0.0,
+)
+NUM_PEERS = 4
+ELEMENTS = 2_000_000
+
+
+def _tensors() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(ELEMENTS, generator=gen) for _ in range(NUM_PEERS)]
+
+
+async def _round(
+    config: AllReduceConfig, during: Callable[[list[Peer]], Coroutine[Any, Any, None]] | None = None
+) -> tuple[list[Any], list[list[int]]]:
+    """Run one round; returns the results and, per peer, the data bytes each of its
+    connections received (first connection to each peer, then further ones)."""
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [await stack.enter_async_context(Peer()) for _ in range(NUM_PEERS)]
+        services = [await stack.enter_async_context(AllReduceService(p, config)) for p in peers]
+        await _meet(peers)
+        # Connected beforehand, as matchmaking leaves them: TCP has measured a round trip.
+        await asyncio.gather(
+            *(p.connect(q.listen_addrs[0]) for i, p in enumerate(peers) for q in peers[i + 1 :])
+        )
+        specs = _specs(peers, ELEMENTS, chunk=config.chunk_elements)
+        rounds = [
+            s.run_round(spec, t, 1.0)
+            for s, spec, t in zip(services, specs, _tensors(), strict=True)
+        ]
+        extra = [during(peers)] if during is not None else []
+        results = await asyncio.gather(*rounds, *extra)
+        further = [
+            [
+                c.session_statistics().num_data_bytes_received
+                for q in peers
+                if q is not p
+                for c in p.direct_connections(q.peer_id)[1:]
+            ]
+            for p in peers
+        ]
+        return list(results[:NUM_PEERS]), further
+
+
+def _check_agreed_mean(results: list[Any]) -> None:
+    expected = torch.stack(_tensors()).double().mean(0)
+    first = results[0].result.averaged
+    for r in results:
+        assert r.transfer.agreed
+        assert r.result.report.failed == {}
+        assert r.result.report.fraction_averaged == 1.0
+        assert torch.equal(r.result.averaged, first)
+    assert torch.allclose(first.double(), expected, atol=1e-6)
+
+
+def test_each_link_gains_a_lane_on_a_further_connection_and_the_result_is_the_mean(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loopback carries a round faster than a further connection is dialed, so the
+    lanes carry little here (the lab test at 80 ms and the window-capped test below
+    show them carrying chunks): every link still gains one, on its own connection."""
+    attached = _spy_on_lanes(monkeypatch)
+    results, further = arun(_round(POOLED))
+    _check_agreed_mean(results)
+    assert sorted(attached) == [0] * 12 + [1] * 12  # 6 links, both ends, 2 lanes each
+    for received in further:
+        assert len(received) == NUM_PEERS - 1  # one further connection to each member
+        assert all(n > 0 for n in received)  # (a lane's Hello at least)
+
+
+def _spy_on_lanes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The index of every lane attached from now on, at either end of a link."""
+    attached: list[int] = []
+    attach = RoundRunner._attach
+
+    def spy(self: RoundRunner, link: _Link, lane: _Lane) -> bool:
+        attached.append(lane.index)
+        return attach(self, link, lane)
+
+    monkeypatch.setattr(RoundRunner, "_attach", spy)
+    return attached
+
+
+@pytest.mark.parametrize(
+    ("round_trip", "per_member"),
+    [(1.0, 6), (0.0, 3)],
+    ids=["the round trip is short", "a member's links are as many as it asks"],
+)
+def test_one_connection_per_link_when_that_is_enough(
+    arun: Run, round_trip: float, per_member: int
+) -> None:
+    config = dataclasses.replace(
+        POOLED, pooled_round_trip=round_trip, connections_per_member=per_member
+    )
+    results, further = arun(_round(config))
+    _check_agreed_mean(results)
+    assert further == [[]] * NUM_PEERS
+
+
+def test_a_member_that_predates_lanes_refuses_them_and_the_round_runs_on_one(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer of a version before lanes ignores the Hello's lane field: it takes a
+    further lane for a second link and refuses it. The opener keeps the link it has."""
+
+    def as_before_lanes(frame: object) -> Hello:
+        hello = decode_hello(frame)
+        return Hello(hello.round_id, hello.spec_digest)
+
+    monkeypatch.setattr(service_module, "decode_hello", as_before_lanes)
+    attached = _spy_on_lanes(monkeypatch)
+    results, _ = arun(_round(POOLED))
+    _check_agreed_mean(results)
+    assert attached and set(attached) == {0}
+
+
+def _virtual_round(
+    connections: int,
+    num_members: int = 2,
+    during: Callable[[], Coroutine[Any, Any, None]] | None = None,
+) -> tuple[list[Any], float]:
+    """Members 200 ms apart on the in-memory network, whose streams have yamux's first
+    window (256 KiB) and no more: one stream carries 256 KiB per round trip, as a TCP
+    connection's window caps it on a long fat pipe. Returns the results and the round's
+    duration on the virtual clock; ``during`` runs beside the round."""
+    config = dataclasses.replace(
+        POOLED,
+        sender_timeout=10.0,
+        reducer_timeout=20.0,
+        round_timeout=40.0,
+        connections_per_member=connections,
+        pooled_round_trip=0.1,
+    )
+
+    async def main() -> tuple[list[Any], float]:
+        network = MemoryNetwork(11, latency_seconds=0.1)
+        peers = [network.add_peer() for _ in range(num_members)]
+        for i, a in enumerate(peers):
+            for b in peers[i + 1 :]:
+                network.set_bandwidth(a, b, 50e6)
+        members = tuple(p.peer_id for p in peers)
+        services = [AllReduceService(p, config) for p in peers]
+        for service in services:
+            await service.__aenter__()
+        specs = [
+            RoundSpec(
+                round_id=b"lanes",
+                members=members,
+                weights=(1.0,) * num_members,
+                total_elements=ELEMENTS,
+                chunk_elements=config.chunk_elements,
+                me=m,
+            )
+            for m in members
+        ]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tensors = _tensors()[:num_members]
+        rounds = [
+            s.run_round(spec, t, 1.0) for s, spec, t in zip(services, specs, tensors, strict=True)
+        ]
+        extra = [during()] if during is not None else []
+        results = list(await asyncio.gather(*rounds, *extra))[:num_members]
+        elapsed = loop.time() - start
+        await network.aclose()
+        return results, elapsed
+
+    results: tuple[list[Any], float] = run_virtual(main())
+    return results
+
+
+def test_on_a_window_capped_link_two_lanes_carry_a_round_faster_with_the_same_result() -> None:
+    one, one_seconds = _virtual_round(1)
+    two, two_seconds = _virtual_round(2)
+    for results in (one, two):
+        assert all(r.transfer.agreed for r in results)
+        assert all(r.result.report.fraction_averaged == 1.0 for r in results)
+    expected = torch.stack(_tensors()[:2]).double().mean(0)
+    assert torch.allclose(two[0].result.averaged.double(), expected, atol=1e-6)
+    assert torch.equal(one[0].result.averaged, two[0].result.averaged)
+    # Deterministic (a virtual clock): the second lane nearly doubles what the link
+    # carries per round trip.
+    print(f"one lane {one_seconds:.2f} s, two lanes {two_seconds:.2f} s (virtual)")
+    assert two_seconds < 0.75 * one_seconds
+
+
+def test_a_lane_that_breaks_mid_round_fails_its_link_and_the_others_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A further connection that breaks while it carries chunks fails its link as a
+    broken first one does: one end of that link is excluded, the other members agree,
+    nothing waits past the round's bound."""
+    lanes: list[_Lane] = []
+    attach = RoundRunner._attach
+
+    def keep(self: RoundRunner, link: _Link, lane: _Lane) -> bool:
+        lanes.append(lane)
+        return attach(self, link, lane)
+
+    monkeypatch.setattr(RoundRunner, "_attach", keep)
+    broken: list[int] = []
+
+    async def break_a_lane() -> None:
+        for _ in range(400):  # bounded: 400 x 10 ms of virtual time
+            busy = [lane for lane in lanes if lane.index > 0 and lane.framed.bytes_read > 500_000]
+            if busy:
+                busy[0].framed.stream.reset()
+                broken.append(busy[0].framed.bytes_read)
+                return
+            await asyncio.sleep(0.01)
+
+    results, seconds = _virtual_round(4, num_members=3, during=break_a_lane)  # 2 per link
+    assert broken, "no further lane carried 500 kB"
+    failed = {m for r in results for m in r.result.report.failed}
+    assert len(failed) == 1  # one end of the broken link
+    survivors = [r for r in results if r.transfer.agreed]
+    assert len(survivors) >= 2
+    assert all(torch.equal(r.result.averaged, survivors[0].result.averaged) for r in survivors)
+    assert all(r.result.report.fraction_averaged == 1.0 for r in survivors)
+    assert seconds <= 40.0 + 2 * FLUSH_SECONDS  # the virtual rounds' return_bound
