@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peers.dht import DHT, dht_time
+from peers.dht import DHT
 from peers.host import Peer
 from peers.identity import PeerID
 from peers.rpc import CallContext
@@ -259,7 +259,7 @@ class ExpertServer(Service):
     async def announce(self) -> int:
         """Announce every hosted module once; entries stored (see ``declare_experts``)."""
         assert self.dht is not None
-        expiration = dht_time() + self.config.announce_ttl
+        expiration = self.dht.clock() + self.config.announce_ttl
         stored = await declare_experts(self.dht, self.announcements(), expiration)
         self._num_announcements += 1
         return stored

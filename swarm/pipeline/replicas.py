@@ -55,7 +55,7 @@ from averaging import (
     MatchmakingError,
     StateSyncConfig,
 )
-from peers.dht import DHT, dht_time
+from peers.dht import DHT
 from peers.errors import PeersError
 from swarm.experts.backend import ModuleBackend
 from swarm.experts.worker import ModuleWorker
@@ -127,6 +127,7 @@ class StageReplica:
     def __init__(self, dht: DHT, backend: ModuleBackend, config: ReplicaConfig) -> None:
         self.backend = backend
         self.config = config
+        self._clock = dht.clock  # the swarm's wall clock (a virtual one in tests)
         self.params = dict(backend.module.named_parameters())
         self.anchors = {name: p.detach().cpu().clone() for name, p in self.params.items()}
         """Where the last round left each parameter (the base of this replica's update)."""
@@ -213,7 +214,7 @@ class StageReplica:
             return self._state(), None if step is None else step()
 
         state, steps = await self._hold(worker, snapshot)
-        self._version = max(self._version + 1, int(dht_time() * 1000))
+        self._version = max(self._version + 1, int(self._clock() * 1000))
         metadata: dict[str, object] = {"uid": self.backend.uid}
         if steps is not None:
             metadata["step"] = steps
@@ -280,8 +281,8 @@ class StageReplica:
         cancelled. A round's failure is logged; the next round tries again."""
         interval = self.config.interval_seconds
         while True:
-            index = math.floor(dht_time() / interval) + 1
-            await asyncio.sleep(max(0.0, index * interval - dht_time()))
+            index = math.floor(self._clock() / interval) + 1
+            await asyncio.sleep(max(0.0, index * interval - self._clock()))
             try:
                 if self.config.average:
                     await self.average_once(worker, str(index))

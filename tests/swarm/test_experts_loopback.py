@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from peers import BlockingPeer, Peer, PeerConfig, RemoteError, runtime
+from peers.dht import DHT, dht_time
 from peers.wire import to_wire
 from swarm.experts import (
     BlockingExpertServer,
@@ -636,3 +637,23 @@ def test_a_worker_cancelled_during_a_step_stops_only_after_it(
         assert optimizer.num_done == 1
 
     arun(main())
+
+
+def test_announcements_expire_on_the_dhts_clock(arun: Arun) -> None:
+    """An announcement's expiration is read against the DHT's clock (the swarm's wall
+    clock; a virtual one in in-memory tests), so it is set on that clock too: set on
+    this machine's, against a DHT clock an hour ahead, every store was refused as
+    expired."""
+
+    async def main() -> tuple[int, float]:
+        async with (
+            Peer(LISTEN) as peer,
+            DHT(peer, clock=lambda: dht_time() + 3600.0) as dht,
+            ExpertServer(peer, [_ffn()], ServerConfig(), dht=dht) as server,
+        ):
+            stored = await server.announce()
+            return stored, dht.clock()
+
+    stored, now = arun(main())
+    assert stored >= 1, "every announcement was refused as expired"
+    assert now > dht_time() + 3000.0
