@@ -33,13 +33,15 @@ def _averaging_peers(
     rates_mbit: list[float],
     loss: float,
     elements: int,
+    one_way_ms: float = 20.0,
     **options: float,
 ) -> list[PeerProcess]:
-    """A bootstrap host and one averaging peer per rate, each link 20 ms one way."""
+    """A bootstrap host and one averaging peer per rate, each link ``one_way_ms`` one
+    way (two members are twice that apart each way)."""
     boot_host = lab.add_public_host("boot")
     hosts = [lab.add_public_host(f"peer{i}", rate_mbit=r) for i, r in enumerate(rates_mbit)]
     for i, host in enumerate(hosts):
-        lab.delay(host, one_way_ms=20, loss=loss, seed=i)
+        lab.delay(host, one_way_ms=one_way_ms, loss=loss, seed=i)
     listen = {"listen": ["/ip4/0.0.0.0/tcp/4001"]}
     (boot,) = swarm.start(
         1, target="peers.dht.testing:dht_node", options=listen, namespaces=[boot_host.namespace]
@@ -103,14 +105,17 @@ def test_four_peers_80_ms_apart_with_lossy_links_average_to_the_mean() -> None:
         # AllReduceConfig.pooled_round_trip): lanes over real lossy TCP.
         procs = _averaging_peers(lab, swarm, [100] * 4, 0.01, ELEMENTS, connections_per_member=6)
         held = [member_tensor(rank, ELEMENTS)[:4] for rank in range(4)]
+        before = [0] * 4
         for round_key in range(ROUNDS):
             reports = _step_all(procs, round_key)
             _check_mean(reports, held)
-            # Every member's links gained lanes on further connections. How many chunks
-            # those carry depends on how far the first lanes' writes ran ahead: with
-            # vectors this small the first lanes often carry them all (bench_wan.py's
-            # far2 scenario measures what lanes bring on large ones).
-            carried = [r["further_bytes"] for r in reports]
+            # Every member's links gained lanes on further connections in this round (a
+            # lane's Hello at least). How many chunks those carry depends on how far the
+            # first lanes' writes ran ahead: with vectors this small the first lanes
+            # often carry them all (the pair test below has them carry a share).
+            total = [r["further_bytes"] for r in reports]  # (a connection's, all rounds)
+            carried = [t - b for t, b in zip(total, before, strict=True)]
+            before = total
             print("further connections carried", carried)
             if round_key > 0:  # (in the first, connections are dialed as the round runs)
                 assert all(n > 0 for n in carried), carried
@@ -158,4 +163,32 @@ def test_a_round_on_a_slow_link_is_paced_by_the_measured_rates_and_completes() -
                 assert len(fast) == 3 and slow_part < elements // 4, _summary(reports)
                 if round_key == 2:
                     assert slow_part < min(fast), _summary(reports)
+            held = [torch.tensor(r["head"]) for r in reports]
+
+
+def test_a_pair_200_ms_apart_averages_over_two_connections_per_link() -> None:
+    """A long fat pipe (200 Mbit/s, 200 ms between the two): one connection's window
+    carries about half the link, so the pair's link runs on two connections (lanes), and
+    the further one carries chunks too, over real TCP through the delay line.
+    Correctness, not speed: both hold the mean; bench_wan.py's far2 times it."""
+    elements = 1 << 22  # 16 MiB of float32 each: 1.3 s of the link one way
+    with Lab() as lab, LocalSwarm() as swarm:
+        procs = _averaging_peers(
+            lab, swarm, [200, 200], 0.0, elements, one_way_ms=50.0, group_size=2
+        )
+        held = [member_tensor(rank, elements)[:4] for rank in range(2)]
+        before = [0, 0]
+        for round_key in range(ROUNDS):
+            reports = _step_all(procs, round_key)
+            _check_mean(reports, held)
+            total = [r["further_bytes"] for r in reports]  # (a connection's, all rounds)
+            carried = [t - b for t, b in zip(total, before, strict=True)]
+            before = total
+            print("further connections carried", carried)
+            if round_key > 0:  # (the first dials them as it runs)
+                # Each member receives 8 MiB of contributions and 8 MiB of averages, in
+                # 1 MiB chunks; the further connection carried from 1 to 15 MiB of them
+                # per member in trials (a lane starts once the first has been answered,
+                # and the opener's once the member confirmed it).
+                assert sum(carried) > 2 * 2**20, carried
             held = [torch.tensor(r["head"]) for r in reports]
