@@ -866,10 +866,14 @@ class Peer(Service):
         than one (a window caps each on a long fat pipe). Raises :class:`DialError` when
         no further connection can be made (the peer is reached only through a relay or a
         hole punch, or refuses more); a peer that could not be dialed again is not tried
-        again for ``POOL_RETRY_SECONDS``."""
-        if not 0 < index < self.config.max_connections_per_peer:
-            raise ValueError(
-                f"connection index {index} is outside 1..{self.config.max_connections_per_peer - 1}"
+        again for ``POOL_RETRY_SECONDS``. :class:`LimitExceeded` where ``index`` is past
+        what ``PeerConfig.max_connections_per_peer`` lets us keep."""
+        if index < 1:
+            raise ValueError(f"connection index {index} is not a further connection")
+        if index >= self.config.max_connections_per_peer:
+            raise LimitExceeded(
+                f"connection {index} to {peer_id}: this peer keeps at most "
+                f"{self.config.max_connections_per_peer} to one other (max_connections_per_peer)"
             )
         first = await self._get_connection(peer_id)
         if first.relayed:
@@ -905,6 +909,9 @@ class Peer(Service):
         now = time.monotonic()
         if failed_at is not None and now < failed_at + POOL_RETRY_SECONDS:
             raise DialError(f"{peer_id} could not be dialed again lately")
+        live = [c for c in self._connections.get(peer_id, ()) if not c.is_closed]
+        if len(live) >= self.config.max_connections_per_peer:  # relayed ones count too
+            raise LimitExceeded(f"{len(live)} connections to {peer_id} already: no room for more")
         # Where our first connection reached it, else where it listens; a punched
         # connection's address is one its NAT opened for that connection alone.
         addrs = [first.remote_address] if first.outbound else []
@@ -913,8 +920,11 @@ class Peer(Service):
         for addr in addrs:
             try:
                 return await self._dial_address(addr, peer_id)
-            except (DialError, HandshakeError, PeerIDMismatch, LimitExceeded) as e:
+            except LimitExceeded:
+                raise  # ours: full meanwhile, not a peer that cannot be dialed
+            except PeersError as e:  # DialError, HandshakeError, PeerIDMismatch, AddressError
                 errors.append(f"{addr}: {e}")
+        self._pool_failed.pop(peer_id, None)  # (re-inserted last: the oldest go first)
         self._pool_failed[peer_id] = now
         while len(self._pool_failed) > MAX_POOL_FAILURES_KEPT:
             del self._pool_failed[next(iter(self._pool_failed))]

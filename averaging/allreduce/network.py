@@ -914,6 +914,8 @@ class RoundRunner:
             # further lane cannot overtake it there (a peer that predates lanes would
             # take an early one for the link, and refuse the first).
             await link.heard.wait()
+            if not link.usable:
+                return
             assert self._tasks is not None
             for index in range(1, self._num_lanes(link.peer_id)):
                 self._link_tasks.append(self._tasks.create_task(self._open_lane(link, index)))
@@ -931,19 +933,21 @@ class RoundRunner:
         return wanted
 
     async def _open_lane(self, link: _Link, index: int) -> None:
-        """Add lane ``index`` to a link I opened. Whatever goes wrong leaves the link
-        on the lanes it has: nothing was sent on this one yet."""
+        """Add lane ``index`` to a link I opened. Whatever goes wrong before the member
+        answers leaves the link on the lanes it has: nothing was sent on this one yet.
+        The answer is awaited without a deadline of its own (the round's end cancels the
+        wait): a member that took the lane sends on it at once, and a lane I gave up on
+        there would fail the link at its end."""
         assert isinstance(self.peer, PooledStreamHost)
         framed: FramedStream[StreamLike] | None = None
         try:
             stream = await self.peer.new_pooled_stream(link.peer_id, ALLREDUCE_PROTOCOL, index)
             framed = FramedStream(stream)
             await framed.write_frame(encode_hello(self.spec, index))
-            async with asyncio.timeout(self.config.join_timeout):
-                answer = decode_hello(await framed.read_frame())
+            answer = decode_hello(await framed.read_frame())
             if answer != Hello(self.spec.round_id, self._spec_digest, index):
                 raise RemoteProtocolError("the member answered another lane")
-        except (PeersError, OSError, TimeoutError) as e:
+        except (PeersError, OSError) as e:
             logger.debug("round %s: no lane %d to %s: %r", self._tag, index, link.peer_id, e)
         except BaseException:  # cancelled: the round is over
             if framed is not None:
@@ -1033,7 +1037,10 @@ class RoundRunner:
         try:
             while True:
                 while link.outbox and (lane.index == 0 or _is_bulk(link.outbox[0])):
-                    frame = self._encode(link.outbox.popleft())
+                    item = link.outbox.popleft()
+                    if len(link.lanes) > 1 and not _is_bulk(item):
+                        link.wake.set()  # further lanes may take the chunks behind it
+                    frame = self._encode(item)
                     if frame is None:
                         continue
                     buffers = frame_buffers(frame)

@@ -19,7 +19,7 @@ from averaging.allreduce import service as service_module
 from averaging.allreduce.config import FLUSH_SECONDS
 from averaging.allreduce.network import RoundRunner, _Lane, _Link
 from averaging.allreduce.wire import Hello, decode_hello
-from peers import Peer
+from peers import Peer, PeerConfig
 from peers.memory_network import MemoryNetwork, run_virtual
 from tests.averaging.test_allreduce import _meet, _specs
 
@@ -43,12 +43,14 @@ def _tensors() -> list[torch.Tensor]:
 
 
 async def _round(
-    config: AllReduceConfig, during: Callable[[list[Peer]], Coroutine[Any, Any, None]] | None = None
+    config: AllReduceConfig,
+    during: Callable[[list[Peer]], Coroutine[Any, Any, None]] | None = None,
+    peer_config: PeerConfig | None = None,
 ) -> tuple[list[Any], list[list[int]]]:
     """Run one round; returns the results and, per peer, the data bytes each of its
     connections received (first connection to each peer, then further ones)."""
     async with contextlib.AsyncExitStack() as stack:
-        peers = [await stack.enter_async_context(Peer()) for _ in range(NUM_PEERS)]
+        peers = [await stack.enter_async_context(Peer(peer_config)) for _ in range(NUM_PEERS)]
         services = [await stack.enter_async_context(AllReduceService(p, config)) for p in peers]
         await _meet(peers)
         # Connected beforehand, as matchmaking leaves them: TCP has measured a round trip.
@@ -98,6 +100,18 @@ def test_each_link_gains_a_lane_on_a_further_connection_and_the_result_is_the_me
     for received in further:
         assert len(received) == NUM_PEERS - 1  # one further connection to each member
         assert all(n > 0 for n in received)  # (a lane's Hello at least)
+
+
+def test_a_peer_that_keeps_one_connection_per_peer_averages_on_one(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_connections_per_peer=1`` leaves no room for a lane: the pooled stream is
+    refused at once (LimitExceeded, nothing dialed), and the round runs on one."""
+    attached = _spy_on_lanes(monkeypatch)
+    results, further = arun(_round(POOLED, peer_config=PeerConfig(max_connections_per_peer=1)))
+    _check_agreed_mean(results)
+    assert attached and set(attached) == {0}
+    assert further == [[]] * NUM_PEERS
 
 
 def _spy_on_lanes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -150,6 +164,8 @@ def _virtual_round(
     connections: int,
     num_members: int = 2,
     during: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    latency: float = 0.1,
+    **changes: float,
 ) -> tuple[list[Any], float]:
     """Members 200 ms apart on the in-memory network, whose streams have yamux's first
     window (256 KiB) and no more: one stream carries 256 KiB per round trip, as a TCP
@@ -163,9 +179,10 @@ def _virtual_round(
         connections_per_member=connections,
         pooled_round_trip=0.1,
     )
+    config = dataclasses.replace(config, **changes)
 
     async def main() -> tuple[list[Any], float]:
-        network = MemoryNetwork(11, latency_seconds=0.1)
+        network = MemoryNetwork(11, latency_seconds=latency)
         peers = [network.add_peer() for _ in range(num_members)]
         for i, a in enumerate(peers):
             for b in peers[i + 1 :]:
@@ -250,3 +267,18 @@ def test_a_lane_that_breaks_mid_round_fails_its_link_and_the_others_agree(
     assert all(torch.equal(r.result.averaged, survivors[0].result.averaged) for r in survivors)
     assert all(r.result.report.fraction_averaged == 1.0 for r in survivors)
     assert seconds <= 40.0 + 2 * FLUSH_SECONDS  # the virtual rounds' return_bound
+
+
+def test_a_lane_whose_answer_comes_after_the_join_timeout_is_still_used() -> None:
+    """Members 6 s apart (virtual): the member answers a lane a round trip after the
+    opener asked, past ``join_timeout`` (5 s), and has been sending chunks on it since.
+    The opener waits for the answer (the round's end bounds the wait); giving up on it
+    after ``join_timeout`` reset a lane the member used, and that failed the link."""
+    results, _ = _virtual_round(
+        2, latency=3.0, sender_timeout=60.0, reducer_timeout=120.0, round_timeout=240.0
+    )
+    for r in results:
+        assert r.transfer.agreed
+        assert r.result.report.failed == {}
+        assert r.result.report.fraction_averaged == 1.0
+    assert torch.equal(results[0].result.averaged, results[1].result.averaged)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from peers import DialError, Peer, PeerConfig, PeersError
+from peers import DialError, LimitExceeded, Peer, PeerConfig, PeersError
 from peers.connection import Stream
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -60,7 +60,7 @@ def test_a_pooled_stream_runs_on_a_further_connection_kept_for_the_next_one(arun
             assert a.statistics().num_connections == 2
             with pytest.raises(ValueError, match="connection index"):
                 await a.new_pooled_stream(b.peer_id, ECHO_PROTOCOL, 0)
-            with pytest.raises(ValueError, match="connection index"):
+            with pytest.raises(LimitExceeded, match="max_connections_per_peer"):
                 await a.new_pooled_stream(
                     b.peer_id, ECHO_PROTOCOL, a.config.max_connections_per_peer
                 )
