@@ -909,7 +909,8 @@ class RoundRunner:
             self._link_failed(link, e)
             return
         self._attach(link, _Lane(0, framed))
-        if self._num_lanes(link.peer_id) > 1:
+        num_lanes = self._num_lanes(link.peer_id)
+        if num_lanes > 1:
             # Once the member has answered on the first lane: it holds the link, so a
             # further lane cannot overtake it there (a peer that predates lanes would
             # take an early one for the link, and refuse the first).
@@ -917,7 +918,7 @@ class RoundRunner:
             if not link.usable:
                 return
             assert self._tasks is not None
-            for index in range(1, self._num_lanes(link.peer_id)):
+            for index in range(1, num_lanes):
                 self._link_tasks.append(self._tasks.create_task(self._open_lane(link, index)))
 
     def _num_lanes(self, member: PeerID) -> int:

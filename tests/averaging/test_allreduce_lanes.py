@@ -16,11 +16,12 @@ import torch
 
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
 from averaging.allreduce import service as service_module
-from averaging.allreduce.config import FLUSH_SECONDS
+from averaging.allreduce.config import FLUSH_SECONDS, MAX_CONNECTIONS_PER_MEMBER, AllReduceError
 from averaging.allreduce.network import RoundRunner, _Lane, _Link
-from averaging.allreduce.wire import Hello, decode_hello
-from peers import Peer, PeerConfig
+from averaging.allreduce.wire import ALLREDUCE_PROTOCOL, MAX_LANES, Hello, decode_hello
+from peers import Peer, PeerConfig, PeersError
 from peers.memory_network import MemoryNetwork, run_virtual
+from peers.rpc import FramedStream
 from tests.averaging.test_allreduce import _meet, _specs
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -282,3 +283,43 @@ def test_a_lane_whose_answer_comes_after_the_join_timeout_is_still_used() -> Non
         assert r.result.report.failed == {}
         assert r.result.report.fraction_averaged == 1.0
     assert torch.equal(results[0].result.averaged, results[1].result.averaged)
+
+
+@pytest.mark.parametrize(
+    "lane", [MAX_LANES, -1, "x", True, 1.5], ids=["too high", "negative", "str", "bool", "float"]
+)
+def test_a_hello_naming_a_bad_lane_is_refused_and_the_service_keeps_serving(
+    arun: Run, lane: object
+) -> None:
+    async def main() -> list[Any]:
+        async with contextlib.AsyncExitStack() as stack:
+            a, b, intruder = [await stack.enter_async_context(Peer()) for _ in range(3)]
+            services = [
+                await stack.enter_async_context(AllReduceService(p, POOLED)) for p in (a, b)
+            ]
+            await _meet([a, b])
+            specs = _specs([a, b], 3000, chunk=1000)
+            intruder.add_addresses(a.peer_id, a.listen_addrs)
+            framed = FramedStream(await intruder.new_stream(a.peer_id, ALLREDUCE_PROTOCOL))
+            await framed.write_frame([0, [specs[0].round_id, specs[0].digest(), lane]])
+            with pytest.raises(PeersError):  # the refusal: a reset
+                await framed.read_frame()
+            rounds = [
+                s.run_round(spec, torch.full((3000,), float(i)), 1.0)
+                for i, (s, spec) in enumerate(zip(services, specs, strict=True))
+            ]
+            return list(await asyncio.gather(*rounds))
+
+    results = arun(main())
+    for r in results:
+        assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
+        assert torch.equal(r.result.averaged, torch.full((3000,), 0.5))
+
+
+def test_a_config_asking_for_no_or_too_many_connections_is_refused() -> None:
+    for bad in (0, MAX_CONNECTIONS_PER_MEMBER + 1, True, 2.0):
+        with pytest.raises(AllReduceError, match="connections_per_member must be an int"):
+            AllReduceConfig(connections_per_member=bad)  # type: ignore[arg-type]
+    for bad_seconds in (-0.1, float("nan"), "0.05"):
+        with pytest.raises(AllReduceError, match="pooled_round_trip must be"):
+            AllReduceConfig(pooled_round_trip=bad_seconds)  # type: ignore[arg-type]

@@ -83,6 +83,18 @@ def _check_mean(reports: list[dict[str, Any]], held: list[torch.Tensor]) -> None
         assert torch.allclose(torch.tensor(r["head"]), mean, atol=1e-6), r["head"]
 
 
+def _further_bytes_this_round(
+    reports: list[dict[str, Any]], before: list[int]
+) -> tuple[list[int], list[int]]:
+    """What each member received on its further connections to the others in this
+    round (the report counts a connection's bytes over every round so far), and the
+    totals to pass as ``before`` next round."""
+    total = [r["further_bytes"] for r in reports]
+    carried = [t - b for t, b in zip(total, before, strict=True)]
+    print("further connections carried", carried)
+    return carried, total
+
+
 def _summary(reports: list[dict[str, Any]]) -> str:
     """One line per member, whole (pytest cuts a long report dict short): what a failed
     round's report says of where it failed."""
@@ -113,10 +125,7 @@ def test_four_peers_80_ms_apart_with_lossy_links_average_to_the_mean() -> None:
             # lane's Hello at least). How many chunks those carry depends on how far the
             # first lanes' writes ran ahead: with vectors this small the first lanes
             # often carry them all (the pair test below has them carry a share).
-            total = [r["further_bytes"] for r in reports]  # (a connection's, all rounds)
-            carried = [t - b for t, b in zip(total, before, strict=True)]
-            before = total
-            print("further connections carried", carried)
+            carried, before = _further_bytes_this_round(reports, before)
             if round_key > 0:  # (in the first, connections are dialed as the round runs)
                 assert all(n > 0 for n in carried), carried
             held = [torch.tensor(r["head"]) for r in reports]
@@ -181,10 +190,7 @@ def test_a_pair_200_ms_apart_averages_over_two_connections_per_link() -> None:
         for round_key in range(ROUNDS):
             reports = _step_all(procs, round_key)
             _check_mean(reports, held)
-            total = [r["further_bytes"] for r in reports]  # (a connection's, all rounds)
-            carried = [t - b for t, b in zip(total, before, strict=True)]
-            before = total
-            print("further connections carried", carried)
+            carried, before = _further_bytes_this_round(reports, before)
             if round_key > 0:  # (the first dials them as it runs)
                 # Each member receives 8 MiB of contributions and 8 MiB of averages, in
                 # 1 MiB chunks; the further connection carried from 1 to 15 MiB of them
