@@ -294,6 +294,8 @@ async def ours_node(node: Any) -> None:
     member = _Member()
     async with contextlib.AsyncExitStack() as stack:
         averager_scope = await stack.enter_async_context(contextlib.AsyncExitStack())
+        # What serves the protocol now: the rounds' service or the steps' averager.
+        round_service: AllReduceService | None = None
         averager: Averager | None = None
         averager_key: tuple[str, str] | None = None
         work: Any = None
@@ -304,7 +306,7 @@ async def ours_node(node: Any) -> None:
             op = command.get("op")
             if op == "prepare":
                 await averager_scope.aclose()  # the last size's averager and its vector
-                averager, averager_key = None, None
+                averager, averager_key, round_service = None, None, None
                 member.prepare(command)
                 bounds = {c: make_codec(c).error_bound(member.local) for c in command["codecs"]}
                 node.report({"event": "prepared", "bounds": bounds})
@@ -328,13 +330,19 @@ async def ours_node(node: Any) -> None:
                 if rates:
                     config = paced(config, spec, [float(r) for r in rates])
                 local = replicate(member.local, copies)
-                # A service per round: an Averager (the "step" command) registers its own.
-                async with AllReduceService(node.peer) as service:
-                    await asyncio.sleep(max(0.0, float(command["start_at"]) - time.monotonic()))
-                    started, cpu = time.monotonic(), time.process_time()
-                    outcome = await service.run_round(spec, local, 1.0, config)
-                    averaged = fold(outcome.result.averaged, copies).values
-                    ended, cpu = time.monotonic(), time.process_time() - cpu
+                # One service across rounds, as an Averager keeps its own (which it
+                # registers in the service's place for the "step" command).
+                if round_service is None:
+                    await averager_scope.aclose()
+                    averager, averager_key = None, None
+                    round_service = await averager_scope.enter_async_context(
+                        AllReduceService(node.peer)
+                    )
+                await asyncio.sleep(max(0.0, float(command["start_at"]) - time.monotonic()))
+                started, cpu = time.monotonic(), time.process_time()
+                outcome = await round_service.run_round(spec, local, 1.0, config)
+                averaged = fold(outcome.result.averaged, copies).values
+                ended, cpu = time.monotonic(), time.process_time() - cpu
                 report = outcome.result.report
                 node.report(
                     {
@@ -372,6 +380,7 @@ async def ours_node(node: Any) -> None:
                     # One averager per codec, kept across steps: it carries the rate it
                     # measured into the next step's matchmaking (the parts follow it).
                     await averager_scope.aclose()
+                    round_service = None
                     work = member.local.clone()  # the Averager writes the result in place
                     averager = await averager_scope.enter_async_context(
                         Averager(dht, {"x": work}, config)

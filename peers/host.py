@@ -868,6 +868,17 @@ class Peer(Service):
         hole punch, or refuses more); a peer that could not be dialed again is not tried
         again for ``POOL_RETRY_SECONDS``. :class:`LimitExceeded` where ``index`` is past
         what ``PeerConfig.max_connections_per_peer`` lets us keep."""
+        conn = await self._pooled_connection(peer_id, index)
+        return await self._open_stream_on(conn, protocol)
+
+    async def connect_pooled(self, peer_id: PeerID, index: int) -> None:
+        """Make sure our ``index``-th direct connection to ``peer_id`` is up, dialing it
+        if not, so that a :meth:`new_pooled_stream` on it later opens at once; raises as
+        that does. (A stream opened early and left silent could meet the remote's
+        deadline for its first bytes; a connection waits.)"""
+        await self._pooled_connection(peer_id, index)
+
+    async def _pooled_connection(self, peer_id: PeerID, index: int) -> Connection:
         if index < 1:
             raise ValueError(f"connection index {index} is not a further connection")
         if index >= self.config.max_connections_per_peer:
@@ -898,7 +909,7 @@ class Peer(Service):
                 del self._pool_dialing[peer_id]
                 dialed.set_result(None)
             break
-        return await self._open_stream_on(conn, protocol)
+        return conn
 
     def direct_connections(self, peer_id: PeerID) -> list[Connection]:
         """Our live direct (not relayed) connections to ``peer_id``, oldest first."""

@@ -527,9 +527,15 @@ class MemoryPeer:
         """As :meth:`new_stream`: this network's links have no per-connection window,
         so a pool of connections is one link (protocol code runs its pooled path
         unchanged; how the bytes share the link is the same)."""
+        await self.connect_pooled(peer_id, index)
+        return await self.new_stream(peer_id, protocol)
+
+    async def connect_pooled(self, peer_id: PeerID, index: int) -> None:
+        """Nothing to dial (a pool is one link here); raises as :meth:`new_pooled_stream`
+        would for a peer that cannot be reached."""
         if index < 1:
             raise ValueError(f"connection index {index} is not a further connection")
-        return await self.new_stream(peer_id, protocol)
+        self._reachable(peer_id)
 
     def create_task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run ``coro`` as a task this peer owns: cancelled when the peer is killed or

@@ -115,6 +115,10 @@ class PooledStreamHost(StreamHost, Protocol):
         0 is :meth:`new_stream`'s). Raises :class:`peers.errors.DialError` where no
         further connection can be made."""
 
+    async def connect_pooled(self, peer_id: PeerID, index: int, /) -> None:
+        """Make sure our ``index``-th connection to ``peer_id`` is up (dialing it if
+        not), so that :meth:`new_pooled_stream` on it opens at once; raises as that."""
+
 
 @runtime_checkable
 class RpcHost(Protocol):

@@ -34,7 +34,7 @@ import contextlib
 import hashlib
 import logging
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -184,6 +184,38 @@ def _is_bulk(item: _Item) -> bool:
     return isinstance(item, Outgoing | _AveragedRef | _CopyRef)
 
 
+#: Members a :class:`LaneMemo` remembers by default.
+MAX_LANE_MEMBERS_KEPT = 1024
+
+
+class LaneMemo:
+    """Members that took a further lane of a link lately (at most ``capacity``, the
+    oldest forgotten first): an :class:`AllReduceService` keeps one across its rounds,
+    and a link to such a member opens its further lanes at once instead of after the
+    member's first answer. A member that refuses one is forgotten."""
+
+    def __init__(self, capacity: int = MAX_LANE_MEMBERS_KEPT) -> None:
+        if capacity < 1:
+            raise ValueError("a LaneMemo keeps at least one member")
+        self.capacity = capacity
+        self._members: OrderedDict[PeerID, None] = OrderedDict()
+
+    def __contains__(self, member: object) -> bool:
+        return member in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def add(self, member: PeerID) -> None:
+        self._members[member] = None
+        self._members.move_to_end(member)
+        while len(self._members) > self.capacity:
+            self._members.popitem(last=False)
+
+    def discard(self, member: PeerID) -> None:
+        self._members.pop(member, None)
+
+
 @dataclass(frozen=True, slots=True)
 class _Held:
     """A complete result this peer holds, with what it votes or serves copies from."""
@@ -214,8 +246,10 @@ class RoundRunner:
         weight: float,
         config: AllReduceConfig,
         errors: RoundErrors | None = None,
+        lane_memo: LaneMemo | None = None,
     ) -> None:
         self.peer = peer
+        self._lane_memo = lane_memo if lane_memo is not None else LaneMemo()
         self.spec = spec
         self.config = config
         # Error feedback (a lossy codec's residuals): only a lossy codec leaves any.
@@ -909,17 +943,9 @@ class RoundRunner:
             self._link_failed(link, e)
             return
         self._attach(link, _Lane(0, framed))
-        num_lanes = self._num_lanes(link.peer_id)
-        if num_lanes > 1:
-            # Once the member has answered on the first lane: it holds the link, so a
-            # further lane cannot overtake it there (a peer that predates lanes would
-            # take an early one for the link, and refuse the first).
-            await link.heard.wait()
-            if not link.usable:
-                return
-            assert self._tasks is not None
-            for index in range(1, num_lanes):
-                self._link_tasks.append(self._tasks.create_task(self._open_lane(link, index)))
+        assert self._tasks is not None
+        for index in range(1, self._num_lanes(link.peer_id)):
+            self._link_tasks.append(self._tasks.create_task(self._open_lane(link, index)))
 
     def _num_lanes(self, member: PeerID) -> int:
         """How many lanes my link to ``member`` runs on: where its first connection's
@@ -934,27 +960,41 @@ class RoundRunner:
         return wanted
 
     async def _open_lane(self, link: _Link, index: int) -> None:
-        """Add lane ``index`` to a link I opened. Whatever goes wrong before the member
-        answers leaves the link on the lanes it has: nothing was sent on this one yet.
-        The answer is awaited without a deadline of its own (the round's end cancels the
-        wait): a member that took the lane sends on it at once, and a lane I gave up on
-        there would fail the link at its end."""
+        """Add lane ``index`` to a link I opened. To a member that took a lane lately
+        (:class:`LaneMemo`) the lane opens at once. To another, its connection is dialed
+        at once, beside the first lane's start, and the lane opens once the member has
+        answered on the first lane: it then holds the link, so a further lane cannot
+        overtake it there (a peer that predates lanes would take an early one for the
+        link, and refuse the first).
+
+        Whatever goes wrong before the member answers leaves the link on the lanes it
+        has: nothing was sent on this one yet. The answer is awaited without a deadline
+        of its own (the round's end cancels the wait): a member that took the lane sends
+        on it at once, and a lane I gave up on there would fail the link at its end."""
         assert isinstance(self.peer, PooledStreamHost)
+        member = link.peer_id
         framed: FramedStream[StreamLike] | None = None
         try:
-            stream = await self.peer.new_pooled_stream(link.peer_id, ALLREDUCE_PROTOCOL, index)
+            if member not in self._lane_memo:
+                await self.peer.connect_pooled(member, index)  # beside the first lane
+                await link.heard.wait()
+            if not link.usable:
+                return
+            stream = await self.peer.new_pooled_stream(member, ALLREDUCE_PROTOCOL, index)
             framed = FramedStream(stream)
             await framed.write_frame(encode_hello(self.spec, index))
             answer = decode_hello(await framed.read_frame())
             if answer != Hello(self.spec.round_id, self._spec_digest, index):
                 raise RemoteProtocolError("the member answered another lane")
         except (PeersError, OSError) as e:
-            logger.debug("round %s: no lane %d to %s: %r", self._tag, index, link.peer_id, e)
+            logger.debug("round %s: no lane %d to %s: %r", self._tag, index, member, e)
+            self._lane_memo.discard(member)
         except BaseException:  # cancelled: the round is over
             if framed is not None:
                 framed.stream.reset()
             raise
         else:
+            self._lane_memo.add(member)
             self._attach(link, _Lane(index, framed))  # (resets it if the link is over)
             return
         if framed is not None:

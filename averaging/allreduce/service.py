@@ -17,7 +17,7 @@ import torch
 
 from averaging.allreduce.config import AllReduceConfig, AllReduceError, AllReduceResult
 from averaging.allreduce.feedback import RoundErrors
-from averaging.allreduce.network import RoundRunner
+from averaging.allreduce.network import LaneMemo, RoundRunner
 from averaging.allreduce.records import RoundSpec
 from averaging.allreduce.wire import ALLREDUCE_PROTOCOL, decode_hello
 from peers.errors import PeersError
@@ -48,6 +48,7 @@ class AllReduceService(Service):
         self._started: dict[bytes, asyncio.Event] = {}
         self._ended: OrderedDict[bytes, None] = OrderedDict()
         self._num_waiting = 0
+        self._lane_memo = LaneMemo()
 
     async def _start(self) -> None:
         self._serve(
@@ -87,7 +88,9 @@ class AllReduceService(Service):
             raise AllReduceError("spec.me must be this peer")
         if spec.round_id in self._rounds or spec.round_id in self._ended:
             raise AllReduceError(f"round {spec.round_id.hex()} already ran here")
-        runner = RoundRunner(self.peer, spec, local, weight, config or self.config, errors)
+        runner = RoundRunner(
+            self.peer, spec, local, weight, config or self.config, errors, self._lane_memo
+        )
         self._rounds[spec.round_id] = runner
         self._started.setdefault(spec.round_id, asyncio.Event()).set()
         try:

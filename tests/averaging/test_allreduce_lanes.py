@@ -17,9 +17,10 @@ import torch
 from averaging import AllReduceConfig, AllReduceService, RoundSpec
 from averaging.allreduce import service as service_module
 from averaging.allreduce.config import FLUSH_SECONDS, MAX_CONNECTIONS_PER_MEMBER, AllReduceError
-from averaging.allreduce.network import RoundRunner, _Lane, _Link
+from averaging.allreduce.network import LaneMemo, RoundRunner, _Lane, _Link
 from averaging.allreduce.wire import ALLREDUCE_PROTOCOL, MAX_LANES, Hello, decode_hello
 from peers import Peer, PeerConfig, PeersError
+from peers.identity import KeyPair
 from peers.memory_network import MemoryNetwork, run_virtual
 from peers.rpc import FramedStream
 from tests.averaging.test_allreduce import _meet, _specs
@@ -161,17 +162,91 @@ def test_a_member_that_predates_lanes_refuses_them_and_the_round_runs_on_one(
     assert attached and set(attached) == {0}
 
 
+def test_a_remembered_member_that_refuses_an_early_lane_is_forgotten_and_the_round_runs(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a round whose lanes the member took, the opener's service remembers it and
+    opens the next round's lane at once; a member that refuses it then (here: every
+    lane past the first) leaves that round on one lane, with the mean, and is forgotten
+    (its next lanes wait for its first answer again)."""
+    config = dataclasses.replace(POOLED, connections_per_member=2)
+
+    async def main() -> list[list[Any]]:
+        async with contextlib.AsyncExitStack() as stack:
+            peers = [await stack.enter_async_context(Peer()) for _ in range(2)]
+            services = [await stack.enter_async_context(AllReduceService(p, config)) for p in peers]
+            await _meet(peers)
+            await peers[0].connect(peers[1].listen_addrs[0])
+            outcomes = []
+            for refuse in (False, True):
+                if refuse:
+                    monkeypatch.setattr(RoundRunner, "accept", refusing_lanes)
+                specs = _specs(peers, ELEMENTS, chunk=config.chunk_elements)
+                rounds = [
+                    s.run_round(spec, t, 1.0)
+                    for s, spec, t in zip(services, specs, _tensors()[:2], strict=True)
+                ]
+                outcomes.append(list(await asyncio.gather(*rounds)))
+                remembered.append(
+                    [
+                        other.peer_id in s._lane_memo
+                        for s, other in zip(services, peers[::-1], strict=True)
+                    ]
+                )
+            return outcomes
+
+    accept = RoundRunner.accept
+
+    async def refusing_lanes(self: RoundRunner, remote: Any, framed: Any, *args: Any) -> None:
+        lane = args[1] if len(args) > 1 else 0
+        if lane > 0:
+            raise AllReduceError("no lanes here")
+        await accept(self, remote, framed, *args)
+
+    remembered: list[list[bool]] = []
+    attached = _spy_on_lanes(monkeypatch)
+    outcomes = arun(main())
+    expected = torch.stack(_tensors()[:2]).double().mean(0)
+    for results in outcomes:
+        for r in results:
+            assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
+            assert torch.allclose(r.result.averaged.double(), expected, atol=1e-6)
+    assert sorted(remembered[0]) == [False, True]  # the opener's service remembers
+    assert remembered[1] == [False, False]
+    assert sorted(attached) == [0, 0, 0, 0, 1, 1]  # round 2: no lane attached
+
+
+def test_a_lane_memo_keeps_the_latest_members_and_forgets_a_refusing_one() -> None:
+    ids = [KeyPair.generate().peer_id for _ in range(3)]
+    memo = LaneMemo(capacity=2)
+    for member in ids:
+        memo.add(member)
+    assert ids[0] not in memo and ids[1] in memo and ids[2] in memo and len(memo) == 2
+    memo.add(ids[1])  # taken again: now the latest
+    memo.add(ids[0])
+    assert ids[2] not in memo and ids[1] in memo and ids[0] in memo
+    memo.discard(ids[1])
+    memo.discard(ids[1])  # not there: nothing to do
+    assert ids[1] not in memo and len(memo) == 1
+    with pytest.raises(ValueError, match="at least one"):
+        LaneMemo(capacity=0)
+
+
 def _virtual_round(
     connections: int,
     num_members: int = 2,
     during: Callable[[], Coroutine[Any, Any, None]] | None = None,
     latency: float = 0.1,
+    durations: list[float] | None = None,
+    num_rounds: int = 1,
     **changes: float,
 ) -> tuple[list[Any], float]:
     """Members 200 ms apart on the in-memory network, whose streams have yamux's first
     window (256 KiB) and no more: one stream carries 256 KiB per round trip, as a TCP
     connection's window caps it on a long fat pipe. Returns the results and the round's
-    duration on the virtual clock; ``during`` runs beside the round."""
+    duration on the virtual clock; ``during`` runs beside the round. With
+    ``num_rounds``, the same services run that many rounds one after another (the last
+    one's results returned, every round's duration appended to ``durations``)."""
     config = dataclasses.replace(
         POOLED,
         sender_timeout=10.0,
@@ -188,13 +263,23 @@ def _virtual_round(
         for i, a in enumerate(peers):
             for b in peers[i + 1 :]:
                 network.set_bandwidth(a, b, 50e6)
-        members = tuple(p.peer_id for p in peers)
         services = [AllReduceService(p, config) for p in peers]
         for service in services:
             await service.__aenter__()
+        for index in range(num_rounds):
+            results, elapsed = await one_round(services, f"lanes{index}".encode())
+            if durations is not None:
+                durations.append(elapsed)
+        await network.aclose()
+        return results, elapsed
+
+    async def one_round(
+        services: list[AllReduceService], round_id: bytes
+    ) -> tuple[list[Any], float]:
+        members = tuple(s.peer.peer_id for s in services)
         specs = [
             RoundSpec(
-                round_id=b"lanes",
+                round_id=round_id,
                 members=members,
                 weights=(1.0,) * num_members,
                 total_elements=ELEMENTS,
@@ -211,9 +296,7 @@ def _virtual_round(
         ]
         extra = [during()] if during is not None else []
         results = list(await asyncio.gather(*rounds, *extra))[:num_members]
-        elapsed = loop.time() - start
-        await network.aclose()
-        return results, elapsed
+        return results, loop.time() - start
 
     results: tuple[list[Any], float] = run_virtual(main())
     return results
@@ -232,6 +315,22 @@ def test_on_a_window_capped_link_two_lanes_carry_a_round_faster_with_the_same_re
     # carries per round trip.
     print(f"one lane {one_seconds:.2f} s, two lanes {two_seconds:.2f} s (virtual)")
     assert two_seconds < 0.75 * one_seconds
+
+
+def test_a_member_that_took_a_lane_gets_its_lanes_at_once_in_the_next_round() -> None:
+    """The first round opens the link's further lane once the member has answered on
+    the first (a round trip in); the service remembers that the member took it, and the
+    next round's lane opens with the first, so that round is shorter on the virtual
+    clock by about that round trip (200 ms), with the same result."""
+    durations: list[float] = []
+    results, _ = _virtual_round(2, durations=durations, num_rounds=3)
+    assert all(r.transfer.agreed and r.result.report.fraction_averaged == 1.0 for r in results)
+    expected = torch.stack(_tensors()[:2]).double().mean(0)
+    assert torch.allclose(results[0].result.averaged.double(), expected, atol=1e-6)
+    first, second, third = durations
+    print(f"rounds {first:.3f}, {second:.3f}, {third:.3f} s (virtual)")
+    assert second < first - 0.15
+    assert abs(third - second) < 0.05  # the memo holds: every later round alike
 
 
 def test_a_lane_that_breaks_mid_round_fails_its_link_and_the_others_agree(

@@ -68,6 +68,33 @@ def test_a_pooled_stream_runs_on_a_further_connection_kept_for_the_next_one(arun
     arun(main())
 
 
+def test_connect_pooled_dials_the_connection_a_later_pooled_stream_opens_on(arun: Run) -> None:
+    """``connect_pooled`` makes the further connection and opens no stream (a silent
+    stream could meet the remote's deadline for its first bytes); the pooled stream
+    opened later runs on that connection without another dial."""
+
+    async def main() -> None:
+        async with Peer() as a, Peer() as b:
+            install_echo(b)
+            a.add_addresses(b.peer_id, b.listen_addrs)
+            await a.connect(b.listen_addrs[0])
+            await a.connect_pooled(b.peer_id, 1)
+            await a.connect_pooled(b.peer_id, 1)  # there already: nothing dialed
+            conns = a.direct_connections(b.peer_id)
+            assert len(conns) == 2
+            assert conns[1].session_statistics().num_data_bytes_received == 0
+            stream = await a.new_pooled_stream(b.peer_id, ECHO_PROTOCOL, 1)
+            assert await _echo_on(stream, b"pooled") == b"pooled"
+            assert a.direct_connections(b.peer_id) == conns
+            assert conns[1].session_statistics().num_data_bytes_received >= len(b"pooled")
+            with pytest.raises(ValueError, match="connection index"):
+                await a.connect_pooled(b.peer_id, 0)
+            with pytest.raises(LimitExceeded, match="max_connections_per_peer"):
+                await a.connect_pooled(b.peer_id, a.config.max_connections_per_peer)
+
+    arun(main())
+
+
 def test_a_peer_that_cannot_be_dialed_again_is_not_tried_again(arun: Run) -> None:
     """A peer that dialed us and listens nowhere (behind a NAT, a client): a further
     connection cannot be made; the error says so, the first connection keeps serving,
