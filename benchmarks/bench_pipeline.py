@@ -1,17 +1,20 @@
 """Pipeline benchmark (issue 19): synchronous stages against one process, and the
 square-cube law.
 
-**Throughput.** Two compute-heavy models, each on 3 stage servers (one process per
-stage, one torch thread each, on 127.0.0.1), driven by ``RemoteSequential.train_step``
-with ``in_flight`` micro-batches in flight, against the same model trained on the same
-micro-batches in this process on one thread. ``wide``: an MLP of three 512 -> 2048 ->
-512 stages; ``charlm256``: the ``charlm`` transformer at width 256 (3 blocks, one per
-stage, context 64, next-character loss on the task's data). Both modes: synchronous (the
+**Throughput.** Three models, each on 3 stage servers (one process per stage, one torch
+thread each, on 127.0.0.1), driven by ``RemoteSequential.train_step`` with ``in_flight``
+micro-batches in flight, against the same model trained on the same micro-batches in
+this process on one thread. ``wide``: an MLP of three 512 -> 2048 -> 512 stages;
+``charlm256``: the ``charlm`` transformer at width 256 (3 blocks, one per stage, context
+64, next-character loss on the task's data); ``offcpu``: stages that compute off the
+CPU, as on an accelerator (``_offcpu_stages.py``: a linear layer, then 4 ms held in the
+forward and 8 ms in the backward), whose limit is GPipe's schedule, 2x at 4
+micro-batches through 3 stages, not this machine's cores. Both modes: synchronous (the
 stages step once per ``train_step``, on the batch's gradient; locally, the micro-batches'
 gradients accumulated and one step) and asynchronous (each server steps on every
 backward; locally, a step per micro-batch). Ratio = local seconds / pipeline seconds
-(> 1: the pipeline is faster). The physical limit here is 2x: three servers and the
-client share two cores (3x with a machine per stage).
+(> 1: the pipeline is faster). The physical limit of the first two here is 2x: three
+servers and the client share two cores (3x with a machine per stage).
 
 **The square-cube law** (SWARM, Ryabinin et al. 2023): a transformer's compute per
 token grows as ``d_model ** 2``, what crosses a stage boundary as ``d_model``, so the
@@ -32,6 +35,7 @@ the local model is the limit each pipeline is measured against.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +81,14 @@ MODELS = (
         name="charlm256",
         options={"charlm": {"d_model": 256, "num_heads": 4, "context": CONTEXT}},
         micro_batch=8,
+        in_flight=4,
+    ),
+    # Stages that compute off the CPU (_offcpu_stages.py): the pipeline's schedule,
+    # apart from the two cores that the CPU-bound models above overcommit.
+    Model(
+        name="offcpu",
+        options={"model": "_offcpu_stages:OFFCPU_STAGES", "widths": [[512]]},
+        micro_batch=64,
         in_flight=4,
     ),
 )
@@ -253,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    # where the stage servers import ``_offcpu_stages`` from
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
     figures: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     print("throughput: 3 stage servers (1 process each) against one process, 1 thread each")

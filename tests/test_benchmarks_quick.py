@@ -115,11 +115,17 @@ def test_handshake_flood_benchmark_runs() -> None:
 
 @pytest.mark.timeout(240)
 def test_pipeline_benchmark_runs_and_checks_the_synchronous_losses() -> None:
-    result = _run("bench_pipeline.py", "--quick", "--models", "wide", "--widths", "64", timeout=220)
+    result = _run(
+        "bench_pipeline.py", "--quick", "--models", "wide,offcpu", "--widths", "64", timeout=220
+    )
     assert result["benchmark"] == "pipeline"
     figures, ratios = result["figures"], result["ratios"]
     assert isinstance(figures, dict) and isinstance(ratios, dict)
-    assert set(ratios) == {"pipeline_vs_local_wide_sync", "pipeline_vs_local_wide_async"}
+    assert set(ratios) == {
+        f"pipeline_vs_local_{model}_{mode}"
+        for model in ("wide", "offcpu")
+        for mode in ("sync", "async")
+    }
     assert 0 <= figures["square_cube_d64_comm_share"] <= 1
 
 

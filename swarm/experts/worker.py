@@ -3,7 +3,10 @@
 Handlers ``submit`` a request, as its caller's, and await its share of a batch. The
 worker asks its :class:`Batcher` what to run (each caller within its share of the queue,
 callers round-robin), joins the requests of a batch along the batch dimension, computes,
-and splits the results. A backward batch runs caller by caller, and each caller's
+and splits the results (requests that must run one by one, such as a synchronous
+stage's forwards that keep their graphs, are answered each as soon as it is computed,
+so a pipeline's next stage need not wait for the rest of the batch). A backward batch
+runs caller by caller, and each caller's
 gradients are clipped on their own before the step (:meth:`ModuleBackend.end_contribution`),
 so one caller's huge gradient cannot drown out the others'; a batch that fails leaves no
 gradient behind for the next step. Work expected to take more than
@@ -170,10 +173,13 @@ class ModuleWorker:
             else:
                 fn(*args)
 
+        def ready(job: _Job, result: tuple[Result, KeptForward | None]) -> None:
+            hand(_settle, job, result)
+
         def work() -> bool:
             """Compute and hand over; in a backward's thread, then step at once."""
             try:
-                results, seconds = self._timed(lambda: self._compute(batch.kind, jobs))
+                results, seconds = self._timed(lambda: self._compute(batch.kind, jobs, ready))
             except Exception as e:  # the module's own failure: every caller hears it
                 self.backend.discard_gradients()  # none of the batch's may reach a step
                 hand(self._fail, batch, jobs, e)
@@ -232,14 +238,21 @@ class ModuleWorker:
         await asyncio.sleep(0)
         await _finish(_in_thread(self._step))
 
-    def _compute(self, kind: Kind, jobs: Sequence[_Job]) -> list[tuple[Result, KeptForward | None]]:
+    def _compute(
+        self,
+        kind: Kind,
+        jobs: Sequence[_Job],
+        ready: Callable[[_Job, tuple[Result, KeptForward | None]], None] | None = None,
+    ) -> list[tuple[Result, KeptForward | None]]:
         """Join, compute, split. A forward keeps its graph if it ran alone; on a module
         that steps only when its owner says (a synchronous stage: graphs stay fresh
         until the step), a forward asked to keep its graph always runs on its own, so
         its backward skips the recomputation (a third of a forward and backward's
         compute). A backward runs caller by caller, each caller's gradients closed as
         its own contribution to the step; within a caller, a request with a kept graph
-        runs on its own, the others together."""
+        runs on its own, the others together. Each request that runs on its own is
+        handed to ``ready`` as soon as it is computed, before the batch's others: in a
+        pipeline, the next stage starts on it meanwhile."""
         if kind == "forward":
             done: dict[int, tuple[Result, KeptForward | None]] = {}
             separate = len(jobs) == 1 or not self.backend.step_on_backward
@@ -249,6 +262,8 @@ class ModuleWorker:
                 if i in keepers:
                     outputs, kept = self.backend.forward(job.parts[0], keep=True)
                     done[i] = (list(outputs), kept)
+                    if ready is not None and len(jobs) > 1:
+                        ready(job, done[i])
             if joint:
                 outputs, _ = self.backend.forward(_join([jobs[i].parts[0] for i in joint]))
                 split = _split(outputs, [_size(jobs[i]) for i in joint])
@@ -264,6 +279,8 @@ class ModuleWorker:
                 job = jobs[i]
                 if job.kept is not None and self.backend.is_fresh(job.kept):
                     results[i] = self.backend.backward(job.parts[0], job.parts[1], job.kept)
+                    if ready is not None and len(jobs) > 1:
+                        ready(job, (results[i], None))
                 else:
                     rest.append(i)
             if rest:
@@ -274,6 +291,12 @@ class ModuleWorker:
                 results.update(zip(rest, split, strict=True))
             self.backend.end_contribution()
         return [(results[i], None) for i in range(len(jobs))]
+
+
+def _settle(job: _Job, result: tuple[Result, KeptForward | None]) -> None:
+    """One request's result, ahead of its batch's (its caller may have given up)."""
+    if not job.future.done():
+        job.future.set_result(result)
 
 
 def _size(job: _Job) -> int:

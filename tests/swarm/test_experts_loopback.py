@@ -657,3 +657,91 @@ def test_announcements_expire_on_the_dhts_clock(arun: Arun) -> None:
     stored, now = arun(main())
     assert stored >= 1, "every announcement was refused as expired"
     assert now > dht_time() + 3000.0
+
+
+class _Turnstile:
+    """Once armed, lets a module's first computation of each kind through at once and
+    holds each later one until ``release`` is set (bounded), recording whether it was
+    set in time."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.release = threading.Event()
+        self.seen: dict[str, int] = {}
+        self.in_time: list[bool] = []
+
+    def pass_through(self, kind: str) -> None:
+        if not self.armed:
+            return
+        self.seen[kind] = self.seen.get(kind, 0) + 1
+        if self.seen[kind] > 1:
+            self.in_time.append(self.release.wait(10))
+
+
+class _GatedBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, turnstile: _Turnstile) -> torch.Tensor:
+        ctx.turnstile = turnstile
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.turnstile.pass_through("backward")
+        return grad, None
+
+
+class _TurnstileModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.turnstile = _Turnstile()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.turnstile.pass_through("forward")
+        out: torch.Tensor = _GatedBackward.apply(self.linear(x), self.turnstile)  # type: ignore[no-untyped-call]
+        return out
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_a_request_that_runs_on_its_own_in_a_batch_is_answered_before_the_batch_ends(
+    arun: Arun, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """On a stage that steps only when told (synchronous), forwards that keep their
+    graphs, and backwards from those graphs, run one by one even when queued together:
+    each is answered as soon as it is computed, so the next stage of a pipeline starts
+    on it while this one computes the rest. The module holds every computation after
+    the first until the first one's caller has its answer (bounded: 10 s)."""
+    monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)  # in a thread
+    module = _TurnstileModule()
+    spec = [TensorSpec(shape=[4], dtype="float32")]
+    backend = ModuleBackend(
+        "gated.0", module, inputs=spec, max_batch_size=8, step_on_backward=False
+    )
+    batcher: Batcher[int] = Batcher(max_batch_size=8, max_queued_samples=64)
+    worker = ModuleWorker(backend, batcher, KeptStore(max_entries=4, ttl_seconds=60.0))
+    xs = [torch.randn(1, 4) for _ in range(3)]
+
+    async def main() -> None:
+        async with _working(worker):
+            if kind == "forward":
+                calls = [worker.submit("forward", ([x],), 1, keep=True) for x in xs]
+            else:
+                kept = []
+                for x in xs:
+                    _, graph = await asyncio.wait_for(
+                        worker.submit("forward", ([x],), 1, keep=True), 10
+                    )
+                    kept.append(graph)
+                calls = [
+                    worker.submit("backward", ([x], [torch.ones(1, 4)]), 1, kept=graph)
+                    for x, graph in zip(xs, kept, strict=True)
+                ]
+            module.turnstile.armed = True
+            tasks = [asyncio.ensure_future(c) for c in calls]  # queued together: one batch
+            await asyncio.wait_for(tasks[0], 10)
+            module.turnstile.release.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 20)
+
+    arun(main())
+    assert backend.statistics().num_recomputed_samples == 0
+    assert module.turnstile.in_time == [True, True]
