@@ -94,6 +94,9 @@ LOCAL_NETWORKS_SECONDS = 30.0
 POOL_RETRY_SECONDS = 300.0
 #: Peers whose failed further dial is remembered (the oldest forgotten first).
 MAX_POOL_FAILURES_KEPT = 1024
+#: A further connection the peer closes this soon after we dialed it, having sent no
+#: stream data, was refused (its own per-peer cap): remembered as a failed dial.
+POOL_REFUSED_SECONDS = 10.0
 
 
 @dataclass
@@ -126,6 +129,7 @@ class Peer(Service):
         #: time), and when a further dial to each peer last failed (monotonic).
         self._pool_dialing: dict[PeerID, asyncio.Future[None]] = {}
         self._pool_failed: dict[PeerID, float] = {}
+        self._pool_dialed_at: dict[Connection, float] = {}  # further ones we dialed, live
         self._admission = InboundAdmission(
             max_connections_per_ip=self.config.max_connections_per_ip,
             max_connections_per_subnet=self.config.max_connections_per_subnet,
@@ -436,6 +440,13 @@ class Peer(Service):
         try:
             await conn.run()
         finally:
+            dialed_at = self._pool_dialed_at.pop(conn, None)
+            if (
+                dialed_at is not None
+                and time.monotonic() < dialed_at + POOL_REFUSED_SECONDS
+                and conn.session_statistics().num_data_bytes_received == 0
+            ):
+                self._pool_failure(conn.remote_peer_id)
             conns = self._connections.get(conn.remote_peer_id)
             if conns is not None and conn in conns:
                 conns.remove(conn)
@@ -930,17 +941,27 @@ class Peer(Service):
         errors: list[str] = []
         for addr in addrs:
             try:
-                return await self._dial_address(addr, peer_id)
+                conn = await self._dial_address(addr, peer_id)
             except LimitExceeded:
                 raise  # ours: full meanwhile, not a peer that cannot be dialed
             except PeersError as e:  # DialError, HandshakeError, PeerIDMismatch, AddressError
                 errors.append(f"{addr}: {e}")
-        self._pool_failed.pop(peer_id, None)  # (re-inserted last: the oldest go first)
-        self._pool_failed[peer_id] = now
-        while len(self._pool_failed) > MAX_POOL_FAILURES_KEPT:
-            del self._pool_failed[next(iter(self._pool_failed))]
+            else:
+                if conn.is_closed:  # refused as soon as it was up
+                    errors.append(f"{addr}: the peer closed it at once")
+                    break
+                self._pool_dialed_at[conn] = time.monotonic()
+                return conn
+        self._pool_failure(peer_id)
         tried = "; ".join(errors) or "no address to dial"
         raise DialError(f"no further connection to {peer_id}: {tried}")
+
+    def _pool_failure(self, peer_id: PeerID) -> None:
+        """``peer_id`` takes no further connection: not dialed again for a while."""
+        self._pool_failed.pop(peer_id, None)  # (re-inserted last: the oldest go first)
+        self._pool_failed[peer_id] = time.monotonic()
+        while len(self._pool_failed) > MAX_POOL_FAILURES_KEPT:
+            del self._pool_failed[next(iter(self._pool_failed))]
 
     async def _open_stream_on(self, conn: Connection, protocols: str | list[str]) -> Stream:
         proposals = [protocols] if isinstance(protocols, str) else list(protocols)

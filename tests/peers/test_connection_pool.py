@@ -129,5 +129,16 @@ def test_a_peer_refusing_more_connections_fails_the_pooled_stream_alone(arun: Ru
                 await _echo_on(stream, b"x")
             stream = await a.new_stream(b.peer_id, ECHO_PROTOCOL)
             assert await _echo_on(stream, b"ok") == b"ok"
+            # Remembered as a failed dial once that connection is gone: the next ask
+            # (an all-reduce's next round) fails at once, and dials nothing.
+            for _ in range(100):  # bounded: 5 s
+                if len(a.direct_connections(b.peer_id)) == 1:
+                    break
+                await asyncio.sleep(0.05)
+            refused = b.statistics().num_inbound_connections_refused
+            with pytest.raises(DialError, match="could not be dialed again lately"):
+                await a.connect_pooled(b.peer_id, 1)
+            assert b.statistics().num_inbound_connections_refused == refused
+            assert len(a.direct_connections(b.peer_id)) == 1
 
     arun(main())
