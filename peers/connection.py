@@ -448,6 +448,12 @@ class Connection:
         return self._closed is not None
 
     @property
+    def closed_by_us(self) -> bool:
+        """Closed, and by this side (``close()``, a keepalive or protocol failure of
+        ours), not by the remote or the network."""
+        return self._closed is not None and self._closed.by_us
+
+    @property
     def num_streams(self) -> int:
         return len(self._streams)
 

@@ -441,10 +441,12 @@ class Peer(Service):
             await conn.run()
         finally:
             dialed_at = self._pool_dialed_at.pop(conn, None)
-            if (
+            if (  # refused by the peer, which still keeps our first connection
                 dialed_at is not None
                 and time.monotonic() < dialed_at + POOL_REFUSED_SECONDS
                 and conn.session_statistics().num_data_bytes_received == 0
+                and not conn.closed_by_us
+                and any(c is not conn for c in self.direct_connections(conn.remote_peer_id))
             ):
                 self._pool_failure(conn.remote_peer_id)
             conns = self._connections.get(conn.remote_peer_id)
@@ -946,10 +948,7 @@ class Peer(Service):
                 raise  # ours: full meanwhile, not a peer that cannot be dialed
             except PeersError as e:  # DialError, HandshakeError, PeerIDMismatch, AddressError
                 errors.append(f"{addr}: {e}")
-            else:
-                if conn.is_closed:  # refused as soon as it was up
-                    errors.append(f"{addr}: the peer closed it at once")
-                    break
+            else:  # a peer that closes it at once is noticed in _run_connection
                 self._pool_dialed_at[conn] = time.monotonic()
                 return conn
         self._pool_failure(peer_id)

@@ -108,7 +108,7 @@ from averaging.allreduce.wire import (
     peer_ids,
 )
 from averaging.compression import EncodedTensor, EncodeError, NoneCodec, decode_tensor
-from peers.errors import IdentityError, PeersError, RemoteProtocolError
+from peers.errors import IdentityError, LimitExceeded, PeersError, RemoteProtocolError
 from peers.identity import PeerID
 from peers.rpc import FramedStream
 from peers.serialization import frame_buffers
@@ -942,7 +942,8 @@ class RoundRunner:
         except (PeersError, OSError) as e:
             self._link_failed(link, e)
             return
-        self._attach(link, _Lane(0, framed))
+        if not self._attach(link, _Lane(0, framed)):
+            return  # the round ended meanwhile
         assert self._tasks is not None
         for index in range(1, self._num_lanes(link.peer_id)):
             self._link_tasks.append(self._tasks.create_task(self._open_lane(link, index)))
@@ -986,6 +987,8 @@ class RoundRunner:
             answer = decode_hello(await framed.read_frame())
             if answer != Hello(self.spec.round_id, self._spec_digest, index):
                 raise RemoteProtocolError("the member answered another lane")
+        except LimitExceeded as e:  # our own cap: says nothing of the member
+            logger.debug("round %s: no lane %d to %s: %r", self._tag, index, member, e)
         except (PeersError, OSError) as e:
             logger.debug("round %s: no lane %d to %s: %r", self._tag, index, member, e)
             self._lane_memo.discard(member)

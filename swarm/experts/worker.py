@@ -3,9 +3,9 @@
 Handlers ``submit`` a request, as its caller's, and await its share of a batch. The
 worker asks its :class:`Batcher` what to run (each caller within its share of the queue,
 callers round-robin), joins the requests of a batch along the batch dimension, computes,
-and splits the results (requests that must run one by one, such as a synchronous
-stage's forwards that keep their graphs, are answered each as soon as it is computed,
-so a pipeline's next stage need not wait for the rest of the batch). A backward batch
+and splits the results (forwards that must run one by one, such as a synchronous
+stage's that keep their graphs, are answered each as soon as it is computed, so a
+pipeline's next stage need not wait for the rest of the batch). A backward batch
 runs caller by caller, and each caller's
 gradients are clipped on their own before the step (:meth:`ModuleBackend.end_contribution`),
 so one caller's huge gradient cannot drown out the others'; a batch that fails leaves no
@@ -250,9 +250,10 @@ class ModuleWorker:
         its backward skips the recomputation (a third of a forward and backward's
         compute). A backward runs caller by caller, each caller's gradients closed as
         its own contribution to the step; within a caller, a request with a kept graph
-        runs on its own, the others together. Each request that runs on its own is
+        runs on its own, the others together. Each forward that runs on its own is
         handed to ``ready`` as soon as it is computed, before the batch's others: in a
-        pipeline, the next stage starts on it meanwhile."""
+        pipeline, the next stage starts on it meanwhile. (Backwards are not: a later
+        request's failure discards the batch's gradients, so each caller must hear it.)"""
         if kind == "forward":
             done: dict[int, tuple[Result, KeptForward | None]] = {}
             separate = len(jobs) == 1 or not self.backend.step_on_backward
@@ -279,8 +280,6 @@ class ModuleWorker:
                 job = jobs[i]
                 if job.kept is not None and self.backend.is_fresh(job.kept):
                     results[i] = self.backend.backward(job.parts[0], job.parts[1], job.kept)
-                    if ready is not None and len(jobs) > 1:
-                        ready(job, (results[i], None))
                 else:
                     rest.append(i)
             if rest:

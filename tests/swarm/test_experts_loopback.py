@@ -678,18 +678,6 @@ class _Turnstile:
             self.in_time.append(self.release.wait(10))
 
 
-class _GatedBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, turnstile: _Turnstile) -> torch.Tensor:
-        ctx.turnstile = turnstile
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.turnstile.pass_through("backward")
-        return grad, None
-
-
 class _TurnstileModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -698,19 +686,18 @@ class _TurnstileModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.turnstile.pass_through("forward")
-        out: torch.Tensor = _GatedBackward.apply(self.linear(x), self.turnstile)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = self.linear(x)
         return out
 
 
-@pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_a_request_that_runs_on_its_own_in_a_batch_is_answered_before_the_batch_ends(
-    arun: Arun, monkeypatch: pytest.MonkeyPatch, kind: str
+def test_a_forward_that_runs_on_its_own_in_a_batch_is_answered_before_the_batch_ends(
+    arun: Arun, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a stage that steps only when told (synchronous), forwards that keep their
-    graphs, and backwards from those graphs, run one by one even when queued together:
-    each is answered as soon as it is computed, so the next stage of a pipeline starts
-    on it while this one computes the rest. The module holds every computation after
-    the first until the first one's caller has its answer (bounded: 10 s)."""
+    graphs run one by one even when queued together: each is answered as soon as it is
+    computed, so the next stage of a pipeline starts on it while this one computes the
+    rest. The module holds every forward after the first until the first one's caller
+    has its answer (bounded: 10 s)."""
     monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)  # in a thread
     module = _TurnstileModule()
     spec = [TensorSpec(shape=[4], dtype="float32")]
@@ -720,28 +707,31 @@ def test_a_request_that_runs_on_its_own_in_a_batch_is_answered_before_the_batch_
     batcher: Batcher[int] = Batcher(max_batch_size=8, max_queued_samples=64)
     worker = ModuleWorker(backend, batcher, KeptStore(max_entries=4, ttl_seconds=60.0))
     xs = [torch.randn(1, 4) for _ in range(3)]
+    batch_sizes: list[int] = []
+    compute = ModuleWorker._compute
+
+    def counted(self: ModuleWorker, kind: Any, jobs: Any, *args: Any) -> Any:
+        batch_sizes.append(len(jobs))
+        return compute(self, kind, jobs, *args)
+
+    monkeypatch.setattr(ModuleWorker, "_compute", counted)
 
     async def main() -> None:
         async with _working(worker):
-            if kind == "forward":
-                calls = [worker.submit("forward", ([x],), 1, keep=True) for x in xs]
-            else:
-                kept = []
-                for x in xs:
-                    _, graph = await asyncio.wait_for(
-                        worker.submit("forward", ([x],), 1, keep=True), 10
-                    )
-                    kept.append(graph)
-                calls = [
-                    worker.submit("backward", ([x], [torch.ones(1, 4)]), 1, kept=graph)
-                    for x, graph in zip(xs, kept, strict=True)
-                ]
             module.turnstile.armed = True
-            tasks = [asyncio.ensure_future(c) for c in calls]  # queued together: one batch
+            # queued together: one batch of three, whose later two wait for the first's answer
+            tasks = [
+                asyncio.ensure_future(worker.submit("forward", ([x],), 1, keep=True)) for x in xs
+            ]
             await asyncio.wait_for(tasks[0], 10)
+            assert not tasks[1].done() and not tasks[2].done()
             module.turnstile.release.set()
-            await asyncio.wait_for(asyncio.gather(*tasks), 20)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        for x, ((out,), kept) in zip(xs, results, strict=True):
+            assert kept is not None
+            with torch.no_grad():
+                assert torch.allclose(out, module.linear(x))
 
     arun(main())
-    assert backend.statistics().num_recomputed_samples == 0
     assert module.turnstile.in_time == [True, True]
+    assert batch_sizes == [3]  # one batch, answered a request at a time
