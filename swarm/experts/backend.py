@@ -161,7 +161,9 @@ class ModuleBackend:
     ) -> list[torch.Tensor | None]:
         """Gradients of the inputs (``None`` for integer ones) given the outputs';
         accumulates parameter gradients for the next :meth:`step`. Starts from ``kept``
-        if it is fresh, else recomputes the forward."""
+        if it is fresh, else recomputes the forward. All or nothing: the parameters'
+        gradients are computed apart and added only once all are, so a backward that
+        fails leaves those accumulated before it as they were."""
         if kept is None or not self.is_fresh(kept):
             self._num_recomputed += inputs[0].shape[0]
             with torch.enable_grad():
@@ -171,15 +173,26 @@ class ModuleBackend:
             g.to(o.device, o.dtype, non_blocking=True)
             for g, o in zip(grad_outputs, kept.outputs, strict=True)
         ]
-        torch.autograd.backward(kept.outputs, grad_tensors=grads)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        leaves = [leaf for leaf in kept.leaves if leaf.requires_grad]
+        found = torch.autograd.grad(
+            kept.outputs, [*params, *leaves], grad_outputs=grads, allow_unused=True
+        )
+        with torch.no_grad():
+            for p, g in zip(params, found, strict=False):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
         self._num_backward += inputs[0].shape[0]
         self._num_batches += 1
-        return [
-            (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).cpu()
-            if spec.dtype in FLOAT_DTYPES
-            else None
-            for leaf, spec in zip(kept.leaves, self.info.inputs, strict=True)
-        ]
+        of_leaf = {id(leaf): g for leaf, g in zip(leaves, found[len(params) :], strict=True)}
+        out: list[torch.Tensor | None] = []
+        for leaf, spec in zip(kept.leaves, self.info.inputs, strict=True):
+            leaf_grad = of_leaf.get(id(leaf))
+            if spec.dtype not in FLOAT_DTYPES:
+                out.append(None)
+            else:
+                out.append((leaf_grad if leaf_grad is not None else torch.zeros_like(leaf)).cpu())
+        return out
 
     def end_contribution(self) -> None:
         """The gradients accumulated since the last call are one caller's contribution

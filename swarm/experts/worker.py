@@ -8,8 +8,11 @@ stage's that keep their graphs, are answered each as soon as it is computed, so 
 pipeline's next stage need not wait for the rest of the batch). A backward batch
 runs caller by caller, and each caller's
 gradients are clipped on their own before the step (:meth:`ModuleBackend.end_contribution`),
-so one caller's huge gradient cannot drown out the others'; a batch that fails leaves no
-gradient behind for the next step. Work expected to take more than
+so one caller's huge gradient cannot drown out the others'. On a module that steps on
+every backward, a batch that fails leaves no gradient behind for the next step; on one
+that its owner steps (a synchronous stage), each backward is answered as soon as its
+gradients are in (a backward adds them all or none), and a batch that fails costs only
+the requests it had not answered. Work expected to take more than
 ``INLINE_COMPUTE_SECONDS`` (judged by the measured time per sample of its kind, forward
 or backward: a backward costs about twice a forward) runs in a thread of the loop's
 default executor (the event loop keeps moving bytes and enforcing deadlines while torch
@@ -181,7 +184,13 @@ class ModuleWorker:
             try:
                 results, seconds = self._timed(lambda: self._compute(batch.kind, jobs, ready))
             except Exception as e:  # the module's own failure: every caller hears it
-                self.backend.discard_gradients()  # none of the batch's may reach a step
+                if self.backend.step_on_backward:
+                    self.backend.discard_gradients()  # none of the batch's may reach a step
+                else:
+                    # Stepped by its owner (a synchronous stage): the gradients are the
+                    # step's so far, and those of the requests answered already; a failed
+                    # backward added nothing. Its caller's are closed as its contribution.
+                    self.backend.end_contribution()
                 hand(self._fail, batch, jobs, e)
                 return False
             hand(self._deliver, batch, jobs, results, seconds)
@@ -252,8 +261,9 @@ class ModuleWorker:
         its own contribution to the step; within a caller, a request with a kept graph
         runs on its own, the others together. Each forward that runs on its own is
         handed to ``ready`` as soon as it is computed, before the batch's others: in a
-        pipeline, the next stage starts on it meanwhile. (Backwards are not: a later
-        request's failure discards the batch's gradients, so each caller must hear it.)"""
+        pipeline, the next stage starts on it meanwhile. So is each backward on a module
+        that steps only when its owner says, whose failures cost nothing but the
+        requests that failed (see :meth:`_run_batch`)."""
         if kind == "forward":
             done: dict[int, tuple[Result, KeptForward | None]] = {}
             separate = len(jobs) == 1 or not self.backend.step_on_backward
@@ -270,6 +280,10 @@ class ModuleWorker:
                 split = _split(outputs, [_size(jobs[i]) for i in joint])
                 done.update((i, (r, None)) for i, r in zip(joint, split, strict=True))
             return [done[i] for i in range(len(jobs))]
+        # A module that steps only when its owner says answers each backward once its
+        # gradients are in: a later one's failure costs only the requests not yet
+        # answered (a backward is all or nothing), and the others' gradients stay.
+        early = ready is not None and len(jobs) > 1 and not self.backend.step_on_backward
         by_caller: dict[Hashable, list[int]] = {}
         for i, job in enumerate(jobs):
             by_caller.setdefault(job.caller, []).append(i)
@@ -280,6 +294,8 @@ class ModuleWorker:
                 job = jobs[i]
                 if job.kept is not None and self.backend.is_fresh(job.kept):
                     results[i] = self.backend.backward(job.parts[0], job.parts[1], job.kept)
+                    if ready is not None and early:
+                        ready(job, (results[i], None))
                 else:
                     rest.append(i)
             if rest:
@@ -288,6 +304,9 @@ class ModuleWorker:
                 sizes = [_size(jobs[i]) for i in rest]
                 split = _split(self.backend.backward(inputs, grads), sizes)
                 results.update(zip(rest, split, strict=True))
+                if ready is not None and early:
+                    for i in rest:
+                        ready(jobs[i], (results[i], None))
             self.backend.end_contribution()
         return [(results[i], None) for i in range(len(jobs))]
 

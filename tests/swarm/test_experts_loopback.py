@@ -690,6 +690,14 @@ class _TurnstileModule(nn.Module):
         return out
 
 
+def _synchronous_worker(module: nn.Module) -> ModuleWorker:
+    """A worker of a module that steps only when its owner says (a synchronous stage)."""
+    spec = [TensorSpec(shape=[4], dtype="float32")]
+    backend = ModuleBackend("sync.0", module, inputs=spec, max_batch_size=8, step_on_backward=False)
+    batcher: Batcher[int] = Batcher(max_batch_size=8, max_queued_samples=64)
+    return ModuleWorker(backend, batcher, KeptStore(max_entries=4, ttl_seconds=60.0))
+
+
 def test_a_forward_that_runs_on_its_own_in_a_batch_is_answered_before_the_batch_ends(
     arun: Arun, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -700,12 +708,7 @@ def test_a_forward_that_runs_on_its_own_in_a_batch_is_answered_before_the_batch_
     has its answer (bounded: 10 s)."""
     monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)  # in a thread
     module = _TurnstileModule()
-    spec = [TensorSpec(shape=[4], dtype="float32")]
-    backend = ModuleBackend(
-        "gated.0", module, inputs=spec, max_batch_size=8, step_on_backward=False
-    )
-    batcher: Batcher[int] = Batcher(max_batch_size=8, max_queued_samples=64)
-    worker = ModuleWorker(backend, batcher, KeptStore(max_entries=4, ttl_seconds=60.0))
+    worker = _synchronous_worker(module)
     xs = [torch.randn(1, 4) for _ in range(3)]
     batch_sizes: list[int] = []
     compute = ModuleWorker._compute
@@ -735,3 +738,71 @@ def test_a_forward_that_runs_on_its_own_in_a_batch_is_answered_before_the_batch_
     arun(main())
     assert module.turnstile.in_time == [True, True]
     assert batch_sizes == [3]  # one batch, answered a request at a time
+
+
+class _BreaksOn42(torch.autograd.Function):
+    """Identity whose backward raises if the module's input held a 42 first."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, broken: bool) -> torch.Tensor:
+        ctx.broken = broken
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.broken:
+            raise RuntimeError("backward broke on a 42")
+        return grad, None
+
+
+class _FragileBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.outer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the break sits between the layers: the outer one's gradients come before it
+        broken = bool((x[:, 0] == 42).any())
+        out: torch.Tensor = self.outer(_BreaksOn42.apply(self.inner(x), broken))  # type: ignore[no-untyped-call]
+        return out
+
+
+def test_on_a_synchronous_module_a_failed_backward_costs_only_the_requests_not_answered(
+    arun: Arun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module its owner steps (a synchronous stage) answers each backward of a batch
+    once its gradients are in; the batch's second request fails half-way through its
+    backward: the first keeps its answer and its gradients, the failed one adds none
+    (a backward is all or nothing), and the rest of the batch is told to retry."""
+    monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)
+    module = _FragileBackward()
+    reference = _FragileBackward()
+    reference.load_state_dict(module.state_dict())
+    worker = _synchronous_worker(module)
+    xs = [torch.randn(1, 4) for _ in range(3)]
+    xs[1][0, 0] = 42
+    grads = [torch.randn(1, 4) for _ in range(3)]
+
+    async def main() -> list[Any]:
+        async with _working(worker):
+            kept = []
+            for x in xs:
+                _, graph = await asyncio.wait_for(
+                    worker.submit("forward", ([x],), 1, keep=True), 10
+                )
+                kept.append(graph)
+            calls = [
+                asyncio.ensure_future(worker.submit("backward", ([x], [g]), 1, kept=graph))
+                for x, g, graph in zip(xs, grads, kept, strict=True)
+            ]  # queued together: one batch
+            return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 20)
+
+    first, second, third = arun(main())
+    assert not isinstance(first, BaseException)
+    assert isinstance(second, RuntimeError) and "broke on a 42" in str(second)
+    assert isinstance(third, RuntimeError)  # not computed: its caller retries it
+    reference(xs[0]).backward(grads[0])
+    for p, r in zip(module.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and r.grad is not None
+        assert torch.equal(p.grad, r.grad)  # the first request's, nothing of the second's
