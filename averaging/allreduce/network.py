@@ -987,11 +987,10 @@ class RoundRunner:
             answer = decode_hello(await framed.read_frame())
             if answer != Hello(self.spec.round_id, self._spec_digest, index):
                 raise RemoteProtocolError("the member answered another lane")
-        except LimitExceeded as e:  # our own cap: says nothing of the member
-            logger.debug("round %s: no lane %d to %s: %r", self._tag, index, member, e)
         except (PeersError, OSError) as e:
             logger.debug("round %s: no lane %d to %s: %r", self._tag, index, member, e)
-            self._lane_memo.discard(member)
+            if not isinstance(e, LimitExceeded):  # (our own cap says nothing of the member)
+                self._lane_memo.discard(member)
         except BaseException:  # cancelled: the round is over
             if framed is not None:
                 framed.stream.reset()

@@ -179,7 +179,7 @@ class ModuleBackend:
             kept.outputs, [*params, *leaves], grad_outputs=grads, allow_unused=True
         )
         with torch.no_grad():
-            for p, g in zip(params, found, strict=False):
+            for p, g in zip(params, found[: len(params)], strict=True):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
         self._num_backward += inputs[0].shape[0]

@@ -235,8 +235,7 @@ class ModuleWorker:
             smoothed = before + THROUGHPUT_SMOOTHING * (per_sample - before)
             self._seconds_per_sample[batch.kind] = smoothed
             for job, result in zip(jobs, results, strict=True):
-                if not job.future.done():  # its caller may have given up meanwhile
-                    job.future.set_result(result)
+                _settle(job, result)
         except Exception as e:
             self._fail(batch, jobs, e)
 
@@ -312,7 +311,8 @@ class ModuleWorker:
 
 
 def _settle(job: _Job, result: tuple[Result, KeptForward | None]) -> None:
-    """One request's result, ahead of its batch's (its caller may have given up)."""
+    """One request's result, unless it has one (answered ahead of its batch) or its
+    caller gave up meanwhile."""
     if not job.future.done():
         job.future.set_result(result)
 
