@@ -24,7 +24,7 @@ values can overflow in the backward) is dropped. See docs/experts-trust.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +126,7 @@ class ModuleBackend:
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._num_summed = 0
         self._num_contributions = self._num_clipped = self._num_dropped = 0
+        self._counted: list[Hashable] = []  # the tags of the backward passes in the sum
 
     def forward(
         self, inputs: Sequence[torch.Tensor], *, keep: bool = False
@@ -158,12 +159,14 @@ class ModuleBackend:
         inputs: Sequence[torch.Tensor],
         grad_outputs: Sequence[torch.Tensor],
         kept: KeptForward | None = None,
+        tags: Sequence[Hashable] = (),
     ) -> list[torch.Tensor | None]:
         """Gradients of the inputs (``None`` for integer ones) given the outputs';
         accumulates parameter gradients for the next :meth:`step`. Starts from ``kept``
         if it is fresh, else recomputes the forward. All or nothing: the parameters'
         gradients are computed apart and added only once all are, so a backward that
-        fails leaves those accumulated before it as they were."""
+        fails leaves those accumulated before it as they were. ``tags`` name the passes
+        the batch holds: once added, they are in :attr:`counted`."""
         if kept is None or not self.is_fresh(kept):
             self._num_recomputed += inputs[0].shape[0]
             with torch.enable_grad():
@@ -182,6 +185,7 @@ class ModuleBackend:
             for p, g in zip(params, found[: len(params)], strict=True):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
+        self._counted.extend(tags)
         self._num_backward += inputs[0].shape[0]
         self._num_batches += 1
         of_leaf = {id(leaf): g for leaf, g in zip(leaves, found[len(params) :], strict=True)}
@@ -234,7 +238,15 @@ class ModuleBackend:
             taken = {p: p.grad for p in params if p.grad is not None}
         for p in params:
             p.grad = None
+        self._counted.clear()
         return taken
+
+    @property
+    def counted(self) -> tuple[Hashable, ...]:
+        """The tags of the backward passes whose gradients the module holds for the
+        next step (as :meth:`backward` was given them; a pass counted twice is here
+        twice), until they are taken, stepped or discarded."""
+        return tuple(self._counted)
 
     def step_with(self, grads: Mapping[nn.Parameter, torch.Tensor]) -> bool:
         """Step the optimizer on ``grads`` (clipped as a whole to ``clip_grad_norm``)
@@ -261,6 +273,7 @@ class ModuleBackend:
         """Forget the gradients accumulated for the next step (a failed batch's)."""
         self._summed.clear()
         self._num_summed = 0
+        self._counted.clear()
         for p in self.module.parameters():
             p.grad = None
 
@@ -279,10 +292,12 @@ class ModuleBackend:
             empty = not self._summed  # every contribution was dropped
             self._summed = {}
             self._num_summed = 0
+            self._counted.clear()
             if empty:
                 return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._counted.clear()
         self._num_steps += 1
         self._version += 1
 

@@ -135,11 +135,13 @@ async def call_backward(
     info: ExpertInfo | None = None,
     forward_token: int = 0,
     step: int = -1,
+    pass_id: int = 0,
 ) -> list[torch.Tensor | None]:
     """Gradients of ``inputs`` given the outputs' gradients (``None`` for integer
     inputs); the server also trains the expert on them. ``forward_token`` (from the
     forward) lets it skip recomputing the forward. ``step`` (a synchronous pipeline
-    stage's) is refused by a server at another step."""
+    stage's) is refused by a server at another step; ``pass_id`` names the pass there
+    (:attr:`BackwardRequest.pass_id`)."""
     learn_addresses(peer, location)
     request = BackwardRequest(
         location.uid,
@@ -148,6 +150,7 @@ async def call_backward(
         config.codec,
         forward_token,
         step,
+        pass_id,
     )
     response = await peer.call_unary(
         location.peer_id,

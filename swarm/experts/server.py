@@ -231,9 +231,10 @@ class ExpertServer(Service):
             kept = worker.kept.take(caller, request.forward_token, time.monotonic())
             if kept is not None and kept.leaves[0].shape[0] != batch:
                 kept = None  # not this batch's graph: recompute
+        tag = (caller, request.step, request.pass_id) if request.pass_id else None
         with self._timed(request.uid, "backward"):
             grad_inputs, _ = await worker.submit(
-                "backward", (inputs, grads), batch, kept=kept, caller=caller
+                "backward", (inputs, grads), batch, kept=kept, caller=caller, tag=tag
             )
         return BackwardResponse([None if g is None else encode(g, codec) for g in grad_inputs])
 

@@ -84,6 +84,9 @@ class BackwardRequest:
     """From the forward's response; the server recomputes the forward without it."""
     step: int = -1
     """A synchronous pipeline stage's step the caller computes for; -1: none named."""
+    pass_id: int = 0
+    """Names this backward pass among the caller's (the same in each retry of it), so
+    a synchronous stage can tell which passes its gradients hold; 0: none named."""
 
 
 @dataclass(frozen=True, slots=True)

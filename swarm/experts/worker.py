@@ -66,6 +66,7 @@ class _Job:
     keep: bool
     kept: KeptForward | None
     caller: Hashable
+    tag: Hashable | None  # a backward's: names its pass in the module's counted ones
 
 
 class ModuleWorker:
@@ -95,17 +96,19 @@ class ModuleWorker:
         keep: bool = False,
         kept: KeptForward | None = None,
         caller: Hashable = None,
+        tag: Hashable | None = None,
     ) -> tuple[Result, KeptForward | None]:
         """This request's results once its batch has run (and a forward's graph if
         ``keep`` and it ran alone). ``caller`` (the remote peer) gets its share of the
         queue and its own clipped contribution to the step (:mod:`swarm.experts.batching`,
         :meth:`ModuleBackend.end_contribution`). Raises ``ServerBusy`` if the queue, or
-        the caller's share of it, is full, or what the module raised. Cancelling it (the
+        the caller's share of it, is full, or what the module raised. A backward's
+        ``tag`` joins :attr:`ModuleBackend.counted` once its gradients are in. Cancelling it (the
         caller's deadline) takes the request out of the queue if it has not started."""
         loop = asyncio.get_running_loop()
         ticket = next(self._tickets)
         self.batcher.submit(ticket, kind, num_samples, loop.time(), caller=caller)
-        job = _Job(parts, loop.create_future(), keep, kept, caller)
+        job = _Job(parts, loop.create_future(), keep, kept, caller, tag)
         self._jobs[ticket] = job
         self._wake.set()
         try:
@@ -292,7 +295,9 @@ class ModuleWorker:
             for i in indices:
                 job = jobs[i]
                 if job.kept is not None and self.backend.is_fresh(job.kept):
-                    results[i] = self.backend.backward(job.parts[0], job.parts[1], job.kept)
+                    results[i] = self.backend.backward(
+                        job.parts[0], job.parts[1], job.kept, _tags([job])
+                    )
                     if ready is not None and early:
                         ready(job, (results[i], None))
                 else:
@@ -301,7 +306,8 @@ class ModuleWorker:
                 inputs = _join([jobs[i].parts[0] for i in rest])
                 grads = _join([jobs[i].parts[1] for i in rest])
                 sizes = [_size(jobs[i]) for i in rest]
-                split = _split(self.backend.backward(inputs, grads), sizes)
+                tags = _tags([jobs[i] for i in rest])
+                split = _split(self.backend.backward(inputs, grads, tags=tags), sizes)
                 results.update(zip(rest, split, strict=True))
                 if ready is not None and early:
                     for i in rest:
@@ -315,6 +321,10 @@ def _settle(job: _Job, result: tuple[Result, KeptForward | None]) -> None:
     caller gave up meanwhile."""
     if not job.future.done():
         job.future.set_result(result)
+
+
+def _tags(jobs: Sequence[_Job]) -> list[Hashable]:
+    return [job.tag for job in jobs if job.tag is not None]
 
 
 def _size(job: _Job) -> int:

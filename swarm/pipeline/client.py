@@ -21,6 +21,7 @@ micro-batch that finds them stale: no background task to own.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import random
@@ -58,8 +59,9 @@ WAIT_POLL_SECONDS = 0.5
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: A synchronous step's answer from one server, or why there is none.
 _Answer = StepResponse | PeersError | TimeoutError | OSError
-#: A backward pass a server served: the stage's inputs and the outputs' gradients.
-_Served = tuple[list[torch.Tensor], list[torch.Tensor]]
+#: A backward pass a server served: its pass id, the stage's inputs and the outputs'
+#: gradients.
+_Served = tuple[int, list[torch.Tensor], list[torch.Tensor]]
 #: A server holding gradients of the step: where it is, and the passes it served.
 _Held = tuple[ExpertLocation, list[_Served]]
 
@@ -144,7 +146,8 @@ class PipelineStatistics:
     """Synchronous stages: steps this client ended (:meth:`PipelineClient.end_step`)."""
     num_redone_backwards: int = 0
     """Synchronous stages: backward passes redone on another server of their stage
-    because the server that had served them died before the step."""
+    because the server that had served them died before the step, or redone after it
+    dropped its gradients of the step (it had counted a pass this client gave up on)."""
 
 
 class PipelineClient:
@@ -165,6 +168,10 @@ class PipelineClient:
         # synchronous: per stage, per server, the backward passes it served in the step
         # (the stage's inputs and output gradients): redone elsewhere if it dies
         self._served: list[dict[PeerID, _Held]] = [{} for _ in range(config.num_stages)]
+        # synchronous: per stage, servers told to drop their gradients of the step: they
+        # are still asked to its round (with nothing, or what was redone there since)
+        self._dropped: list[dict[PeerID, ExpertLocation]] = [{} for _ in range(config.num_stages)]
+        self._pass_ids = itertools.count(1)  # names each backward pass (with its retries)
 
     async def refresh(self) -> None:
         """Re-read every stage's servers from the DHT now."""
@@ -285,9 +292,13 @@ class PipelineClient:
         return current, Trace(tuple(calls))
 
     async def _backward_stage(
-        self, stage: int, done: StageCall, grads: list[torch.Tensor]
+        self, stage: int, done: StageCall, grads: list[torch.Tensor], pass_id: int = 0
     ) -> list[torch.Tensor | None]:
+        """The backward of ``stage`` for ``done``'s forward. Synchronous: it is a pass
+        of the step, ``pass_id`` (a new one if 0), that the server counts once."""
         step = self._call_step()
+        if self.config.synchronous and not pass_id:
+            pass_id = next(self._pass_ids)
 
         async def attempt(location: ExpertLocation) -> list[torch.Tensor | None]:
             token = done.forward_token if location == done.location else 0
@@ -299,6 +310,7 @@ class PipelineClient:
                 config=self.config.calls,
                 forward_token=token,
                 step=step,
+                pass_id=pass_id,
             )
 
         n = done.inputs[0].shape[0]
@@ -307,7 +319,7 @@ class PipelineClient:
         )
         if self.config.synchronous:  # what it holds for the step, should it die before
             held = self._served[stage].setdefault(location.peer_id, (location, []))
-            held[1].append((done.inputs, grads))
+            held[1].append((pass_id, done.inputs, grads))
         return got
 
     async def backward(
@@ -378,6 +390,9 @@ class PipelineClient:
         A server that cannot be reached (killed, cut off) takes its part of the step
         with it: its backward passes of the step are redone on the stage's other
         servers, which are asked again, so no sample is lost and none counted twice.
+        Each server is told which passes it answered; one that counted others (a pass
+        it computed after this client gave up on it and had it redone elsewhere) is told
+        to drop the step's gradients, and the passes it had answered are redone.
         Raises StageStepError naming the stages that could not step after
         ``MAX_STEP_ATTEMPTS`` tries, or whose servers disagree on the step."""
         if self._step is None:  # a new client: where the stages are
@@ -414,7 +429,15 @@ class PipelineClient:
                 }
                 for peer_id in behind:  # not asked again in this step
                     self.wirings[stage].on_failure(peer_id, 0, now, busy=False)
+                miscounted = {
+                    p
+                    for p, a in got.items()
+                    if isinstance(a, RemoteError) and a.remote_type == "StageMiscounted"
+                }
+                asked = [loc for loc in servers[stage] if loc.peer_id in miscounted]
+                gone |= await self._drop(stage, step, asked)
                 await self._redo(stage, gone, now)
+                await self._redo_dropped(stage, miscounted - gone)
             if not left:
                 break
         else:
@@ -424,6 +447,8 @@ class PipelineClient:
             )
         for served in self._served:
             served.clear()
+        for dropped in self._dropped:
+            dropped.clear()
         self._step = step + 1
         self._counters["steps"] += 1
         return self._step
@@ -434,6 +459,8 @@ class PipelineClient:
         (slow, busy): it holds gradients of the step, which must be in the round."""
         listed = {location.peer_id: location for location in self.wirings[stage].live(now)}
         for peer_id, (location, _) in self._served[stage].items():
+            listed.setdefault(peer_id, location)
+        for peer_id, location in self._dropped[stage].items():
             listed.setdefault(peer_id, location)
         return list(listed.values())
 
@@ -475,9 +502,33 @@ class PipelineClient:
             wiring.on_failure(peer_id, 0, now, busy=False)  # banned: not asked again
         for peer_id in gone:
             _, passes = self._served[stage].pop(peer_id, (None, []))
-            for inputs, grads in passes:
-                self._counters["redone_backwards"] += 1
-                await self._backward_stage(stage, StageCall(None, inputs, 0), grads)
+            await self._redo_passes(stage, passes)
+
+    async def _drop(self, stage: int, step: int, servers: Sequence[ExpertLocation]) -> set[PeerID]:
+        """Tell ``servers`` of ``stage`` (they counted passes this client gave up on) to
+        drop their gradients of ``step``; those that could not be told."""
+        failed = set()
+        for location in servers:
+            request = StepRequest(location.uid, step, end=False, drop=True)
+            answer = await call_step(self.peer, location, request, self.config.step_timeout)
+            if isinstance(answer, StepResponse):
+                self._dropped[stage][location.peer_id] = location
+            else:
+                logger.info("stage %d at %s: drop failed: %r", stage, location.peer_id, answer)
+                failed.add(location.peer_id)
+        return failed
+
+    async def _redo_dropped(self, stage: int, dropped: set[PeerID]) -> None:
+        """The passes the ``dropped`` servers of ``stage`` had answered, again (on any
+        server of the stage, those included: their gradients of the step are gone)."""
+        for peer_id in dropped:
+            _, passes = self._served[stage].pop(peer_id, (None, []))
+            await self._redo_passes(stage, passes)
+
+    async def _redo_passes(self, stage: int, passes: list[_Served]) -> None:
+        for pass_id, inputs, grads in passes:
+            self._counters["redone_backwards"] += 1
+            await self._backward_stage(stage, StageCall(None, inputs, 0), grads, pass_id)
 
     async def _ask_step(
         self,
@@ -492,8 +543,14 @@ class PipelineClient:
         stage and server."""
         timeout = self.config.step_timeout
 
-        async def ask(location: ExpertLocation, members: list[bytes]) -> _Answer:
-            request = StepRequest(location.uid, step, len(members), end, attempt, members=members)
+        async def ask(stage: int, location: ExpertLocation, members: list[bytes]) -> _Answer:
+            passes = None
+            if end:  # the passes it answered this step: it must hold exactly those
+                _, served = self._served[stage].get(location.peer_id, (location, []))
+                passes = [pass_id for pass_id, _, _ in served]
+            request = StepRequest(
+                location.uid, step, len(members), end, attempt, members=members, passes=passes
+            )
             return await call_step(self.peer, location, request, timeout)
 
         asked = [
@@ -501,7 +558,7 @@ class PipelineClient:
             for stage, listed in servers.items()
             for location in listed
         ]
-        got = await asyncio.gather(*(ask(location, members) for _, location, members in asked))
+        got = await asyncio.gather(*(ask(*a) for a in asked))
         answers: dict[int, dict[PeerID, _Answer]] = {stage: {} for stage in servers}
         for (stage, location, _), answer in zip(asked, got, strict=True):
             answers[stage][location.peer_id] = answer

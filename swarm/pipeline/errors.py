@@ -48,3 +48,9 @@ class StageStepError(PipelineError):
 class StageBehind(StageStepError):
     """A synchronous stage's server is behind its stage (it missed a step, or loaded the
     state just before one): it refuses calls and steps until it has caught up."""
+
+
+class StageMiscounted(StageStepError):
+    """A synchronous stage's server holds gradients of other backward passes of the
+    client's than the client had answered there, or of one twice (it computed a pass the
+    client had given up on): it steps nothing until told to drop them."""

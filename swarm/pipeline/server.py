@@ -341,7 +341,9 @@ class StageServer:
         allowed = self.config.server.allowed_trainers
         if allowed is not None and context.remote_peer_id not in allowed:
             raise StageStepError(f"{context.remote_peer_id} is not an allowed trainer here")
-        return await sync.end_step(server.workers[sync.backend.uid], request)
+        return await sync.end_step(
+            server.workers[sync.backend.uid], request, context.remote_peer_id
+        )
 
     async def _until_stop_or_move(
         self, stage: int, server: ExpertServer, replica: StageReplica, stop: asyncio.Event

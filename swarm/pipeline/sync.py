@@ -21,13 +21,22 @@ retried request never steps twice, and a server that missed a step says so inste
 stepping out of turn. Requests for the same step that arrive together share one round.
 A round that is not agreed (a member failed in it) steps nothing: the gradients stay,
 and the client may ask again (``attempt`` names a new round).
+
+A request also lists the backward passes its client had answered by the server in the
+step (``passes``: each backward names its pass, :attr:`BackwardRequest.pass_id`). A
+server whose gradients hold other passes of that client's, or some twice, steps nothing
+(:class:`StageMiscounted`): it computed a pass after the client gave up on it (a timeout,
+a cut connection) and the client had it redone elsewhere. The client then has it drop
+the step's gradients (``drop``) and redoes the passes it had answered there, so each
+sample counts once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections import Counter
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -46,7 +55,7 @@ from swarm.experts.announce import ExpertLocation
 from swarm.experts.backend import ModuleBackend
 from swarm.experts.calls import learn_addresses
 from swarm.experts.worker import ModuleWorker
-from swarm.pipeline.errors import StageBehind, StageStepError
+from swarm.pipeline.errors import StageBehind, StageMiscounted, StageStepError
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +84,13 @@ class StepRequest:
     """The servers of the stage asked (peer IDs): the step is taken only if the round's
     group is exactly them, so no server's gradients are left out unnoticed. Empty: any
     group of ``group_size``."""
+    passes: list[int] | None = None
+    """The backward passes (their ``pass_id``) the asking client had answered by this
+    server in this step: the step is taken only if the server's gradients hold exactly
+    these of that client's passes, each once. ``None``: not checked."""
+    drop: bool = False
+    """Before anything else, forget this server's gradients of the step (it counted a
+    pass the client gave up on): the client redoes the passes it had answered here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +208,8 @@ class SyncStage:
         self.buffers = dict(buffers)
         # the step's gradients taken from the module so far (kept across failed attempts)
         self._pending = {name: torch.zeros_like(b) for name, b in self.buffers.items()}
+        # the passes those gradients hold: (caller, step, pass_id), as the server tags them
+        self._pending_passes: Counter[Hashable] = Counter()
         self._ending: asyncio.Future[StepResponse] | None = None
         self._samples_before = 0  # backward samples served before the step under way
         self._last = StepResponse(step, 0, 1)
@@ -241,10 +259,15 @@ class SyncStage:
     def caught_up(self, step: object) -> None:
         """The state of ``step`` was loaded (the module holds it): the gradients of the
         old step are void."""
+        self._forget()
+        self.start_at(step)
+
+    def _forget(self) -> None:
+        """Drop the gradients of the step (run where no batch runs)."""
         self.backend.take_gradients()
         for pending in self._pending.values():
             pending.zero_()
-        self.start_at(step)
+        self._pending_passes.clear()
         self._samples_before = self.backend.statistics().num_backward_samples
 
     def steps(self) -> int:
@@ -257,12 +280,20 @@ class SyncStage:
             if task is not None:
                 task.cancel()
 
-    async def end_step(self, worker: ModuleWorker, request: StepRequest) -> StepResponse:
-        """Answer ``request`` (see :class:`StepRequest`): end the step it names if it is
-        this server's current one. Raises StageStepError if it names a later step, or
-        if the round found no group or was not agreed (nothing stepped)."""
+    async def end_step(
+        self, worker: ModuleWorker, request: StepRequest, caller: Hashable = None
+    ) -> StepResponse:
+        """Answer ``request`` from ``caller`` (see :class:`StepRequest`): end the step it
+        names if it is this server's current one. Raises StageStepError if it names a
+        later step, if this server's gradients hold other passes of the caller's than it
+        lists (StageMiscounted), or if the round found no group or was not agreed
+        (nothing stepped)."""
         if request.share:
             await self._share_now(worker)
+        if request.drop and request.step == self.step:
+            if self._ending is not None:
+                raise StageStepError(f"{self.backend.uid}: a step is under way: not dropped")
+            await worker.exclusive(self._forget)
         if not request.end or request.step < self.step:
             return self._last
         if request.step > self.step:
@@ -275,7 +306,7 @@ class SyncStage:
             raise StageStepError(f"group_size and members must be at most {MAX_STAGE_GROUP}")
         _members(request.members)  # garbage is refused before it costs a round
         if self._ending is None:
-            self._ending = asyncio.ensure_future(self._end(worker, request))
+            self._ending = asyncio.ensure_future(self._end(worker, request, caller))
             self._ending.add_done_callback(self._ended)
         # shielded: a caller that gives up does not cancel the others' step
         return await asyncio.shield(self._ending)
@@ -284,8 +315,12 @@ class SyncStage:
         if self._ending is future:
             self._ending = None
 
-    async def _end(self, worker: ModuleWorker, request: StepRequest) -> StepResponse:
+    async def _end(
+        self, worker: ModuleWorker, request: StepRequest, caller: Hashable
+    ) -> StepResponse:
         samples = await worker.exclusive(self._snapshot)
+        if request.passes is not None:
+            self._check_passes(request.step, request.passes, caller)
         group = 1
         if request.group_size > 1:
             averaged = await self._sum(request)
@@ -339,10 +374,26 @@ class SyncStage:
             )
         return averaged
 
+    def _check_passes(self, step: int, passes: list[int], caller: Hashable) -> None:
+        """StageMiscounted unless the step's gradients hold exactly ``passes`` of
+        ``caller``'s, each once."""
+        expected: Counter[Hashable] = Counter((caller, step, p) for p in passes)
+        held = Counter({t: n for t, n in self._pending_passes.items() if _caller(t) == caller})
+        if held == expected:
+            return
+        extra, missing = held - expected, expected - held
+        raise StageMiscounted(
+            f"{self.backend.uid}: step {step}: this server's gradients hold "
+            f"{extra.total()} backward passes of the caller's that it did not have "
+            f"answered here (or twice) and lack {missing.total()} it did: nothing stepped; "
+            "drop them (StepRequest.drop) and redo the passes answered here"
+        )
+
     def _snapshot(self) -> int:
         """This server's gradients of the step (taken from the module: each caller's
         contribution clipped, if configured; added to those of a failed attempt) into
         the round's buffers; the backward samples they hold."""
+        self._pending_passes.update(self.backend.counted)
         taken = self.backend.take_gradients()
         with torch.no_grad():
             for name, p in self.params.items():
@@ -357,7 +408,13 @@ class SyncStage:
         """Step on the stage's summed gradient (clipped as a whole, if configured)."""
         for pending in self._pending.values():
             pending.zero_()
+        self._pending_passes.clear()
         grads = {p: self.buffers[name] for name, p in self.params.items()}
         if not self.backend.step_with(grads):
             logger.warning("%s: the step's gradient is not finite: dropped", self.backend.uid)
         self.step += 1
+
+
+def _caller(tag: Hashable) -> Hashable:
+    """Who sent a counted pass (the first of the server's ``(caller, step, pass_id)``)."""
+    return tag[0] if isinstance(tag, tuple) and tag else None

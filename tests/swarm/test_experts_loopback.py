@@ -779,7 +779,8 @@ def test_on_a_synchronous_module_a_failed_backward_costs_only_the_requests_not_a
     """A module its owner steps (a synchronous stage) answers each backward of a batch
     once its gradients are in; the batch's second request fails half-way through its
     backward: the first keeps its answer and its gradients, the failed one adds none
-    (a backward is all or nothing), and the rest of the batch is told to retry."""
+    (a backward is all or nothing), and the rest of the batch is told to retry. The
+    module counts the first's pass alone."""
     monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)
     module = _FragileBackward()
     reference = _FragileBackward()
@@ -798,8 +799,10 @@ def test_on_a_synchronous_module_a_failed_backward_costs_only_the_requests_not_a
                 )
                 kept.append(graph)
             calls = [
-                asyncio.ensure_future(worker.submit("backward", ([x], [g]), 1, kept=graph))
-                for x, g, graph in zip(xs, grads, kept, strict=True)
+                asyncio.ensure_future(
+                    worker.submit("backward", ([x], [g]), 1, kept=graph, tag=f"pass {i}")
+                )
+                for i, (x, g, graph) in enumerate(zip(xs, grads, kept, strict=True))
             ]  # queued together: one batch
             return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 20)
 
@@ -811,3 +814,4 @@ def test_on_a_synchronous_module_a_failed_backward_costs_only_the_requests_not_a
     for p, r in zip(module.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and r.grad is not None
         assert torch.equal(p.grad, r.grad)  # the first request's, nothing of the second's
+    assert worker.backend.counted == ("pass 0",)  # the passes the gradients hold

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from averaging import AllReduceConfig
 from peers import RemoteError
 from swarm.experts import ExpertCallConfig, ServerConfig
+from swarm.experts import worker as worker_module
 from swarm.experts.announce import find_experts
 from swarm.experts.calls import call_backward
 from swarm.optim_spec import OptimizerSpec
@@ -460,11 +462,172 @@ def test_garbage_step_requests_are_refused_and_the_server_keeps_serving(arun: Ru
                 (StepRequest("stage.1", 0, 2, members=[b"\\x00junk", b"x"]), "not peer IDs"),
                 (StepRequest("stage.1", 0, 2, members=[b"p"] * 100), "group_size and members"),
                 (StepRequest("x" * 10_000, 0), "does not serve"),
+                (StepRequest("stage.1", 0, passes=["x"]), "passes"),  # type: ignore[list-item]
             ):
                 with pytest.raises(RemoteError, match=says):
                     await ask(request)
             # nothing stepped, and the stages train and step as before
             await client.train([_batch(0, 0)], _loss)
             assert (await ask(StepRequest("stage.1", -1, end=False))).step == 1
+
+    arun(main())
+
+
+class _LateOnce:
+    """Wraps a backend's backward: once armed, its next backward sleeps ``seconds`` in
+    the worker's thread before computing (a server too slow for the caller's timeout,
+    which still computes the pass and adds its gradients after the caller gave up)."""
+
+    def __init__(self, hosted: Hosted, seconds: float) -> None:
+        worker = hosted.server.worker
+        assert worker is not None
+        self.backend = worker.backend
+        self.seconds = seconds
+        self.armed = False
+        self.done = threading.Event()
+        self._backward = self.backend.backward
+        self.backend.backward = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[torch.Tensor | None]:
+        if self.armed:
+            self.armed = False
+            time.sleep(self.seconds)
+            try:
+                return self._backward(*args, **kwargs)
+            finally:
+                self.done.set()
+        return self._backward(*args, **kwargs)
+
+
+async def _pass_through(
+    client: PipelineClient,
+    local: torch.nn.Sequential,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    scale: float,
+    via: Hosted,
+) -> None:
+    """One micro-batch whose stage-1 forward (so its backward, first) went to ``via``;
+    the local model accumulates the same."""
+    peer_id = via.server.peer.peer_id
+    for _ in range(64):  # the wiring is random: forward until one goes through ``via``
+        outputs, trace = await client.forward([x], keep=True)
+        location = trace.calls[1].location
+        if location is not None and location.peer_id == peer_id:
+            break
+    else:
+        raise AssertionError("no forward went through the server")
+    with torch.enable_grad():
+        out = outputs[0].requires_grad_(True)
+        (grad,) = torch.autograd.grad(_loss(out, y) * scale, out)
+    await client.backward(trace, [grad])
+    (_loss(local(x), y) * scale).backward()
+
+
+def test_a_backward_the_client_gave_up_on_counts_once_though_the_server_computed_it(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage server too slow for the client's backward timeout computes the pass
+    anyway, after the client had it redone on the stage's other server. At the step's
+    end it holds a pass the client did not have answered there: it steps nothing, is
+    told to drop the step's gradients, the passes it had answered are redone, and the
+    stage takes exactly the step of one process."""
+    monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)  # in a thread
+
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            hosted = [await swarm.serve(_config(stage)) for stage in (0, 1, 1, 2)]
+            slow, other = hosted[1], hosted[2]
+            late = _LateOnce(slow, seconds=2.5)
+            config = dataclasses.replace(
+                _client_config(),
+                calls=ExpertCallConfig(forward_timeout=30.0, backward_timeout=1.0),
+            )
+            client = PipelineClient(await swarm.node(), config)
+            await client.refresh()
+            local = MODEL.build_local()
+            optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
+            total = MICRO_BATCH * MICRO_BATCHES
+            batches = [_batch(0, i) for i in range(MICRO_BATCHES)]
+            await _pass_through(client, local, *batches[0], MICRO_BATCH / total, slow)
+            late.armed = True  # the next: given up on at 1 s, redone at the other server
+            await _pass_through(client, local, *batches[1], MICRO_BATCH / total, slow)
+            for x, y in batches[2:]:
+                await client.train_micro_batch(x, y, _loss, x.shape[0] / total)
+                (_loss(local(x), y) * x.shape[0] / total).backward()
+            assert await asyncio.to_thread(late.done.wait, 10.0)
+            # the slow server holds both its passes, the late one too
+            assert len(late.backend.counted) == 2
+            assert _backward_samples(other) >= MICRO_BATCH  # the late one's redo
+            assert await client.end_step() == 1
+            optimizer.step()
+            optimizer.zero_grad()
+            await _assert_stages_are(local, hosted)
+            assert client.statistics().num_redone_backwards >= 1
+            # and the next step is an ordinary one (the slow server, banned for a while
+            # and holding nothing of it, sits it out)
+            await _backward_passes(client, local, 1)
+            optimizer.step()
+            assert await client.end_step() == 2
+            await _assert_stages_are(local, [h for h in hosted if h is not slow])
+
+    arun(main())
+
+
+def test_a_server_holding_a_pass_twice_steps_nothing_until_told_to_drop_it(arun: Run) -> None:
+    """The step protocol's count, asked directly: a pass sent twice (a retry whose first
+    answer was lost) is held twice and refused; a pass the client does not list, or one
+    it lists and the server lacks, too; after a drop the server holds nothing of the
+    step and steps with what it gets next."""
+
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            hosted = [await swarm.serve(_config(stage)) for stage in range(3)]
+            client = await _client(swarm)
+            (found,) = (await find_experts(client.dht, ["stage.2"]))["stage.2"]
+            x, grad = torch.randn(4, 16), torch.randn(4, 4)
+
+            async def backward(pass_id: int) -> None:
+                await call_backward(
+                    client.peer,
+                    found.location,
+                    [x],
+                    [grad],
+                    config=ExpertCallConfig(),
+                    step=0,
+                    pass_id=pass_id,
+                )
+
+            def ask(passes: list[int], **kwargs: Any) -> Coroutine[Any, Any, StepResponse]:
+                return _ask_step(
+                    client, hosted[2], StepRequest("stage.2", 0, passes=passes, **kwargs)
+                )
+
+            await backward(7)
+            await backward(7)
+            for passes, says in (
+                ([7], "hold 1 backward passes .* not have answered here \\(or twice\\) and lack 0"),
+                ([7, 7, 8], "hold 0 .* and lack 1"),
+                ([], "hold 2 .* and lack 0"),
+            ):
+                with pytest.raises(RemoteError, match=says) as refused:
+                    await ask(passes)
+                assert refused.value.remote_type == "StageMiscounted"
+            assert (await ask([7, 7], end=False)).step == 0  # nothing stepped
+            before = await state_of(hosted[2])
+            assert (await ask([], end=False, drop=True)).step == 0
+            with pytest.raises(RemoteError, match=r"hold 0 .* and lack 1"):
+                await ask([7])  # dropped: it holds nothing now
+            await backward(9)
+            done = await ask([9])
+            assert (done.step, done.samples) == (1, 4)
+            after = await state_of(hosted[2])
+            # the step is the one pass's, exactly: as a fresh server computes it
+            reference = MODEL.build_local()[2]
+            reference.load_state_dict(before)
+            (reference(x) * grad).sum().backward()
+            torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9).step()
+            for name, value in reference.state_dict().items():
+                assert torch.allclose(after[name], value, atol=1e-6), name
 
     arun(main())
