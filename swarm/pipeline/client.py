@@ -55,6 +55,9 @@ MAX_ATTEMPTS = 16
 MAX_STEP_ATTEMPTS = 3
 #: Seconds between re-reads of the DHT while a stage has no live server.
 WAIT_POLL_SECONDS = 0.5
+#: A listing of the stages' servers read during a step (from its first forward on), at
+#: most this old, serves the step's end; an older one is read again there.
+STEP_LISTING_SECONDS = 1.0
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: A synchronous step's answer from one server, or why there is none.
@@ -172,6 +175,8 @@ class PipelineClient:
         # are still asked to its round (with nothing, or what was redone there since)
         self._dropped: list[dict[PeerID, ExpertLocation]] = [{} for _ in range(config.num_stages)]
         self._pass_ids = itertools.count(1)  # names each backward pass (with its retries)
+        # synchronous: the listing read at the step's first forward, for its end
+        self._step_listing: asyncio.Future[None] | None = None
 
     async def refresh(self) -> None:
         """Re-read every stage's servers from the DHT now."""
@@ -282,6 +287,9 @@ class PipelineClient:
         :meth:`backward` needs. With ``keep`` servers keep their graphs for it."""
         if self.config.synchronous and self._step is None:  # the step the calls name
             await self._learn_step()
+        if keep and self.config.synchronous and self._step_listing is None:
+            # who to ask at the step's end, read meanwhile rather than then
+            self._step_listing = asyncio.ensure_future(self._read_listing())
         current = [t.detach().cpu() for t in inputs]
         calls = []
         for stage in range(self.config.num_stages):
@@ -385,8 +393,10 @@ class PipelineClient:
     async def end_step(self) -> int:
         """Synchronous stages: every stage's servers sum the gradients they accumulated
         and step, together (:mod:`swarm.pipeline.sync`); returns the steps the stages
-        have taken. The servers asked are those the DHT lists now, read afresh (each may
-        hold some of the step's gradients), and each stage steps only with all of them.
+        have taken. The servers asked are those the DHT lists (read during the step, from
+        its first forward on, or afresh if that is older than ``STEP_LISTING_SECONDS``)
+        and every server that served one of the step's passes; each stage steps only
+        with all of them.
         A server that cannot be reached (killed, cut off) takes its part of the step
         with it: its backward passes of the step are redone on the stage's other
         servers, which are asked again, so no sample is lost and none counted twice.
@@ -401,7 +411,7 @@ class PipelineClient:
         step, left = self._step, set(range(self.config.num_stages))
         errors: list[str] = []
         for attempt in range(MAX_STEP_ATTEMPTS):
-            await self.refresh()
+            await self._listing_for_step(attempt)
             now = time.monotonic()
             servers = {stage: self._holders(stage, now) for stage in left}
             for stage, listed in servers.items():
@@ -452,6 +462,23 @@ class PipelineClient:
         self._step = step + 1
         self._counters["steps"] += 1
         return self._step
+
+    async def _read_listing(self) -> None:
+        try:
+            await self.refresh()
+        except (PeersError, TimeoutError, OSError) as e:  # the step's end reads it again
+            logger.info("reading the stages' servers failed: %r", e)
+
+    async def _listing_for_step(self, attempt: int) -> None:
+        """The stages' servers for an attempt to end the step: the first uses the
+        listing read during the step if it is at most ``STEP_LISTING_SECONDS`` old (a
+        server announced since misses the step and catches up, as one announced just
+        after any read would); later ones read it again."""
+        listing, self._step_listing = self._step_listing, None
+        if listing is not None:
+            await listing
+        if attempt or time.monotonic() - self._refreshed_at > STEP_LISTING_SECONDS:
+            await self.refresh()
 
     def _holders(self, stage: int, now: float) -> list[ExpertLocation]:
         """Who is asked to end ``stage``'s step: its live servers, and every server that
