@@ -44,6 +44,10 @@ DEFAULT_CLIP_GRAD_NORM = 1.0
 #: Samples of the trial forward that finds a module's output specs: 2, not 1, so that
 #: a module that squeezes its batch dimension by mistake is caught.
 TRIAL_BATCH_SIZE = 2
+#: Most tags :attr:`ModuleBackend.counted` keeps (one per backward pass named by its
+#: caller, until the step): past it, the rest are one :data:`COUNTED_OVERFLOW`.
+MAX_COUNTED_PASSES = 1 << 16
+COUNTED_OVERFLOW = "more passes than MAX_COUNTED_PASSES"
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +190,9 @@ class ModuleBackend:
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
         self._counted.extend(tags)
+        if len(self._counted) > MAX_COUNTED_PASSES:  # bounded: the rest is one mark
+            del self._counted[MAX_COUNTED_PASSES - 1 :]
+            self._counted.append(COUNTED_OVERFLOW)
         self._num_backward += inputs[0].shape[0]
         self._num_batches += 1
         of_leaf = {id(leaf): g for leaf, g in zip(leaves, found[len(params) :], strict=True)}
@@ -245,7 +252,8 @@ class ModuleBackend:
     def counted(self) -> tuple[Hashable, ...]:
         """The tags of the backward passes whose gradients the module holds for the
         next step (as :meth:`backward` was given them; a pass counted twice is here
-        twice), until they are taken, stepped or discarded."""
+        twice), until they are taken, stepped or discarded. Past
+        :data:`MAX_COUNTED_PASSES` the rest are one :data:`COUNTED_OVERFLOW`."""
         return tuple(self._counted)
 
     def step_with(self, grads: Mapping[nn.Parameter, torch.Tensor]) -> bool:

@@ -423,6 +423,7 @@ class PipelineClient:
                 stepped = [a for a in got.values() if isinstance(a, StepResponse)]
                 if any(a.step > step + 1 for a in stepped):
                     self._step = None
+                    self._forget_step()  # its passes are not the stages' step's
                     raise StageStepError(
                         f"stage {stage}: asked to end step {step}, a server was past it: "
                         "this client's view of the step was stale; it reads it again next time"
@@ -439,6 +440,7 @@ class PipelineClient:
                 }
                 for peer_id in behind:  # not asked again in this step
                     self.wirings[stage].on_failure(peer_id, 0, now, busy=False)
+                    self._dropped[stage].pop(peer_id, None)
                 miscounted = {
                     p
                     for p, a in got.items()
@@ -455,13 +457,18 @@ class PipelineClient:
                 f"step {step}: stages {sorted(left)} could not step in {MAX_STEP_ATTEMPTS} "
                 f"attempts; last: " + "; ".join(errors[:6])
             )
+        self._forget_step()
+        self._step = step + 1
+        self._counters["steps"] += 1
+        return self._step
+
+    def _forget_step(self) -> None:
+        """The step's records (who served which pass, who dropped): it ended, or was
+        not the stages' step."""
         for served in self._served:
             served.clear()
         for dropped in self._dropped:
             dropped.clear()
-        self._step = step + 1
-        self._counters["steps"] += 1
-        return self._step
 
     async def _read_listing(self) -> None:
         try:
@@ -527,9 +534,9 @@ class PipelineClient:
         wiring = self.wirings[stage]
         for peer_id in gone:
             wiring.on_failure(peer_id, 0, now, busy=False)  # banned: not asked again
+            self._dropped[stage].pop(peer_id, None)
         for peer_id in gone:
-            _, passes = self._served[stage].pop(peer_id, (None, []))
-            await self._redo_passes(stage, passes)
+            await self._redo_passes(stage, peer_id)
 
     async def _drop(self, stage: int, step: int, servers: Sequence[ExpertLocation]) -> set[PeerID]:
         """Tell ``servers`` of ``stage`` (they counted passes this client gave up on) to
@@ -549,13 +556,24 @@ class PipelineClient:
         """The passes the ``dropped`` servers of ``stage`` had answered, again (on any
         server of the stage, those included: their gradients of the step are gone)."""
         for peer_id in dropped:
-            _, passes = self._served[stage].pop(peer_id, (None, []))
-            await self._redo_passes(stage, passes)
+            await self._redo_passes(stage, peer_id)
 
-    async def _redo_passes(self, stage: int, passes: list[_Served]) -> None:
-        for pass_id, inputs, grads in passes:
+    async def _redo_passes(self, stage: int, peer_id: PeerID) -> None:
+        """The passes ``peer_id`` had answered in the step, on the stage's servers
+        (each then held where it lands). If one fails, it and those after it stay the
+        server's, so the step's next attempt finds them missing and redoes them."""
+        held = self._served[stage].pop(peer_id, None)
+        if held is None:
+            return
+        location, passes = held
+        for done, (pass_id, inputs, grads) in enumerate(passes):
+            try:
+                await self._backward_stage(stage, StageCall(None, inputs, 0), grads, pass_id)
+            except BaseException:
+                again = self._served[stage].setdefault(peer_id, (location, []))
+                again[1][:0] = passes[done:]
+                raise
             self._counters["redone_backwards"] += 1
-            await self._backward_stage(stage, StageCall(None, inputs, 0), grads, pass_id)
 
     async def _ask_step(
         self,

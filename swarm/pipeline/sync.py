@@ -63,6 +63,8 @@ STEP_PROTOCOL = "/swarmtrain/pipeline/step/1.0.0"
 
 #: Most servers of one stage that a step request may ask to sum their gradients.
 MAX_STAGE_GROUP = 64
+#: Most backward passes a step request may list for one server.
+MAX_STEP_PASSES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +292,7 @@ class SyncStage:
         (nothing stepped)."""
         if request.share:
             await self._share_now(worker)
+        # a drop for another step than this server's has nothing to drop: answered as is
         if request.drop and request.step == self.step:
             if self._ending is not None:
                 raise StageStepError(f"{self.backend.uid}: a step is under way: not dropped")
@@ -304,6 +307,8 @@ class SyncStage:
             )
         if not 1 <= request.group_size <= MAX_STAGE_GROUP or len(request.members) > MAX_STAGE_GROUP:
             raise StageStepError(f"group_size and members must be at most {MAX_STAGE_GROUP}")
+        if request.passes is not None and len(request.passes) > MAX_STEP_PASSES:
+            raise StageStepError(f"passes: at most {MAX_STEP_PASSES} per server")
         _members(request.members)  # garbage is refused before it costs a round
         if self._ending is None:
             self._ending = asyncio.ensure_future(self._end(worker, request, caller))
@@ -376,17 +381,21 @@ class SyncStage:
 
     def _check_passes(self, step: int, passes: list[int], caller: Hashable) -> None:
         """StageMiscounted unless the step's gradients hold exactly ``passes`` of
-        ``caller``'s, each once."""
+        ``caller``'s, each once, and no pass computed for another step (whoever sent
+        it: it was computed after its step ended, on parameters since stepped). Other
+        callers' passes of this step are not checked: one client drives the steps."""
         expected: Counter[Hashable] = Counter((caller, step, p) for p in passes)
-        held = Counter({t: n for t, n in self._pending_passes.items() if _caller(t) == caller})
+        held: Counter[Hashable] = Counter(
+            {t: n for t, n in self._pending_passes.items() if _is_checked(t, caller, step)}
+        )
         if held == expected:
             return
         extra, missing = held - expected, expected - held
         raise StageMiscounted(
-            f"{self.backend.uid}: step {step}: this server's gradients hold "
-            f"{extra.total()} backward passes of the caller's that it did not have "
-            f"answered here (or twice) and lack {missing.total()} it did: nothing stepped; "
-            "drop them (StepRequest.drop) and redo the passes answered here"
+            f"{self.backend.uid}: step {step}: this server holds {extra.total()} passes "
+            f"it was not listed (or one twice; e.g. {_pass_ids(extra)}) and lacks "
+            f"{missing.total()} it was (e.g. {_pass_ids(missing)}): nothing stepped; drop "
+            "the step's gradients (StepRequest.drop) and redo the passes answered here"
         )
 
     def _snapshot(self) -> int:
@@ -415,6 +424,14 @@ class SyncStage:
         self.step += 1
 
 
-def _caller(tag: Hashable) -> Hashable:
-    """Who sent a counted pass (the first of the server's ``(caller, step, pass_id)``)."""
-    return tag[0] if isinstance(tag, tuple) and tag else None
+def _is_checked(tag: Hashable, caller: Hashable, step: int) -> bool:
+    """Whether a counted pass (the server tags it ``(caller, step, pass_id)``) is one
+    the step's check looks at: ``caller``'s, or any computed for another step."""
+    if not (isinstance(tag, tuple) and len(tag) == 3):
+        return True  # not a pass tag (the module's overflow mark): never expected
+    return bool(tag[0] == caller or tag[1] != step)
+
+
+def _pass_ids(passes: Counter[Hashable], most: int = 4) -> list[object]:
+    """Up to ``most`` pass ids of ``passes`` (for a message)."""
+    return [t[2] if isinstance(t, tuple) and len(t) == 3 else t for t in list(passes)[:most]]

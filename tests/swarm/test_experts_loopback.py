@@ -34,6 +34,7 @@ from swarm.experts import (
     call_forward,
     call_info,
 )
+from swarm.experts import backend as backend_module
 from swarm.experts import server as server_module
 from swarm.experts import worker as worker_module
 from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM
@@ -815,3 +816,24 @@ def test_on_a_synchronous_module_a_failed_backward_costs_only_the_requests_not_a
         assert p.grad is not None and r.grad is not None
         assert torch.equal(p.grad, r.grad)  # the first request's, nothing of the second's
     assert worker.backend.counted == ("pass 0",)  # the passes the gradients hold
+
+
+def test_the_passes_a_module_counts_are_bounded_and_leave_with_its_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ModuleBackend.counted``: each tagged backward's tags once its gradients are in,
+    at most ``MAX_COUNTED_PASSES`` (the rest one overflow mark), gone with the
+    gradients when they are taken or discarded."""
+    monkeypatch.setattr(backend_module, "MAX_COUNTED_PASSES", 3)
+    backend = _synchronous_worker(nn.Linear(4, 4)).backend
+    x, grad = torch.randn(2, 4), torch.randn(2, 4)
+    backend.backward([x], [grad], tags=["a"])
+    backend.backward([x], [grad])  # untagged: counts no pass
+    assert backend.counted == ("a",)
+    for tag in "bcde":
+        backend.backward([x], [grad], tags=[tag])
+    assert backend.counted == ("a", "b", backend_module.COUNTED_OVERFLOW)
+    assert backend.take_gradients() and backend.counted == ()
+    backend.backward([x], [grad], tags=["f", "g"])
+    backend.discard_gradients()
+    assert backend.counted == ()

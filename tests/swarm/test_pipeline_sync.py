@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 from averaging import AllReduceConfig
 from peers import RemoteError
+from peers.identity import PeerID
 from swarm.experts import ExpertCallConfig, ServerConfig
 from swarm.experts import worker as worker_module
-from swarm.experts.announce import find_experts
+from swarm.experts.announce import ExpertLocation, find_experts
 from swarm.experts.calls import call_backward
 from swarm.optim_spec import OptimizerSpec
 from swarm.pipeline import (
@@ -36,7 +37,13 @@ from swarm.pipeline import (
     StageServerConfig,
     StageUnavailable,
 )
-from swarm.pipeline.sync import STEP_PROTOCOL, StepRequest, StepResponse, SyncConfig
+from swarm.pipeline.sync import (
+    MAX_STEP_PASSES,
+    STEP_PROTOCOL,
+    StepRequest,
+    StepResponse,
+    SyncConfig,
+)
 from swarm.tasks import get_task
 from tests.swarm.pipeline_loop import Hosted, Swarm, local_swarm, state_of
 
@@ -463,6 +470,7 @@ def test_garbage_step_requests_are_refused_and_the_server_keeps_serving(arun: Ru
                 (StepRequest("stage.1", 0, 2, members=[b"p"] * 100), "group_size and members"),
                 (StepRequest("x" * 10_000, 0), "does not serve"),
                 (StepRequest("stage.1", 0, passes=["x"]), "passes"),  # type: ignore[list-item]
+                (StepRequest("stage.1", 0, passes=[1] * (MAX_STEP_PASSES + 1)), "at most"),
             ):
                 with pytest.raises(RemoteError, match=says):
                     await ask(request)
@@ -524,14 +532,16 @@ async def _pass_through(
     (_loss(local(x), y) * scale).backward()
 
 
+@pytest.mark.parametrize("killed_after_the_drop", [False, True])
 def test_a_backward_the_client_gave_up_on_counts_once_though_the_server_computed_it(
-    arun: Run, monkeypatch: pytest.MonkeyPatch
+    arun: Run, monkeypatch: pytest.MonkeyPatch, killed_after_the_drop: bool
 ) -> None:
     """A stage server too slow for the client's backward timeout computes the pass
     anyway, after the client had it redone on the stage's other server. At the step's
     end it holds a pass the client did not have answered there: it steps nothing, is
     told to drop the step's gradients, the passes it had answered are redone, and the
-    stage takes exactly the step of one process."""
+    stage takes exactly the step of one process. If it dies right after the drop, the
+    stage steps without it (it is not waited for as a dropped server)."""
     monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)  # in a thread
 
     async def main() -> None:
@@ -545,6 +555,19 @@ def test_a_backward_the_client_gave_up_on_counts_once_though_the_server_computed
             )
             client = PipelineClient(await swarm.node(), config)
             await client.refresh()
+            if killed_after_the_drop:
+                drop = client._drop
+
+                async def drop_then_die(
+                    stage: int, step: int, servers: list[ExpertLocation]
+                ) -> set[PeerID]:
+                    failed = await drop(stage, step, servers)
+                    if servers:  # the slow server was told to drop: it dies
+                        assert [s.peer_id for s in servers] == [slow.server.peer.peer_id]
+                        await swarm.kill(slow)
+                    return failed
+
+                monkeypatch.setattr(client, "_drop", drop_then_die)
             local = MODEL.build_local()
             optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
             total = MICRO_BATCH * MICRO_BATCHES
@@ -562,6 +585,8 @@ def test_a_backward_the_client_gave_up_on_counts_once_though_the_server_computed
             assert await client.end_step() == 1
             optimizer.step()
             optimizer.zero_grad()
+            if killed_after_the_drop:
+                hosted.remove(slow)
             await _assert_stages_are(local, hosted)
             assert client.statistics().num_redone_backwards >= 1
             # and the next step is an ordinary one (the slow server, banned for a while
@@ -606,9 +631,9 @@ def test_a_server_holding_a_pass_twice_steps_nothing_until_told_to_drop_it(arun:
             await backward(7)
             await backward(7)
             for passes, says in (
-                ([7], "hold 1 backward passes .* not have answered here \\(or twice\\) and lack 0"),
-                ([7, 7, 8], "hold 0 .* and lack 1"),
-                ([], "hold 2 .* and lack 0"),
+                ([7], r"holds 1 passes it was not listed \(or one twice; e.g. \[7\]\) and lacks 0"),
+                ([7, 7, 8], r"holds 0 .* and lacks 1 it was \(e.g. \[8\]\)"),
+                ([], r"holds 2 .* and lacks 0"),
             ):
                 with pytest.raises(RemoteError, match=says) as refused:
                     await ask(passes)
@@ -616,7 +641,7 @@ def test_a_server_holding_a_pass_twice_steps_nothing_until_told_to_drop_it(arun:
             assert (await ask([7, 7], end=False)).step == 0  # nothing stepped
             before = await state_of(hosted[2])
             assert (await ask([], end=False, drop=True)).step == 0
-            with pytest.raises(RemoteError, match=r"hold 0 .* and lack 1"):
+            with pytest.raises(RemoteError, match=r"holds 0 .* and lacks 1"):
                 await ask([7])  # dropped: it holds nothing now
             await backward(9)
             done = await ask([9])
