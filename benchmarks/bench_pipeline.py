@@ -1,19 +1,21 @@
 """Pipeline benchmark (issue 19): synchronous stages against one process, and the
 square-cube law.
 
-**Throughput.** Three models, each on 3 stage servers (one process per stage, one torch
+**Throughput.** Four models, each on 3 stage servers (one process per stage, one torch
 thread each, on 127.0.0.1), driven by ``RemoteSequential.train_step`` with ``in_flight``
 micro-batches in flight, against the same model trained on the same micro-batches in
 this process on one thread. ``wide``: an MLP of three 512 -> 2048 -> 512 stages;
 ``charlm256``: the ``charlm`` transformer at width 256 (3 blocks, one per stage, context
-64, next-character loss on the task's data); ``offcpu``: stages that compute off the
+64, next-character loss on the task's data); ``charlm512``: the same at width 512, the
+compute-heavy one (its compute per token grows as the width squared, what crosses a
+stage boundary as the width: see the square-cube figure); ``offcpu``: stages that compute off the
 CPU, as on an accelerator (``_offcpu_stages.py``: a linear layer, then 4 ms held in the
 forward and 8 ms in the backward), whose limit is GPipe's schedule, 2x at 4
 micro-batches through 3 stages, not this machine's cores. Both modes: synchronous (the
 stages step once per ``train_step``, on the batch's gradient; locally, the micro-batches'
 gradients accumulated and one step) and asynchronous (each server steps on every
 backward; locally, a step per micro-batch). Ratio = local seconds / pipeline seconds
-(> 1: the pipeline is faster). The physical limit of the first two here is 2x: three
+(> 1: the pipeline is faster). The physical limit of the first three here is 2x: three
 servers and the client share two cores (3x with a machine per stage).
 
 **The square-cube law** (SWARM, Ryabinin et al. 2023): a transformer's compute per
@@ -29,7 +31,7 @@ hivemind has no pipeline to set beside it (its SWARM code lives outside the pack
 the local model is the limit each pipeline is measured against.
 
     .venv/bin/python benchmarks/bench_pipeline.py --quick   # about 2 minutes
-    .venv/bin/python benchmarks/bench_pipeline.py           # about 6 minutes
+    .venv/bin/python benchmarks/bench_pipeline.py           # about 8 minutes
 """
 
 from __future__ import annotations
@@ -80,6 +82,13 @@ MODELS = (
     Model(
         name="charlm256",
         options={"charlm": {"d_model": 256, "num_heads": 4, "context": CONTEXT}},
+        micro_batch=8,
+        in_flight=4,
+    ),
+    # The compute-heavy transformer: serving costs little beside its compute.
+    Model(
+        name="charlm512",
+        options={"charlm": {"d_model": 512, "num_heads": 8, "context": CONTEXT}},
         micro_batch=8,
         in_flight=4,
     ),
