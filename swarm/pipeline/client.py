@@ -151,6 +151,9 @@ class PipelineStatistics:
     """Synchronous stages: backward passes redone on another server of their stage
     because the server that had served them died before the step, or redone after it
     dropped its gradients of the step (it had counted a pass this client gave up on)."""
+    num_step_retries: int = 0
+    """Synchronous stages: attempts to end a step past the first of each (a server lost
+    or refusing in the step's rounds)."""
 
 
 class PipelineClient:
@@ -175,6 +178,9 @@ class PipelineClient:
         # are still asked to its round (with nothing, or what was redone there since)
         self._dropped: list[dict[PeerID, ExpertLocation]] = [{} for _ in range(config.num_stages)]
         self._pass_ids = itertools.count(1)  # names each backward pass (with its retries)
+        # synchronous: per stage, servers a backward of the step failed at unanswered
+        # (timed out, cut off, cancelled): they may have counted it all the same
+        self._suspects: list[dict[PeerID, ExpertLocation]] = [{} for _ in range(config.num_stages)]
         # synchronous: the listing read at the step's first forward, for its end
         self._step_listing: asyncio.Future[None] | None = None
 
@@ -310,16 +316,22 @@ class PipelineClient:
 
         async def attempt(location: ExpertLocation) -> list[torch.Tensor | None]:
             token = done.forward_token if location == done.location else 0
-            return await call_backward(
-                self.peer,
-                location,
-                done.inputs,
-                grads,
-                config=self.config.calls,
-                forward_token=token,
-                step=step,
-                pass_id=pass_id,
-            )
+            try:
+                return await call_backward(
+                    self.peer,
+                    location,
+                    done.inputs,
+                    grads,
+                    config=self.config.calls,
+                    forward_token=token,
+                    step=step,
+                    pass_id=pass_id,
+                )
+            except BaseException as e:
+                # unanswered, not refused: the server may count the pass all the same
+                if pass_id and not isinstance(e, RemoteError):
+                    self._suspects[stage][location.peer_id] = location
+                raise
 
         n = done.inputs[0].shape[0]
         location, got = await self._call(
@@ -410,7 +422,10 @@ class PipelineClient:
         assert self._step is not None
         step, left = self._step, set(range(self.config.num_stages))
         errors: list[str] = []
+        await self._check_suspects(step)
         for attempt in range(MAX_STEP_ATTEMPTS):
+            if attempt:
+                self._counters["step_retries"] += 1
             await self._listing_for_step(attempt)
             now = time.monotonic()
             servers = {stage: self._holders(stage, now) for stage in left}
@@ -469,6 +484,8 @@ class PipelineClient:
             served.clear()
         for dropped in self._dropped:
             dropped.clear()
+        for suspects in self._suspects:
+            suspects.clear()
 
     async def _read_listing(self) -> None:
         try:
@@ -538,6 +555,31 @@ class PipelineClient:
         for peer_id in gone:
             await self._redo_passes(stage, peer_id)
 
+    async def _check_suspects(self, step: int) -> None:
+        """Before the step's round, ask each server a backward of the step failed at
+        unanswered whether it holds exactly the passes it answered: one that holds more
+        (it computed the pass after all) drops the step's gradients and its answered
+        passes are redone, one that cannot be reached is lost, so the round does not
+        wait for a server that would refuse it."""
+        suspects = {s: list(found.values()) for s, found in enumerate(self._suspects) if found}
+        for found in self._suspects:
+            found.clear()
+        if not suspects:
+            return
+        answers = await self._ask_step(suspects, step, 0, end=False, check=True)
+        now = time.monotonic()
+        for stage, got in answers.items():
+            gone = {p for p, a in got.items() if not isinstance(a, (StepResponse, RemoteError))}
+            miscounted = [
+                location
+                for location in suspects[stage]
+                if isinstance(a := got[location.peer_id], RemoteError)
+                and a.remote_type == "StageMiscounted"
+            ]
+            gone |= await self._drop(stage, step, miscounted)
+            await self._redo(stage, gone, now)
+            await self._redo_dropped(stage, {loc.peer_id for loc in miscounted} - gone)
+
     async def _drop(self, stage: int, step: int, servers: Sequence[ExpertLocation]) -> set[PeerID]:
         """Tell ``servers`` of ``stage`` (they counted passes this client gave up on) to
         drop their gradients of ``step``; those that could not be told."""
@@ -582,15 +624,17 @@ class PipelineClient:
         attempt: int,
         *,
         end: bool = True,
+        check: bool = False,
     ) -> dict[int, dict[PeerID, _Answer]]:
         """Ask every listed server of each stage to end ``step`` (all of a stage's
-        servers named as the round's members); the answers, or why there is none, by
-        stage and server."""
+        servers named as the round's members), or with ``end=False`` where it is (and
+        with ``check`` whether it holds the passes it answered); the answers, or why
+        there is none, by stage and server."""
         timeout = self.config.step_timeout
 
         async def ask(stage: int, location: ExpertLocation, members: list[bytes]) -> _Answer:
             passes = None
-            if end:  # the passes it answered this step: it must hold exactly those
+            if end or check:  # the passes it answered this step: it must hold exactly those
                 _, served = self._served[stage].get(location.peer_id, (location, []))
                 passes = [pass_id for pass_id, _, _ in served]
             request = StepRequest(
@@ -620,4 +664,5 @@ class PipelineClient:
             call_latency={key: h.snapshot() for key, h in sorted(self._latency.items())},
             num_steps=self._counters["steps"],
             num_redone_backwards=self._counters["redone_backwards"],
+            num_step_retries=self._counters["step_retries"],
         )

@@ -89,7 +89,8 @@ class StepRequest:
     passes: list[int] | None = None
     """The backward passes (their ``pass_id``) the asking client had answered by this
     server in this step: the step is taken only if the server's gradients hold exactly
-    these of that client's passes, each once. ``None``: not checked."""
+    these of that client's passes, each once. ``None``: not checked. With ``end=False``
+    the check alone, before the round (StageMiscounted, or the answer)."""
     drop: bool = False
     """Before anything else, forget this server's gradients of the step (it counted a
     pass the client gave up on): the client redoes the passes it had answered here."""
@@ -297,6 +298,8 @@ class SyncStage:
             if self._ending is not None:
                 raise StageStepError(f"{self.backend.uid}: a step is under way: not dropped")
             await worker.exclusive(self._forget)
+        if not request.end and request.passes is not None and request.step == self.step:
+            await self._check_now(worker, request, caller)
         if not request.end or request.step < self.step:
             return self._last
         if request.step > self.step:
@@ -315,6 +318,20 @@ class SyncStage:
             self._ending.add_done_callback(self._ended)
         # shielded: a caller that gives up does not cancel the others' step
         return await asyncio.shield(self._ending)
+
+    async def _check_now(
+        self, worker: ModuleWorker, request: StepRequest, caller: Hashable
+    ) -> None:
+        """The passes check of :meth:`_end`, alone (a client that gave up on a backward
+        here asks it before the round, which would otherwise wait for this server in
+        vain if it refused)."""
+        assert request.passes is not None
+        if len(request.passes) > MAX_STEP_PASSES:
+            raise StageStepError(f"passes: at most {MAX_STEP_PASSES} per server")
+        if self._ending is not None:
+            raise StageStepError(f"{self.backend.uid}: a step is under way: not checked")
+        await worker.exclusive(self._snapshot)
+        self._check_passes(request.step, request.passes, caller)
 
     def _ended(self, future: asyncio.Future[StepResponse]) -> None:
         if self._ending is future:

@@ -532,16 +532,19 @@ async def _pass_through(
     (_loss(local(x), y) * scale).backward()
 
 
-@pytest.mark.parametrize("killed_after_the_drop", [False, True])
+@pytest.mark.parametrize("case", ["checked first", "found in the round", "killed after the drop"])
 def test_a_backward_the_client_gave_up_on_counts_once_though_the_server_computed_it(
-    arun: Run, monkeypatch: pytest.MonkeyPatch, killed_after_the_drop: bool
+    arun: Run, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     """A stage server too slow for the client's backward timeout computes the pass
     anyway, after the client had it redone on the stage's other server. At the step's
-    end it holds a pass the client did not have answered there: it steps nothing, is
-    told to drop the step's gradients, the passes it had answered are redone, and the
-    stage takes exactly the step of one process. If it dies right after the drop, the
-    stage steps without it (it is not waited for as a dropped server)."""
+    end it holds a pass the client did not have answered there. The client, which gave
+    up on a backward there, asks it before the round: it is told to drop the step's
+    gradients, the passes it had answered are redone, and the stage takes exactly the
+    step of one process at its first round. Without that check (a pass landing after
+    it) the server refuses the round and the same happens at the next attempt. If it
+    dies right after the drop, the stage steps without it (it is not waited for as a
+    dropped server)."""
     monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SECONDS", 0.0)  # in a thread
 
     async def main() -> None:
@@ -555,7 +558,13 @@ def test_a_backward_the_client_gave_up_on_counts_once_though_the_server_computed
             )
             client = PipelineClient(await swarm.node(), config)
             await client.refresh()
-            if killed_after_the_drop:
+            if case == "found in the round":
+
+                async def unchecked(step: int) -> None:
+                    pass
+
+                monkeypatch.setattr(client, "_check_suspects", unchecked)
+            if case == "killed after the drop":
                 drop = client._drop
 
                 async def drop_then_die(
@@ -585,10 +594,13 @@ def test_a_backward_the_client_gave_up_on_counts_once_though_the_server_computed
             assert await client.end_step() == 1
             optimizer.step()
             optimizer.zero_grad()
-            if killed_after_the_drop:
+            if case == "killed after the drop":
                 hosted.remove(slow)
             await _assert_stages_are(local, hosted)
-            assert client.statistics().num_redone_backwards >= 1
+            stats = client.statistics()
+            assert stats.num_redone_backwards >= 1
+            # the check before the round spares the round that would wait for it in vain
+            assert (stats.num_step_retries == 0) == (case == "checked first")
             # and the next step is an ordinary one (the slow server, banned for a while
             # and holding nothing of it, sits it out)
             await _backward_passes(client, local, 1)
@@ -638,7 +650,10 @@ def test_a_server_holding_a_pass_twice_steps_nothing_until_told_to_drop_it(arun:
                 with pytest.raises(RemoteError, match=says) as refused:
                     await ask(passes)
                 assert refused.value.remote_type == "StageMiscounted"
-            assert (await ask([7, 7], end=False)).step == 0  # nothing stepped
+            # the check alone (end=False), as a client asks it before the round
+            with pytest.raises(RemoteError, match=r"holds 1 passes it was not listed"):
+                await ask([7], end=False)
+            assert (await ask([7, 7], end=False)).step == 0  # it holds those: nothing stepped
             before = await state_of(hosted[2])
             assert (await ask([], end=False, drop=True)).step == 0
             with pytest.raises(RemoteError, match=r"holds 0 .* and lacks 1"):
