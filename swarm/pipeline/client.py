@@ -15,7 +15,9 @@ joining) and then raises :class:`StageUnavailable`.
 
 Server listings come from the DHT (``stage.{i}`` announcements with load and throughput,
 see :mod:`swarm.experts.announce`), re-read at most every ``refresh_seconds`` by the
-micro-batch that finds them stale: no background task to own.
+micro-batch that finds them stale. Synchronous stages: when steps are short, a step's
+first forward also starts a read in the background, for the step's end to use
+(:meth:`PipelineClient.end_step` awaits it; it never raises).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ WAIT_POLL_SECONDS = 0.5
 #: A listing of the stages' servers read during a step (from its first forward on), at
 #: most this old, serves the step's end; an older one is read again there.
 STEP_LISTING_SECONDS = 1.0
+#: A server's refusals of a backward made before computing it: it holds nothing of the
+#: pass (any other failure may have come after the server counted it).
+REFUSED_UNCOUNTED = frozenset({"ServerBusy", "StageBehind", "StageStepError", "TrainingNotAllowed"})
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: A synchronous step's answer from one server, or why there is none.
@@ -181,8 +186,12 @@ class PipelineClient:
         # synchronous: per stage, servers a backward of the step failed at unanswered
         # (timed out, cut off, cancelled): they may have counted it all the same
         self._suspects: list[dict[PeerID, ExpertLocation]] = [{} for _ in range(config.num_stages)]
-        # synchronous: the listing read at the step's first forward, for its end
-        self._step_listing: asyncio.Future[None] | None = None
+        # synchronous: the listing read from the step's first forward on, for its end;
+        # the step that began (its first forward), when, and how long the last one took
+        self._listing: asyncio.Future[None] | None = None
+        self._begun: int | None = None
+        self._step_began = 0.0
+        self._last_step_seconds = 0.0
 
     async def refresh(self) -> None:
         """Re-read every stage's servers from the DHT now."""
@@ -293,9 +302,8 @@ class PipelineClient:
         :meth:`backward` needs. With ``keep`` servers keep their graphs for it."""
         if self.config.synchronous and self._step is None:  # the step the calls name
             await self._learn_step()
-        if keep and self.config.synchronous and self._step_listing is None:
-            # who to ask at the step's end, read meanwhile rather than then
-            self._step_listing = asyncio.ensure_future(self._read_listing())
+        if keep and self.config.synchronous:
+            self._begin_step()
         current = [t.detach().cpu() for t in inputs]
         calls = []
         for stage in range(self.config.num_stages):
@@ -328,8 +336,8 @@ class PipelineClient:
                     pass_id=pass_id,
                 )
             except BaseException as e:
-                # unanswered, not refused: the server may count the pass all the same
-                if pass_id and not isinstance(e, RemoteError):
+                # not refused before computing: the server may count the pass all the same
+                if pass_id and getattr(e, "remote_type", None) not in REFUSED_UNCOUNTED:
                     self._suspects[stage][location.peer_id] = location
                 raise
 
@@ -346,18 +354,41 @@ class PipelineClient:
         self, trace: Trace, grad_outputs: Sequence[torch.Tensor]
     ) -> list[torch.Tensor | None]:
         """Gradients of the first stage's inputs (``None`` for integer ones); every
-        stage's server trains on the way (its optimizer steps)."""
+        stage's server trains on the way (asynchronous: its optimizer steps;
+        synchronous: it accumulates the step's gradient). Synchronous: if it fails, the
+        passes it made count nowhere (the servers that hold them drop the step's
+        gradients at its end, and the rest of what they hold is redone), so retrying
+        the micro-batch counts it once."""
         grads = [g.detach().cpu() for g in grad_outputs]
         got: list[torch.Tensor | None] = list(grads)
-        for stage in reversed(range(len(trace.calls))):
-            done = trace.calls[stage]
-            got = await self._backward_stage(stage, done, grads)
-            grads = [
-                torch.zeros_like(x) if g is None else g
-                for g, x in zip(got, done.inputs, strict=True)
-            ]
+        made: list[tuple[int, int]] = []  # (stage, pass id) of the passes answered
+        try:
+            for stage in reversed(range(len(trace.calls))):
+                done = trace.calls[stage]
+                pass_id = next(self._pass_ids) if self.config.synchronous else 0
+                got = await self._backward_stage(stage, done, grads, pass_id)
+                made.append((stage, pass_id))
+                grads = [
+                    torch.zeros_like(x) if g is None else g
+                    for g, x in zip(got, done.inputs, strict=True)
+                ]
+        except BaseException:
+            for stage, pass_id in made:
+                self._void(stage, {pass_id}.__contains__)
+            raise
         self._counters["backwards"] += 1
         return got
+
+    def _void(self, stage: int, which: Callable[[int], bool]) -> None:
+        """The passes of ``stage`` whose id ``which`` picks no longer count: they leave
+        this client's records of the step, and their servers are checked at its end
+        (they hold them, so they drop the step's gradients and what else they answered
+        is redone)."""
+        for peer_id, (location, passes) in self._served[stage].items():
+            kept = [served for served in passes if not which(served[0])]
+            if len(kept) < len(passes):
+                passes[:] = kept  # (held, if empty, so that it is checked and dropped)
+                self._suspects[stage][peer_id] = location
 
     async def train_micro_batch(
         self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, scale: float = 1.0
@@ -383,9 +414,12 @@ class PipelineClient:
         Synchronous (``config.synchronous``): the micro-batches are one global batch.
         Each micro-batch's loss (a mean over its samples) is weighted by its share of
         the batch, so the gradients the servers accumulate add up to the gradient of the
-        batch's mean loss, and the step is ended (:meth:`end_step`) once all are back."""
+        batch's mean loss, and the step is ended (:meth:`end_step`) once all are back.
+        If one fails, none of the batch's passes count (see :meth:`backward`): calling
+        it again with the same batch trains on it once."""
         total = sum(x.shape[0] for x, _ in micro_batches)
         sync = self.config.synchronous
+        first = next(self._pass_ids)  # this batch's passes are those from here on
         try:
             async with asyncio.TaskGroup() as group:  # one fails: the others are cancelled
                 tasks = [
@@ -397,6 +431,9 @@ class PipelineClient:
                     for x, y in micro_batches
                 ]
         except ExceptionGroup as e:
+            if sync:  # the micro-batches that came back do not count either
+                for stage in range(self.config.num_stages):
+                    self._void(stage, lambda p: p >= first)
             raise e.exceptions[0] from None  # the caller sees StageFailed, not a group
         if sync:
             await self.end_step()
@@ -422,10 +459,10 @@ class PipelineClient:
         assert self._step is not None
         step, left = self._step, set(range(self.config.num_stages))
         errors: list[str] = []
-        await self._check_suspects(step)
         for attempt in range(MAX_STEP_ATTEMPTS):
             if attempt:
                 self._counters["step_retries"] += 1
+            await self._check_suspects(step)
             await self._listing_for_step(attempt)
             now = time.monotonic()
             servers = {stage: self._holders(stage, now) for stage in left}
@@ -473,13 +510,15 @@ class PipelineClient:
                 f"attempts; last: " + "; ".join(errors[:6])
             )
         self._forget_step()
+        if self._begun == step:
+            self._last_step_seconds = time.monotonic() - self._step_began
         self._step = step + 1
         self._counters["steps"] += 1
         return self._step
 
     def _forget_step(self) -> None:
-        """The step's records (who served which pass, who dropped): it ended, or was
-        not the stages' step."""
+        """The step's records (who served which pass, who dropped, who may hold a pass
+        given up on): it ended, or was not the stages' step."""
         for served in self._served:
             served.clear()
         for dropped in self._dropped:
@@ -487,18 +526,37 @@ class PipelineClient:
         for suspects in self._suspects:
             suspects.clear()
 
-    async def _read_listing(self) -> None:
+    def _begin_step(self) -> None:
+        """At a step's first forward: note when it began and, if the last step took at
+        most ``STEP_LISTING_SECONDS``, read the listing meanwhile, for the step's end
+        (so a server announced before the step began is in its round); longer steps
+        read it at their end."""
+        if self._begun == self._step:
+            return
+        now = time.monotonic()
+        self._begun, self._step_began, self._listing = self._step, now, None
+        if self._last_step_seconds <= STEP_LISTING_SECONDS:
+            self._listing = asyncio.ensure_future(self._read_listing(now))
+
+    async def _read_listing(self, began: float) -> None:
+        """Read the listing unless a micro-batch read it since ``began`` (or is reading
+        it now: then that read serves)."""
         try:
-            await self.refresh()
-        except (PeersError, TimeoutError, OSError) as e:  # the step's end reads it again
+            if self._refresh_lock.locked():
+                async with self._refresh_lock:
+                    pass
+            if self._refreshed_at < began:
+                await self.refresh()
+        except Exception as e:  # nobody awaits it but the step's end, which reads again
             logger.info("reading the stages' servers failed: %r", e)
 
     async def _listing_for_step(self, attempt: int) -> None:
         """The stages' servers for an attempt to end the step: the first uses the
-        listing read during the step if it is at most ``STEP_LISTING_SECONDS`` old (a
-        server announced since misses the step and catches up, as one announced just
-        after any read would); later ones read it again."""
-        listing, self._step_listing = self._step_listing, None
+        listing read before or during the step if it is at most
+        ``STEP_LISTING_SECONDS`` old (a server announced since misses the step and
+        catches up, as one announced just after any read would); later ones read it
+        again."""
+        listing, self._listing = self._listing, None
         if listing is not None:
             await listing
         if attempt or time.monotonic() - self._refreshed_at > STEP_LISTING_SECONDS:
@@ -556,12 +614,22 @@ class PipelineClient:
             await self._redo_passes(stage, peer_id)
 
     async def _check_suspects(self, step: int) -> None:
-        """Before the step's round, ask each server a backward of the step failed at
-        unanswered whether it holds exactly the passes it answered: one that holds more
-        (it computed the pass after all) drops the step's gradients and its answered
-        passes are redone, one that cannot be reached is lost, so the round does not
-        wait for a server that would refuse it."""
-        suspects = {s: list(found.values()) for s, found in enumerate(self._suspects) if found}
+        """Before a round of the step, ask each server that a backward failed at
+        without a refusal, and that holds passes of the step for this client (or was
+        told to drop them), whether it holds exactly the passes it answered: one that
+        holds more (it computed the pass after all) drops the step's gradients and its
+        answered passes are redone, one that cannot be reached is lost, so the round does
+        not wait for a server that would refuse it. Other such servers are not in the
+        round: what they hold is void once they catch up."""
+        suspects = {
+            stage: [
+                location
+                for peer_id, location in found.items()
+                if peer_id in self._served[stage] or peer_id in self._dropped[stage]
+            ]
+            for stage, found in enumerate(self._suspects)
+        }
+        suspects = {stage: found for stage, found in suspects.items() if found}
         for found in self._suspects:
             found.clear()
         if not suspects:

@@ -325,13 +325,19 @@ class SyncStage:
         """The passes check of :meth:`_end`, alone (a client that gave up on a backward
         here asks it before the round, which would otherwise wait for this server in
         vain if it refused)."""
-        assert request.passes is not None
-        if len(request.passes) > MAX_STEP_PASSES:
+        passes = request.passes
+        assert passes is not None
+        if len(passes) > MAX_STEP_PASSES:
             raise StageStepError(f"passes: at most {MAX_STEP_PASSES} per server")
         if self._ending is not None:
             raise StageStepError(f"{self.backend.uid}: a step is under way: not checked")
-        await worker.exclusive(self._snapshot)
-        self._check_passes(request.step, request.passes, caller)
+
+        def check() -> None:  # where no batch runs, and only if still at that step
+            if self.step == request.step:
+                self._snapshot()
+                self._check_passes(request.step, passes, caller)
+
+        await worker.exclusive(check)
 
     def _ended(self, future: asyncio.Future[StepResponse]) -> None:
         if self._ending is future:

@@ -36,6 +36,7 @@ from swarm.pipeline import (
     StageServer,
     StageServerConfig,
     StageUnavailable,
+    WiringConfig,
 )
 from swarm.pipeline.sync import (
     MAX_STEP_PASSES,
@@ -669,5 +670,82 @@ def test_a_server_holding_a_pass_twice_steps_nothing_until_told_to_drop_it(arun:
             torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9).step()
             for name, value in reference.state_dict().items():
                 assert torch.allclose(after[name], value, atol=1e-6), name
+
+    arun(main())
+
+
+class _FailsOnce:
+    """Wraps a backend's backward: once armed, its backward after ``spared`` more
+    raises (after the stages behind it in the backward have counted the micro-batch)."""
+
+    def __init__(self, hosted: Hosted) -> None:
+        worker = hosted.server.worker
+        assert worker is not None
+        self.backward = worker.backend.backward
+        self.countdown: int | None = None
+        worker.backend.backward = self  # type: ignore[method-assign]
+
+    def arm(self, spared: int = 0) -> None:
+        self.countdown = spared
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[torch.Tensor | None]:
+        if self.countdown is not None:
+            self.countdown -= 1
+            if self.countdown < 0:
+                self.countdown = None
+                raise RuntimeError("this backward breaks once")
+        return self.backward(*args, **kwargs)
+
+
+def test_a_micro_batch_whose_backward_fails_counts_nowhere_and_its_retry_once(
+    arun: Run,
+) -> None:
+    """A micro-batch's backward goes through stages 2 and 1, then fails at stage 0 (its
+    one attempt): the passes stages 2 and 1 made must not count, or the micro-batch
+    tried again would count twice there. Their servers are checked at the step's end,
+    drop the step's gradients and have the passes they answered redone: the step is
+    one process's, with the micro-batch once. A batch whose train() fails counts
+    nowhere, the micro-batches that came back included: trained again, it counts once."""
+
+    async def main() -> None:
+        async with local_swarm() as swarm:
+            hosted = [await swarm.serve(_config(stage)) for stage in range(3)]
+            breaks = _FailsOnce(hosted[0])
+            config = dataclasses.replace(
+                _client_config(), max_attempts=1, wiring=WiringConfig(ban_seconds=0.05)
+            )
+            client = PipelineClient(await swarm.node(), config)
+            await client.refresh()
+            local = MODEL.build_local()
+            optimizer = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
+            total = MICRO_BATCH * MICRO_BATCHES
+            batches = [_batch(0, i) for i in range(MICRO_BATCHES)]
+            await client.train_micro_batch(*batches[0], _loss, MICRO_BATCH / total)
+            breaks.arm()
+            with pytest.raises(StageFailed, match="stage 0"):
+                await client.train_micro_batch(*batches[1], _loss, MICRO_BATCH / total)
+            await asyncio.sleep(0.1)  # past the failed server's ban
+            for x, y in batches[1:]:  # the failed one again, then the rest
+                await client.train_micro_batch(x, y, _loss, MICRO_BATCH / total)
+            for x, y in batches:
+                (_loss(local(x), y) * MICRO_BATCH / total).backward()
+            assert await client.end_step() == 1
+            optimizer.step()
+            await _assert_stages_are(local, hosted)
+            # stages 2 and 1 held the failed pass: dropped, and their others redone
+            assert client.statistics().num_redone_backwards == 2 * 4
+            assert client.statistics().num_step_retries == 0
+            optimizer.zero_grad()
+            # the same with a whole batch: train() fails, and trained again counts once
+            batches = [_batch(1, i) for i in range(MICRO_BATCHES)]
+            breaks.arm(spared=1)  # one micro-batch comes back, then one fails
+            with pytest.raises(StageFailed, match="stage 0"):
+                await client.train(batches, _loss)
+            await asyncio.sleep(0.1)
+            await client.train(batches, _loss)
+            for x, y in batches:
+                (_loss(local(x), y) * MICRO_BATCH / total).backward()
+            optimizer.step()
+            await _assert_stages_are(local, hosted)
 
     arun(main())
