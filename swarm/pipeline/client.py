@@ -484,7 +484,6 @@ class PipelineClient:
                     left.discard(stage)
                     continue
                 errors.extend(f"stage {stage} at {p}: {a}" for p, a in got.items())
-                gone = {p for p, a in got.items() if not isinstance(a, RemoteError)}
                 behind = {  # it refused this step's calls: nothing of it to redo
                     p
                     for p, a in got.items()
@@ -493,15 +492,7 @@ class PipelineClient:
                 for peer_id in behind:  # not asked again in this step
                     self.wirings[stage].on_failure(peer_id, 0, now, busy=False)
                     self._dropped[stage].pop(peer_id, None)
-                miscounted = {
-                    p
-                    for p, a in got.items()
-                    if isinstance(a, RemoteError) and a.remote_type == "StageMiscounted"
-                }
-                asked = [loc for loc in servers[stage] if loc.peer_id in miscounted]
-                gone |= await self._drop(stage, step, asked)
-                await self._redo(stage, gone, now)
-                await self._redo_dropped(stage, miscounted - gone)
+                await self._recover(stage, step, servers[stage], got, now)
             if not left:
                 break
         else:
@@ -637,16 +628,30 @@ class PipelineClient:
         answers = await self._ask_step(suspects, step, 0, end=False, check=True)
         now = time.monotonic()
         for stage, got in answers.items():
-            gone = {p for p, a in got.items() if not isinstance(a, (StepResponse, RemoteError))}
-            miscounted = [
-                location
-                for location in suspects[stage]
-                if isinstance(a := got[location.peer_id], RemoteError)
-                and a.remote_type == "StageMiscounted"
-            ]
-            gone |= await self._drop(stage, step, miscounted)
-            await self._redo(stage, gone, now)
-            await self._redo_dropped(stage, {loc.peer_id for loc in miscounted} - gone)
+            await self._recover(stage, step, suspects[stage], got, now)
+
+    async def _recover(
+        self,
+        stage: int,
+        step: int,
+        asked: Sequence[ExpertLocation],
+        got: Mapping[PeerID, _Answer],
+        now: float,
+    ) -> None:
+        """After ``asked`` servers of ``stage`` answered ``got``: the passes of those
+        that could not be reached are redone elsewhere; those that hold other passes
+        than they answered (StageMiscounted) are told to drop the step's gradients and
+        their answered passes are redone."""
+        gone = {p for p, a in got.items() if not isinstance(a, (StepResponse, RemoteError))}
+        miscounted = [
+            location
+            for location in asked
+            if isinstance(a := got[location.peer_id], RemoteError)
+            and a.remote_type == "StageMiscounted"
+        ]
+        gone |= await self._drop(stage, step, miscounted)
+        await self._redo(stage, gone, now)
+        await self._redo_dropped(stage, {loc.peer_id for loc in miscounted} - gone)
 
     async def _drop(self, stage: int, step: int, servers: Sequence[ExpertLocation]) -> set[PeerID]:
         """Tell ``servers`` of ``stage`` (they counted passes this client gave up on) to

@@ -291,6 +291,8 @@ class SyncStage:
         later step, if this server's gradients hold other passes of the caller's than it
         lists (StageMiscounted), or if the round found no group or was not agreed
         (nothing stepped)."""
+        if request.passes is not None and len(request.passes) > MAX_STEP_PASSES:
+            raise StageStepError(f"passes: at most {MAX_STEP_PASSES} per server")
         if request.share:
             await self._share_now(worker)
         # a drop for another step than this server's has nothing to drop: answered as is
@@ -310,8 +312,6 @@ class SyncStage:
             )
         if not 1 <= request.group_size <= MAX_STAGE_GROUP or len(request.members) > MAX_STAGE_GROUP:
             raise StageStepError(f"group_size and members must be at most {MAX_STAGE_GROUP}")
-        if request.passes is not None and len(request.passes) > MAX_STEP_PASSES:
-            raise StageStepError(f"passes: at most {MAX_STEP_PASSES} per server")
         _members(request.members)  # garbage is refused before it costs a round
         if self._ending is None:
             self._ending = asyncio.ensure_future(self._end(worker, request, caller))
@@ -327,8 +327,6 @@ class SyncStage:
         vain if it refused)."""
         passes = request.passes
         assert passes is not None
-        if len(passes) > MAX_STEP_PASSES:
-            raise StageStepError(f"passes: at most {MAX_STEP_PASSES} per server")
         if self._ending is not None:
             raise StageStepError(f"{self.backend.uid}: a step is under way: not checked")
 

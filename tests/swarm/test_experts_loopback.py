@@ -41,7 +41,14 @@ from swarm.experts.backend import DEFAULT_CLIP_GRAD_NORM
 from swarm.experts.batching import Batcher
 from swarm.experts.kept import KeptStore
 from swarm.experts.layers import FeedforwardBlock
-from swarm.experts.wire import FORWARD_PROTOCOL, ForwardRequest, ForwardResponse
+from swarm.experts.wire import (
+    BACKWARD_PROTOCOL,
+    FORWARD_PROTOCOL,
+    BackwardRequest,
+    BackwardResponse,
+    ForwardRequest,
+    ForwardResponse,
+)
 from swarm.experts.worker import ModuleWorker
 
 LISTEN = PeerConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",))
@@ -271,6 +278,11 @@ def test_bad_requests_get_clear_remote_errors_and_the_server_keeps_serving(arun:
             with pytest.raises(RemoteError, match=r"ForwardRequest\.inputs"):  # not a tensor at all
                 await client.call_unary(
                     loc.peer_id, FORWARD_PROTOCOL, ["ffn.0.0", [[1, 2]]], ForwardResponse, timeout=5
+                )
+            with pytest.raises(RemoteError, match=r"BackwardRequest\.pass_id"):  # not an int
+                request = BackwardRequest("ffn.0.0", [x], [x], pass_id="x")  # type: ignore[arg-type]
+                await client.call_unary(
+                    loc.peer_id, BACKWARD_PROTOCOL, request, BackwardResponse, timeout=5
                 )
             with pytest.raises(RemoteError, match="exceeds the limit"):  # refused before it is read
                 await call_forward(client, loc, [torch.randn(1 << 18, 16)], config=config)
