@@ -32,7 +32,18 @@ AVAILABLE, REASON = lab_available()
 pytestmark = [pytest.mark.skipif(not AVAILABLE, reason=REASON), pytest.mark.timeout(300)]
 
 
-def test_four_laptops_behind_nat_join_as_told_and_train_the_single_process_model() -> None:
+#: The run's first round is the first to cross the routers (relayed, then punched
+#: connections); under a loaded machine (the CI's two workers) a join can miss its
+#: leader's gather window there, and the swarm splits once and follows the majority
+#: (``StepMachine``), as designed. A split there earns the scenario one more run; a split
+#: in any later round, or in both runs, fails the test.
+FIRST_ROUND_SPLIT = "epoch 1: the swarm split; following the majority"
+ATTEMPTS = 2
+
+
+def _four_laptops_train() -> tuple[list[str], list[str]]:
+    """One run of the scenario: every peer's stdout (the first's with its head) and
+    stderr, after checking that all five finished every epoch, the laptops through NAT."""
     with Lab() as lab:
         server = lab.add_public_host("server")
         kinds = ("endpoint-independent", "symmetric", "endpoint-independent", "symmetric")
@@ -55,8 +66,18 @@ def test_four_laptops_behind_nat_join_as_told_and_train_the_single_process_model
         assert re.search(r"behind NAT( \([^)]*\))?: reachable through", out), out
     for out in outputs:
         assert f"done: {STEPS} epochs, {BATCH * STEPS:,} global samples" in out, out
-    for err in [err_first, *(err for _, err in results)]:
-        assert " split; following the majority" not in err, err  # mid-run or the last epoch
+    return outputs, [err_first, *(err for _, err in results)]
+
+
+@pytest.mark.timeout(560)
+def test_four_laptops_behind_nat_join_as_told_and_train_the_single_process_model() -> None:
+    for attempt in range(1, ATTEMPTS + 1):
+        outputs, errors = _four_laptops_train()
+        splits = [line for err in errors for line in err.splitlines() if " split; " in line]
+        if not splits:
+            break
+        # Only the first round's split earns another run (FIRST_ROUND_SPLIT).
+        assert attempt < ATTEMPTS and all(FIRST_ROUND_SPLIT in line for line in splits), splits
     metrics = [re.search(r"test metrics: loss (\S+), accuracy (\S+)", out) for out in outputs]
     assert all(m is not None for m in metrics), outputs
     # One model: gradient averaging gives every peer the same parameters.
