@@ -126,7 +126,8 @@ Events (stdout) and commands (stdin)
    epochs done, and the mean training loss of this peer's micro-batches since the
    previous row (before their updates). ``train_seconds`` runs from ``start_at`` until
    the run's last epoch is done and its last background round applied (``final_sync_s``
-   of it), evaluations (``eval_seconds``) included. ``params_digest`` is bitwise
+   of it), evaluations (``eval_seconds``) included; an ``eval_curve`` row's seconds are
+   of training, the evaluations before it left out. ``params_digest`` is bitwise
    (hivemind's all-reduce leaves peers a rounding error apart); ``params_norm`` compares
    peers' models to that. ``hivemind`` counts what hivemind's optimizer logged: rounds
    and their group sizes, rounds that failed, falls back to local gradients, state
@@ -609,15 +610,16 @@ class TrainingPeer:
                 every = self.options.eval_every
                 if every and progress.epoch % every == 0 and progress.epoch < self.epochs:
                     metrics = task.evaluate(model)
+                    # (seconds of training: the evaluations so far left out)
+                    eval_curve.append([now - started - eval_seconds, progress.epoch, metrics])
                     eval_seconds += time.monotonic() - now
-                    eval_curve.append([time.monotonic() - started, progress.epoch, metrics])
         synced = time.monotonic()
         # The last epoch's background round (parameters, or a delayed step): apply it.
         opt.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
         ended = time.monotonic()
         metrics = task.evaluate(model)
         if self.options.eval_every:
-            eval_curve.append([ended - started, opt.local_epoch, metrics])
+            eval_curve.append([ended - started - eval_seconds, opt.local_epoch, metrics])
         train_seconds = ended - started
         digest, squares = hashlib.sha256(), 0.0
         for parameter in model.parameters():

@@ -55,7 +55,10 @@ Three more scenarios, every link 100 Mbit/s and 20 ms one way (80 ms round trip)
   peers computed (a hivemind epoch can hold up to 4x the global batch), both per
   second, the final test loss (and accuracy or bits/char) beside the single process's,
   whether it is within 5% of it, and the bytes sent (ours: in averaging rounds; both:
-  every host's link). Sizes (``--train-samples`` and ``--train-inner-steps`` override
+  every host's link). With a loss curve (``--train-eval-every N``; a full run: every 10
+  global batches) the first peer of each run evaluates its model every N global
+  batches, and the training seconds until its test loss first came within 5% of the
+  single process's are compared (``..._time_to_loss_vs_hivemind``). Sizes (``--train-samples`` and ``--train-inner-steps`` override
   them): ``--quick`` digits for 8 global batches of 64, DiLoCo every 4 (about 3.5
   minutes, start-ups included: not in the default quick list, run ``--quick --scenarios
   train``); a full run digits at its recipe (320 batches, DiLoCo every 10: 32 outer
@@ -83,7 +86,9 @@ every scenario; on unequal links, measured parts faster than equal parts; in ``t
 ours within 5% of the single process's test loss in both modes (with gradient
 averaging, the same model by construction). The train ratios
 (``train_{task}_{mode}_samples_per_second_vs_hivemind``: the schedule's samples per
-second; ``..._loss_vs_hivemind``: hivemind's final test loss over ours; ``mode``
+second; ``..._loss_vs_hivemind``: hivemind's final test loss over ours;
+``..._time_to_loss_vs_hivemind``: hivemind's training seconds to the single process's
+loss over ours, with a loss curve; ``mode``
 ``diloco`` against hivemind's local updates) are measurements, not targets. Needs root
 and nftables (the lab); without them it says why and exits 1.
 
@@ -260,10 +265,13 @@ def run_scenario(
     notes: list[str],
     *,
     slow_start_after_idle: bool = True,
+    congestion_control: str | None = None,
 ) -> Results:
     """Build the scenario's lab, measure raw TCP, ours and hivemind in it, tear it down.
     ``slow_start_after_idle=False`` sets Linux's ``tcp_slow_start_after_idle`` to 0 in
-    every member's namespace (TCP keeps its window across idle gaps)."""
+    every member's namespace (TCP keeps its window across idle gaps);
+    ``congestion_control`` sets the namespaces' TCP congestion control (``bbr``), for
+    raw TCP, ours and hivemind alike."""
     print(f"\n== {scenario.name}: {scenario.describe()}", flush=True)
     rates = scenario.payload_rates()
     with Lab() as lab:
@@ -275,6 +283,9 @@ def run_scenario(
             lab.delay(host, one_way_ms=scenario.one_way_ms, loss=scenario.loss, seed=rank)
             if not slow_start_after_idle:
                 sysctl = "net.ipv4.tcp_slow_start_after_idle=0"
+                host.run(["sysctl", "-q", "-w", sysctl], timeout=10)
+            if congestion_control is not None:
+                sysctl = f"net.ipv4.tcp_congestion_control={congestion_control}"
                 host.run(["sysctl", "-q", "-w", sysctl], timeout=10)
         placement = Placement(
             namespaces=tuple(h.namespace for h in hosts), hosts=tuple(h.address for h in hosts)
@@ -608,10 +619,16 @@ class TrainTask:
     inner_steps: int
     outer_momentum: float | None = None
     """Our DiLoCo's outer momentum (None: ``DiLoCoConfig``'s, the paper's 0.9)."""
+    eval_every: int = 0
+    """A loss curve: the first peer of every run evaluates the model every this many
+    global batches (in DiLoCo and local modes, every ``eval_every // inner_steps``
+    epochs, at least 1) and at the end; 0: the final model only."""
 
     def __post_init__(self) -> None:
         if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.batch_size < 1 or self.inner_steps < 1:
             raise ValueError(f"batch_size and inner_steps must be >= 1 in {self}")
         if self.num_samples < self.batch_size * self.inner_steps:
@@ -620,6 +637,14 @@ class TrainTask:
                 f" batches of {self.batch_size} ({self.batch_size * self.inner_steps})"
                 f" for {self.task}; got {self.num_samples}"
             )
+
+    def eval_epochs(self, mode: str) -> int:
+        """``eval_every`` in the epochs of ``mode`` (0: no curve)."""
+        if not self.eval_every:
+            return 0
+        return (
+            self.eval_every if mode == "gradient" else max(1, self.eval_every // self.inner_steps)
+        )
 
     @property
     def wait_seconds(self) -> float:
@@ -644,8 +669,12 @@ TRAIN_QUICK_TASKS = ("digits",)
 #: 20 minutes to an hour, most of it hivemind's gradient runs (``--train-samples``
 #: shortens it).
 TRAIN_FULL = {
-    "digits": TrainTask(task="digits", batch_size=64, num_samples=20_480, inner_steps=10),
-    "charlm": TrainTask(task="charlm", batch_size=32, num_samples=32 * 100, inner_steps=10),
+    "digits": TrainTask(
+        task="digits", batch_size=64, num_samples=20_480, inner_steps=10, eval_every=10
+    ),
+    "charlm": TrainTask(
+        task="charlm", batch_size=32, num_samples=32 * 100, inner_steps=10, eval_every=10
+    ),
 }
 TRAIN_FULL_TASKS = ("digits", "charlm")
 
@@ -678,6 +707,15 @@ class TrainRun:
     phases: dict[str, float] = field(default_factory=dict)
     """Ours: where an epoch's time went, seconds per epoch averaged over the peers
     (``wait``: for the others' samples; ``matchmaking``; ``allreduce``)."""
+    curve: list[tuple[float, int, float]] = field(default_factory=list)
+    """With ``TrainTask.eval_every``: the first peer's (seconds of training, evaluations
+    left out; epochs; test loss), ending with the final model."""
+    eval_seconds: float = 0.0
+    """What the first peer spent evaluating (left out of ``train_seconds``)."""
+
+    def seconds_to(self, loss: float) -> float | None:
+        """Training seconds until the curve first reached ``loss``; None if it did not."""
+        return next((seconds for seconds, _, value in self.curve if value <= loss), None)
 
     @property
     def ok(self) -> bool:
@@ -700,7 +738,10 @@ TRAIN_NOTES = (
     " batch, times H in DiLoCo/local) per second of the slowest peer: progress through the"
     " same number of optimizer steps; computed samples/s are figures beside it",
     "loss_vs_hivemind is hivemind's final test loss over ours (the first peer's model);"
-    " there is no loss curve, so 'reached' judges the final model only",
+    " with a loss curve (--train-eval-every, on by default in a full run), the first peer"
+    " of each run evaluates its model every N global batches, and time_to_loss_vs_hivemind"
+    " compares the training seconds (evaluations left out) until each first came within"
+    " 5% of the single process's final test loss",
 )
 
 
@@ -732,9 +773,15 @@ def _stderr_tail(reader: LineReader) -> str:
 
 
 def _next_event(
-    out: LineReader, err: LineReader, event: str, deadline: float, name: str
+    out: LineReader,
+    err: LineReader,
+    event: str,
+    deadline: float,
+    name: str,
+    evals: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The next JSON line of ``event`` a ``swarm train --progress json`` printed."""
+    """The next JSON line of ``event`` a ``swarm train --progress json`` printed; the
+    ``eval`` events on the way are added to ``evals`` (when given)."""
     for _ in range(MAX_LINES_PER_WAIT):
         try:
             _, line = out.next_line(deadline)
@@ -745,6 +792,8 @@ def _next_event(
                 record: dict[str, Any] = json.loads(line)
                 if record.get("event") == event:
                     return record
+                if evals is not None and record.get("event") == "eval":
+                    evals.append(record)
     raise BenchError(f"{name} printed too much without {event!r}")
 
 
@@ -764,6 +813,8 @@ def run_ours_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -> Tr
             argv += ["--outer-momentum", str(plan.outer_momentum)]
     if mode == "diloco-overlap":
         argv.append("--diloco-overlap")
+    if plan.eval_every:  # the first peer's alone (the join command does not carry it)
+        argv += ["--eval-every", str(plan.eval_epochs(mode))]
     procs: list[subprocess.Popen[str]] = []
     readers: list[tuple[LineReader, LineReader]] = []
 
@@ -786,8 +837,11 @@ def run_ours_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -> Tr
             start(host, [*SWARM_CLI, *join, *flags])
         deadline = time.monotonic() + plan.wait_seconds
         wire_before = host_tx_bytes(hosts)
+        evals: list[dict[str, Any]] = []
         results = [
-            _next_event(out, err, "result", deadline, f"ours peer {rank}")
+            _next_event(
+                out, err, "result", deadline, f"ours peer {rank}", evals if rank == 0 else None
+            )
             for rank, (out, err) in enumerate(readers)
         ]
         run.wire_bytes = _difference(host_tx_bytes(hosts), wire_before)
@@ -808,6 +862,10 @@ def run_ours_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -> Tr
     run.metrics = dict(results[0]["metrics"])
     run.peer_losses = [float(r["metrics"]["loss"]) for r in results]
     run.bytes_sent = sum(int(r["statistics"]["bytes_sent"]) for r in results)
+    run.curve = [
+        (float(e["train_seconds"]), int(e["epoch"]), float(e["metrics"]["loss"])) for e in evals
+    ]
+    run.eval_seconds = float(results[0].get("eval_seconds", 0.0))
     if run.epochs:
         run.phases = {
             phase: sum(float(r["statistics"][f"{phase}_seconds"]) for r in results)
@@ -863,6 +921,8 @@ def run_hivemind_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -
         addrs: list[str] = []
         for rank, host in enumerate(hosts):
             options = {**base, "rank": rank, "host": host.address, "initial_peers": addrs}
+            if rank == 0 and plan.eval_every:  # (as ours: the first peer's alone)
+                options["eval_every"] = plan.eval_epochs(mode)
             children.append(
                 JsonChild(
                     HIVEMIND_TRAIN_FILE,
@@ -898,9 +958,18 @@ def run_hivemind_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -
     run.epochs = min(int(r["epochs"]) for r in reports)
     run.schedule_samples = run.epochs * per_epoch
     run.computed_samples = sum(int(r["local_samples"]) for r in reports)
-    run.train_seconds = max(float(r["train_seconds"]) for r in reports)
+    run.eval_seconds = float(reports[0].get("eval_seconds", 0.0))
+    # As ours: the seconds of training, the first peer's evaluations left out.
+    run.train_seconds = max(
+        float(r["train_seconds"]) - (run.eval_seconds if rank == 0 else 0.0)
+        for rank, r in enumerate(reports)
+    )
     run.metrics = dict(reports[0]["metrics"])
     run.peer_losses = [float(r["metrics"]["loss"]) for r in reports]
+    run.curve = [
+        (float(seconds), int(epoch), float(metrics["loss"]))
+        for seconds, epoch, metrics in reports[0].get("eval_curve", [])
+    ]
     return run
 
 
@@ -971,7 +1040,7 @@ def run_train_scenario(
     rows = [
         ["task", "system", "mode", "epochs", "schedule samples", "computed samples", "train s",
          "schedule samples/s", "computed samples/s", "test loss", "single loss", "other",
-         "single other", "reached", "averaging MB", "wire MB"]
+         "single other", "reached", "s to single loss", "averaging MB", "wire MB"]
     ]  # fmt: skip
     for plan in plans:
         single = run_single_process(plan)
@@ -1044,6 +1113,17 @@ def run_train_scenario(
                 ratios[f"{key}_{mode}_loss_vs_hivemind"] = round(
                     hers.metrics["loss"] / mine.metrics["loss"], 3
                 )
+                target = base_loss * (1 + TRAIN_LOSS_TOLERANCE)
+                my_time, her_time = mine.seconds_to(target), hers.seconds_to(target)
+                if my_time and her_time:
+                    ratios[f"{key}_{mode}_time_to_loss_vs_hivemind"] = round(her_time / my_time, 3)
+                elif mine.curve and hers.curve:
+                    notes.append(
+                        f"{scenario.name} {plan.task} {mode}: no time-to-loss ratio: the"
+                        f" single process's loss (within {TRAIN_LOSS_TOLERANCE:.0%}) reached by"
+                        f" {'ours' if my_time else 'not ours'},"
+                        f" {'hivemind' if her_time else 'not hivemind'}"
+                    )
         plain, overlap = runs.get(("ours", "diloco")), runs.get(("ours", "diloco-overlap"))
         if plain and overlap and plain.ok and overlap.ok and plain.epochs and overlap.epochs:
             per_step = {run.mode: run.train_seconds / run.epochs for run in (plain, overlap)}
@@ -1075,12 +1155,13 @@ def _train_row(
     """A run's table row; its figures (``{key}_{mode}_..._{system}``) added in place."""
     mode = run.mode if run.system == "ours" else HIVEMIND_MODE[run.mode]
     if not run.ok:
-        return [plan.task, run.system, mode, "FAILED", *[""] * 12]
+        return [plan.task, run.system, mode, "FAILED", *[""] * 13]
     base_loss = single.metrics["loss"]
     other_name, base_other = _second_metric(single.metrics)
     _, other = _second_metric(run.metrics)
     loss = run.metrics["loss"]
     reached = loss <= base_loss * (1 + TRAIN_LOSS_TOLERANCE)
+    to_loss = run.seconds_to(base_loss * (1 + TRAIN_LOSS_TOLERANCE))
     schedule_rate = run.schedule_samples / run.train_seconds
     computed_rate = run.computed_samples / run.train_seconds
     prefix, suffix = f"{key}_{run.mode}", run.system
@@ -1104,6 +1185,10 @@ def _train_row(
         found["wire_bytes_sent"] = run.wire_bytes
     for phase, seconds in run.phases.items():
         found[f"{phase}_seconds_per_epoch"] = round(seconds, 4)
+    if run.curve:
+        found["loss_curve"] = [[round(t, 3), epoch, round(x, 5)] for t, epoch, x in run.curve]
+        found["eval_seconds"] = round(run.eval_seconds, 3)
+        found["seconds_to_single_process_loss"] = None if to_loss is None else round(to_loss, 3)
     figures.update({f"{prefix}_{name}_{suffix}": value for name, value in found.items()})
     as_other = "{:.1%}" if other_name == "accuracy" else "{:.3f}"
     return [
@@ -1121,6 +1206,7 @@ def _train_row(
         fmt(other, as_other),
         fmt(base_other, as_other),
         "yes" if reached else "no",
+        fmt(to_loss, "{:.1f}") if run.curve else "",
         fmt(run.bytes_sent / 1e6 if run.bytes_sent is not None else None, "{:.1f}"),
         fmt(run.wire_bytes / 1e6 if run.wire_bytes is not None else None, "{:.1f}"),
     ]
@@ -1242,6 +1328,13 @@ def main(argv: list[str] | None = None) -> int:
         help="our DiLoCo's outer momentum in the train scenario (default 0.9, the paper's)",
     )
     parser.add_argument(
+        "--train-eval-every",
+        type=int,
+        metavar="N",
+        help="train scenario: a loss curve, the first peer of every run evaluating its model"
+        " every N global batches (default: 10 in a full run, none with --quick; 0: none)",
+    )
+    parser.add_argument(
         "--train-modes",
         help=f"comma-separated modes of the train scenario: {', '.join(TRAIN_MODES)}"
         " (default: all)",
@@ -1264,6 +1357,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="all-reduce scenarios: set net.ipv4.tcp_slow_start_after_idle=0 in every"
         " member's namespace (TCP keeps its window across the gaps between rounds)",
+    )
+    parser.add_argument(
+        "--congestion-control",
+        choices=("cubic", "bbr", "reno"),
+        help="all-reduce scenarios: the TCP congestion control of every member's namespace"
+        " (net.ipv4.tcp_congestion_control), for raw TCP, ours and hivemind alike;"
+        " default: the kernel's (cubic)",
     )
     args = parser.parse_args(argv)
     names = (args.scenarios or (QUICK_SCENARIOS if args.quick else ",".join(ALL_SCENARIOS))).split(
@@ -1301,6 +1401,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--train-samples", "num_samples", args.train_samples),
         ("--train-inner-steps", "inner_steps", args.train_inner_steps),
         ("--train-outer-momentum", "outer_momentum", args.train_outer_momentum),
+        ("--train-eval-every", "eval_every", args.train_eval_every),
     ):
         if value is not None:
             try:
@@ -1352,6 +1453,7 @@ def main(argv: list[str] | None = None) -> int:
             hivemind,
             notes,
             slow_start_after_idle=not args.no_slow_start_after_idle,
+            congestion_control=args.congestion_control,
         )
         scenario_notes: list[str] = []
         found, found_ratios, found_failures, tables = summarize(results, scenario_notes)
@@ -1397,7 +1499,8 @@ def main(argv: list[str] | None = None) -> int:
             " train s = the slowest peer's, first step to last; schedule samples = epochs x"
             " the samples of an epoch, computed = what the peers computed (a hivemind epoch"
             " holds more); other = accuracy or bits/char; reached = test loss within"
-            f" {TRAIN_LOSS_TOLERANCE:.0%} of the single process's; averaging MB = what our"
+            f" {TRAIN_LOSS_TOLERANCE:.0%} of the single process's; s to single loss = the"
+            " first peer's training seconds until its loss curve first did; averaging MB = what our"
             " peers sent in rounds, wire MB = every host's link, all traffic",
             train_rows,
         )

@@ -571,6 +571,7 @@ def _train_flags(command: str) -> tuple[Flag, ...]:
         Flag("reducers_per_part", int, choices=(1, 3, 5)),
         Flag("checkpoint", metavar="PATH"),
         Flag("checkpoint_every", _non_negative_int, "N"),
+        Flag("eval_every", _non_negative_int, "N"),
         *joining,
         Flag("run_key", metavar="PATH"),
         Flag("trusted_run_keys", _peer_id, "PEERID", name="--trust-run-key"),

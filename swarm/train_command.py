@@ -166,7 +166,7 @@ def run_train(
             display.message("others join it with")
             display.message(f"  {join_command(config, [_dialable(addrs)])}")
         display.message(f"training {config.task} (run {config.run_id!r}) ...")
-        result = train(config, display.on_step, display.message, metrics)
+        result = train(config, display.on_step, display.message, metrics, display.on_eval)
     display.finish(result)
     return result
 

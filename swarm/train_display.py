@@ -9,8 +9,11 @@ demo`` runs its peers as ``swarm train --progress json`` and reads them):
 - ``{"event": "progress", "epoch", "samples", "total_samples", "loss", "peers",
   "samples_per_second", "local_samples"}`` at each new epoch, and within an epoch at
   most every ``JSON_INTERVAL_SECONDS``;
+- ``{"event": "eval", "epoch", "train_seconds", "metrics"}`` with ``--eval-every``: the
+  model's test metrics after that many epochs and at the end (a loss curve; in lines
+  and bar modes, a line);
 - ``{"event": "result", "metrics", "epochs", "global_samples", "seconds", "train_seconds",
-  "final_loss", "statistics"}`` once at the end.
+  "eval_seconds", "final_loss", "statistics"}`` once at the end.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Literal, TextIO
 
 from swarm.collaborative.config import OptimizerStatistics
 from swarm.progress_bar import ProgressBar, human_bytes
-from swarm.trainer import RunPlan, TrainResult
+from swarm.trainer import Evaluation, RunPlan, TrainResult
 
 ProgressMode = Literal["auto", "bar", "lines", "json", "none"]
 PROGRESS_MODES: tuple[ProgressMode, ...] = ("auto", "bar", "lines", "json", "none")
@@ -104,6 +107,23 @@ class TrainDisplay:
             self.stream.write(text + "\n")
             self.stream.flush()
 
+    def on_eval(self, point: Evaluation) -> None:
+        """The trainer's evaluation callback (``TrainerConfig.eval_every``)."""
+        if self.mode == "json":
+            self._json(
+                {
+                    "event": "eval",
+                    "epoch": point.epoch,
+                    "train_seconds": point.train_seconds,
+                    "metrics": point.metrics,
+                }
+            )
+        elif self.mode != "none":
+            self.message(
+                f"epoch {point.epoch} ({point.train_seconds:.1f} s of training): test "
+                f"{format_metrics(point.metrics)}"
+            )
+
     def finish(self, result: TrainResult) -> None:
         """Close the bar and print the summary (or the ``result`` JSON line)."""
         if self._bar is not None:
@@ -137,6 +157,7 @@ def result_record(result: TrainResult) -> dict[str, Any]:
         "global_samples": result.global_samples,
         "seconds": result.seconds,
         "train_seconds": result.train_seconds,
+        "eval_seconds": result.eval_seconds,
         "final_loss": None if math.isnan(result.final_loss) else result.final_loss,
         "statistics": dataclasses.asdict(result.statistics),
     }

@@ -50,7 +50,7 @@ from swarm.status import (
     publish_status_forever,
 )
 from swarm.tasks import check_task_name, get_task
-from swarm.tasks.base import Recipe, SampleStream, check_seed
+from swarm.tasks.base import Recipe, SampleStream, Task, check_seed
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,11 @@ class TrainerConfig(JoinConfig):
     checkpoint_every: int = 0
     """Also save the checkpoint after every this many epochs (0: only at the end and
     when interrupted)."""
+    eval_every: int = 0
+    """Evaluate the model on the task's test set after every this many epochs (global
+    steps; outer steps in DiLoCo mode) and report it, a loss curve (0: only the final
+    model). Evaluating pauses this peer's training (in gradient mode the swarm's step
+    waits for it); ``TrainResult.train_seconds`` leaves that time out."""
     slow_peer_seconds: float = 30.0
     """Patience with a member that publishes progress but delivered nothing to an epoch
     (slow, or stuck in a state download): once this peer has done its slot, it fills
@@ -132,6 +137,8 @@ class TrainerConfig(JoinConfig):
         check_seed(self.seed)
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise TaskError(f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise TaskError(f"eval_every must be >= 0, got {self.eval_every!r}")
         if self.checkpoint_every and self.checkpoint is None:
             raise TaskError("checkpoint_every needs a checkpoint path")
         if self.checkpoint is not None:
@@ -255,10 +262,27 @@ class TrainResult:
     final_loss: float
     train_seconds: float = 0.0
     """Seconds from this peer's first training step to its last: ``seconds`` without
-    joining, waiting for the run's peers and loading state."""
+    joining, waiting for the run's peers and loading state, and without evaluations
+    (``eval_seconds``)."""
+    eval_curve: tuple[Evaluation, ...] = ()
+    """With ``TrainerConfig.eval_every``: the model's test metrics every that many
+    epochs, and at the end."""
+    eval_seconds: float = 0.0
+    """Spent evaluating during training (``eval_curve`` but its last point)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """One point of a loss curve: the model's test metrics after ``epoch`` epochs,
+    ``train_seconds`` of this peer's training (evaluations left out) from its first step."""
+
+    epoch: int
+    train_seconds: float
+    metrics: dict[str, float]
 
 
 ProgressCallback = Callable[[OptimizerStatistics, float], None]
+EvalCallback = Callable[[Evaluation], None]
 
 
 def train(
@@ -266,11 +290,13 @@ def train(
     on_step: ProgressCallback | None = None,
     on_network: Callable[[str], None] | None = None,
     metrics: MetricsServer | None = None,
+    on_eval: EvalCallback | None = None,
 ) -> TrainResult:
     """Join (or start) the swarm and train; see the module docstring. ``on_network``
     hears a line about how this peer is connected (behind NAT, relays, hole punching)
     whenever that changes, looked at most every :data:`NETWORK_REPORT_SECONDS`.
-    ``metrics`` gets this peer's connections, DHT and training progress as sources."""
+    ``metrics`` gets this peer's connections, DHT and training progress as sources.
+    ``on_eval`` hears each evaluation of ``config.eval_every``, the final one included."""
     task = get_task(config.task)
     recipe = task.recipe
     plan = plan_run(config, recipe)
@@ -318,11 +344,14 @@ def train(
             network = _NetworkReport(dht, on_network)
             saved = opt.epoch
             first_step = time.monotonic()
+            curve = _Curve(task, model, config.eval_every, first_step, on_eval)
+            curve.evaluated = opt.epoch
             with _Interrupts() as interrupts:
                 try:
                     while opt.phase < total_epochs:
                         interrupts.check()
                         network.maybe_report()
+                        curve.maybe_evaluate(opt.epoch)
                         slot = dealer.next_slot()
                         if slot is None:  # our part is done: the others are still on theirs
                             opt.wait()
@@ -348,8 +377,10 @@ def train(
                             "interrupted: saved %s at epoch %d", config.checkpoint, opt.epoch
                         )
                     raise
+            if opt.epoch < total_epochs:  # (overlap: a round applied at the last step)
+                curve.maybe_evaluate(opt.epoch)
             opt.finish_round()  # (overlap: the last outer step's round is part of training)
-            train_seconds = time.monotonic() - first_step
+            train_seconds = time.monotonic() - first_step - curve.seconds
             if opt.epoch >= total_epochs:
                 opt.finish()  # a peer whose last round failed can still load the end
             stats = opt.statistics()
@@ -358,15 +389,55 @@ def train(
         if publisher is not None:
             publisher.cancel()
         dht.close()
+    final = task.evaluate(model)
+    if config.eval_every:
+        curve.add(Evaluation(stats.epoch, train_seconds, final))
     return TrainResult(
-        metrics=task.evaluate(model),
+        metrics=final,
         epochs=stats.epoch,
         global_samples=num_samples if stats.epoch >= total_epochs else stats.epoch * target,
         seconds=time.monotonic() - started,
         statistics=stats,
         final_loss=loss_value,
         train_seconds=train_seconds,
+        eval_curve=tuple(curve.points),
+        eval_seconds=curve.seconds,
     )
+
+
+class _Curve:
+    """``TrainerConfig.eval_every``'s evaluations, timed apart from training."""
+
+    def __init__(
+        self,
+        task: Task,
+        model: torch.nn.Module,
+        every: int,
+        first_step: float,
+        on_eval: EvalCallback | None,
+    ) -> None:
+        self._task, self._model, self._every = task, model, every
+        self._first_step, self._on_eval = first_step, on_eval
+        self.evaluated = 0
+        """The last epoch evaluated (or started from)."""
+        self.seconds = 0.0
+        self.points: list[Evaluation] = []
+
+    def maybe_evaluate(self, epoch: int) -> None:
+        """Evaluate if ``epoch`` is new and a multiple of ``every``."""
+        if not self._every or epoch == self.evaluated or epoch % self._every:
+            return
+        self.evaluated = epoch
+        began = time.monotonic()
+        metrics = self._task.evaluate(self._model)
+        trained = began - self._first_step - self.seconds
+        self.seconds += time.monotonic() - began
+        self.add(Evaluation(epoch, trained, metrics))
+
+    def add(self, point: Evaluation) -> None:
+        self.points.append(point)
+        if self._on_eval is not None:
+            self._on_eval(point)
 
 
 #: A member whose progress record is this fresh is alive and busy with its slot.

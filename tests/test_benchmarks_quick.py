@@ -139,6 +139,7 @@ def test_pipeline_benchmark_runs_and_checks_the_synchronous_losses() -> None:
         ("bench_wan.py", ["--train-samples", "10"], "at least one DiLoCo period"),
         ("bench_wan.py", ["--train-modes", "diloco,async"], "--train-modes diloco,async: give"),
         ("bench_wan.py", ["--train-outer-momentum", "1"], "outer_momentum must be in [0, 1)"),
+        ("bench_wan.py", ["--train-eval-every", "-1"], "eval_every must be >= 0"),
         ("bench_wan.py", ["--connections-per-member", "0"], "invalid choice: 0 (choose from 1"),
         ("bench_pipeline.py", ["--models", "wide,gpt5"], "unknown model(s) gpt5"),
         ("bench_pipeline.py", ["--widths", "64,30"], "each a multiple of the 4 heads"),

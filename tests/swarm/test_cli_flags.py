@@ -17,7 +17,7 @@ from swarm.cli_fields import Flag, add_flags, field_docs, flag_values
 
 _TRAINING = (
     "--allow --allow-file --announce --centered-clip --checkpoint --checkpoint-every "
-    "--diloco --diloco-overlap --identity --initial-peers --listen --local-batch-size "
+    "--diloco --diloco-overlap --eval-every --identity --initial-peers --listen --local-batch-size "
     "--metrics --no-relay --num-peers --num-samples --num-threads --outer-lr --outer-momentum "
     "--progress --reachability --reducers-per-part --run-id --run-key --seed --status-interval "
     "--swarm-key --target-batch-size --task --trust-run-key"

@@ -29,6 +29,8 @@ JSON = ["--progress", "json"]
         {"slow_peer_seconds": True},
         {"centered_clip": "yes"},
         {"reducers_per_part": 2},
+        {"eval_every": -1},
+        {"eval_every": "5"},
     ],
 )
 def test_bad_patience_or_aggregation_is_refused(fields: dict[str, object]) -> None:
@@ -61,6 +63,37 @@ def test_a_lone_peer_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert second.metrics["accuracy"] > first.metrics["accuracy"]
 
 
+@pytest.mark.parametrize(
+    ("diloco", "every", "epochs"),
+    [
+        (None, 5, [5, 10, 15, 20]),
+        (DiLoCoConfig(inner_steps=5), 2, [2, 4]),
+        # Overlap: a round is applied at the next outer step, the last one's at the end.
+        (DiLoCoConfig(inner_steps=5, overlap=True), 1, [1, 2, 3, 4]),
+    ],
+)
+def test_a_loss_curve_is_the_model_every_n_epochs_timed_apart_from_training(
+    diloco: DiLoCoConfig | None, every: int, epochs: list[int]
+) -> None:
+    torch.set_num_threads(1)
+    heard = []
+    result = train(
+        TrainerConfig(
+            task="digits", num_samples=64 * 20, diloco=diloco, eval_every=every, listen=LOCAL
+        ),
+        on_eval=heard.append,
+    )
+    assert [p.epoch for p in result.eval_curve] == epochs  # global steps, or outer steps
+    assert heard == list(result.eval_curve)
+    assert result.eval_curve[-1].metrics == result.metrics  # the final model
+    assert result.eval_curve[-1].train_seconds == result.train_seconds
+    times = [p.train_seconds for p in result.eval_curve]
+    assert times == sorted(times) and times[0] > 0
+    assert result.eval_seconds > 0
+    losses = [p.metrics["loss"] for p in result.eval_curve]
+    assert losses[-1] < losses[0]  # it trains between the points
+
+
 def test_a_corrupt_checkpoint_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.ckpt"
     path.write_bytes(b"not a checkpoint at all")
@@ -72,7 +105,8 @@ def test_json_progress_carries_the_lines_people_read() -> None:
     """A program reading ``--progress json`` learns the join command and how the peer
     is connected from ``message`` events (stdout stays one JSON object a line)."""
     out = subprocess.run(
-        [*SWARM, "train", "--listen", "/ip4/127.0.0.1/tcp/0", "--num-samples", "640", *JSON],
+        [*SWARM, "train", "--listen", "/ip4/127.0.0.1/tcp/0", "--num-samples", "640", *JSON]
+        + ["--eval-every", "4"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -82,6 +116,9 @@ def test_json_progress_carries_the_lines_people_read() -> None:
     texts = [e["text"] for e in events if e["event"] == "message"]
     assert any(" join --initial-peers /ip4/127.0.0.1/tcp/" in t for t in texts), texts
     assert events[-1]["event"] == "result" and events[-1]["global_samples"] == 640
+    curve = [e for e in events if e["event"] == "eval"]  # epochs 4, 8, and the last
+    assert [e["epoch"] for e in curve] == [4, 8, 10], curve
+    assert curve[-1]["metrics"] == events[-1]["metrics"]
 
 
 def test_the_printed_join_command_carries_the_reducers_per_part() -> None:
