@@ -259,16 +259,16 @@ def _shares(members: Any, weights: Any, elements: int) -> dict[str, float]:
 
 
 def _allreduce_config(command: dict[str, Any]) -> Any:
-    """A round's ``AllReduceConfig``: the codec named, and links on as many connections
-    as named (the config's default when none is)."""
+    """A round's ``AllReduceConfig``: the codec named, links on as many connections as
+    named, and the reverse lane on or off (the config's defaults where none is named)."""
     from averaging import AllReduceConfig
 
-    connections = command.get("connections_per_member")
-    if connections is None:
-        return AllReduceConfig(codec=make_codec(command["codec"]))
-    return AllReduceConfig(
-        codec=make_codec(command["codec"]), connections_per_member=int(connections)
-    )
+    changes: dict[str, Any] = {}
+    if command.get("connections_per_member") is not None:
+        changes["connections_per_member"] = int(command["connections_per_member"])
+    if command.get("reverse_lane") is not None:
+        changes["reverse_lane"] = bool(command["reverse_lane"])
+    return AllReduceConfig(codec=make_codec(command["codec"]), **changes)
 
 
 async def ours_node(node: Any) -> None:

@@ -150,6 +150,9 @@ class Plan:
     connections_per_member: int | None = None
     """Our ``AllReduceConfig.connections_per_member`` (None: its default): 1 measures
     links on one connection each, as before lanes."""
+    reverse_lane: bool | None = None
+    """Our ``AllReduceConfig.reverse_lane`` (None: its default): False measures the
+    member that does not open a link waiting for the opener's stream, as before."""
 
     def __post_init__(self) -> None:
         if self.num_peers < 2:
@@ -376,6 +379,7 @@ def measure_ours(
                         "reducers_per_part": plan.reducers_per_part,
                         "rates": rates,
                         "connections_per_member": plan.connections_per_member,
+                        "reverse_lane": plan.reverse_lane,
                     }
                     for member in members:
                         member.send(command)
@@ -412,6 +416,7 @@ def measure_ours(
                         "timeout": plan.matchmaking_seconds + 30.0,
                         "start_at": time.monotonic() + step_delay,
                         "connections_per_member": plan.connections_per_member,
+                        "reverse_lane": plan.reverse_lane,
                     }
                     for member in members:
                         member.send(command)

@@ -58,11 +58,12 @@ Three more scenarios, every link 100 Mbit/s and 20 ms one way (80 ms round trip)
   every host's link). With a loss curve (``--train-eval-every N``; a full run: every 10
   global batches) the first peer of each run evaluates its model every N global
   batches, and the training seconds until its test loss first came within 5% of the
-  single process's are compared (``..._time_to_loss_vs_hivemind``). Sizes (``--train-samples`` and ``--train-inner-steps`` override
-  them): ``--quick`` digits for 8 global batches of 64, DiLoCo every 4 (about 3.5
-  minutes, start-ups included: not in the default quick list, run ``--quick --scenarios
-  train``); a full run digits at its recipe (320 batches, DiLoCo every 10: 32 outer
-  steps, as the loopback tests) and charlm for 100 batches of 32 (DiLoCo every 10).
+  single process's are compared (``..._time_to_loss_vs_hivemind``). Sizes
+  (``--train-samples`` and ``--train-inner-steps`` override them): ``--quick`` digits
+  for 8 global batches of 64, DiLoCo every 4 (about 3.5 minutes, start-ups included:
+  not in the default quick list, run ``--quick --scenarios train``); a full run digits
+  at its recipe (320 batches, DiLoCo every 10: 32 outer steps, as the loopback tests)
+  and charlm for 100 batches of 32 (DiLoCo every 10).
   hivemind's epochs took from 1 to 8.5 s on these links from run to run (ours: 1 s), so
   a full train scenario takes from 20 minutes to an hour.
 
@@ -1353,6 +1354,13 @@ def main(argv: list[str] | None = None) -> int:
         " pair two per link; 1: one per link, as before lanes)",
     )
     parser.add_argument(
+        "--no-reverse-lane",
+        action="store_true",
+        help="all-reduce scenarios: our members that do not open a link wait for the"
+        " opener's stream before they send (AllReduceConfig.reverse_lane=False), as before"
+        " the reverse lane",
+    )
+    parser.add_argument(
         "--no-slow-start-after-idle",
         action="store_true",
         help="all-reduce scenarios: set net.ipv4.tcp_slow_start_after_idle=0 in every"
@@ -1415,6 +1423,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = with_counts(QUICK if args.quick else FULL, args)
     if args.connections_per_member is not None:
         plan = replace(plan, connections_per_member=args.connections_per_member)
+    if args.no_reverse_lane:
+        plan = replace(plan, reverse_lane=False)
     notes: list[str] = []
     hivemind, why = (
         (None, "disabled with --no-hivemind") if args.no_hivemind else installed_hivemind()

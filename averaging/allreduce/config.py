@@ -79,6 +79,13 @@ class AllReduceConfig:
     which ``connections_per_member`` applies. Below it one window covers what a link of
     half a gigabit or less carries, and a further connection only costs its handshake
     (docs/design/averaging.md, "Long fat pipes")."""
+    reverse_lane: bool = True
+    """On such a round trip, the member that does not open a link opens a lane back to
+    the one that does (``wire.REVERSE_LANE``, on the connection they share), so that it
+    sends its chunks at once instead of half a round trip later, when the opener's
+    stream reaches it: at once to a member that took one lately, otherwise from the
+    second round with it on (docs/design/averaging.md, "The reverse lane"). False: it
+    waits for the opener's stream."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -111,6 +118,8 @@ class AllReduceConfig:
             or self.pooled_round_trip < 0
         ):
             raise AllReduceError("pooled_round_trip must be a non-negative number of seconds")
+        if not isinstance(self.reverse_lane, bool):
+            raise AllReduceError("reverse_lane must be True or False")
         if not isinstance(self.chunk_elements, int) or self.chunk_elements <= 0:
             raise AllReduceError("chunk_elements must be a positive int")
         if not isinstance(self.codec, Codec):

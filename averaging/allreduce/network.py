@@ -3,7 +3,10 @@
 deadlines into failures, and ends the round with a vote (``averaging.allreduce.agreement``).
 
 One stream links each pair of members (``wire.link_opener``); every message
-between the two travels on it, both ways. A writer task per link encodes what the round
+between the two travels on it, both ways. On a long round trip a link gains further
+streams for chunks (lanes): the opener's on further connections, and one the other
+member opens back (``wire.REVERSE_LANE``), so that it need not wait half a round trip for
+the opener's stream before it sends. A writer task per link encodes what the round
 has for that member just before it goes out (memory stays at one chunk per link); a
 reader task per link decodes what arrives and feeds the state machine, which reduces
 each chunk as it arrives, so reduction overlaps the transfer of the next chunks.
@@ -85,6 +88,7 @@ from averaging.allreduce.records import (
 from averaging.allreduce.wire import (
     ALLREDUCE_PROTOCOL,
     MAX_LANES,
+    REVERSE_LANE,
     AveragedMessage,
     ChunkMessage,
     CopyMessage,
@@ -148,6 +152,9 @@ class _Lane:
     framed: FramedStream[StreamLike]
     writer: asyncio.Task[None] | None = None
     counted: int = 0  # bytes read up to the last frame
+    unsure: list[_Item] | None = None
+    """A reverse lane opened early (``RoundRunner._open_reverse``), until the member's
+    answer confirms it: what was written on it, to send again if the member refuses."""
 
 
 @dataclass(eq=False)
@@ -247,9 +254,11 @@ class RoundRunner:
         config: AllReduceConfig,
         errors: RoundErrors | None = None,
         lane_memo: LaneMemo | None = None,
+        reverse_memo: LaneMemo | None = None,
     ) -> None:
         self.peer = peer
         self._lane_memo = lane_memo if lane_memo is not None else LaneMemo()
+        self._reverse_memo = reverse_memo if reverse_memo is not None else LaneMemo()
         self.spec = spec
         self.config = config
         # Error feedback (a lossy codec's residuals): only a lossy codec leaves any.
@@ -313,6 +322,8 @@ class RoundRunner:
             for link in self.links.values():
                 if link.opened_by_me:
                     self._link_tasks.append(tasks.create_task(self._open(link)))
+                elif self._reverses(link.peer_id):
+                    self._link_tasks.append(tasks.create_task(self._open_reverse(link)))
             self._handle(self._initial_events())
             try:
                 agreed = await self._drive()
@@ -960,6 +971,71 @@ class RoundRunner:
             return 1
         return wanted
 
+    def _reverses(self, member: PeerID) -> bool:
+        """Whether I open a reverse lane to ``member``, the opener of our link: where
+        our round trip is long enough for lanes (half of it is the wait it saves), and
+        the member can be dialed."""
+        if not self.config.reverse_lane or not self._can_reduce[member]:
+            return False
+        if not isinstance(self.peer, PooledStreamHost):
+            return False
+        round_trip = self.peer.round_trip(member)
+        return round_trip is not None and round_trip >= self.config.pooled_round_trip
+
+    async def _open_reverse(self, link: _Link) -> None:
+        """Open the reverse lane of a link ``link.peer_id`` opens. To a member that
+        confirmed one lately (:class:`LaneMemo`) at once, sending chunks on it before
+        the answer (``_Lane.unsure`` keeps them, should it refuse); to another, once its
+        first lane is here, and used once it confirms (the next round's opens at once)."""
+        member = link.peer_id
+        early = member in self._reverse_memo
+        framed: FramedStream[StreamLike] | None = None
+        try:
+            if not early:
+                await link.heard.wait()
+                if not link.usable:
+                    return
+            framed = FramedStream(await self.peer.new_stream(member, ALLREDUCE_PROTOCOL))
+            await framed.write_frame(encode_hello(self.spec, REVERSE_LANE))
+            if not early:
+                await self._confirmed(framed)
+                self._reverse_memo.add(member)
+        except (PeersError, OSError) as e:
+            logger.debug("round %s: no reverse lane to %s: %r", self._tag, member, e)
+            self._reverse_memo.discard(member)
+        except BaseException:  # cancelled: the round is over
+            if framed is not None:
+                framed.stream.reset()
+            raise
+        else:
+            self._attach(link, _Lane(REVERSE_LANE, framed, unsure=[] if early else None))
+            return
+        if framed is not None:
+            framed.stream.reset()
+
+    async def _confirmed(self, framed: FramedStream[StreamLike], lane: int = REVERSE_LANE) -> None:
+        """Read the member's answer to the Hello of ``lane``; raises if it is not the
+        same Hello."""
+        answer = decode_hello(await framed.read_frame())
+        if answer != Hello(self.spec.round_id, self._spec_digest, lane):
+            raise RemoteProtocolError("the member answered another lane")
+
+    def _refused(self, link: _Link, lane: _Lane, error: BaseException) -> None:
+        """The member refused a reverse lane I sent on before its answer (a member of a
+        version without them, or one that forgot our link): what went out on it goes
+        out again on the link's other lanes, and the member is forgotten."""
+        logger.debug("round %s: %s refused a reverse lane: %r", self._tag, link.peer_id, error)
+        self._reverse_memo.discard(link.peer_id)
+        if link.lanes.get(lane.index) is lane:
+            del link.lanes[lane.index]
+        if lane.writer is not None and lane.writer is not asyncio.current_task():
+            lane.writer.cancel()
+        lane.framed.stream.reset()
+        for item in reversed(lane.unsure or []):
+            link.outbox.appendleft(item)
+        lane.unsure = None
+        link.wake.set()
+
     async def _open_lane(self, link: _Link, index: int) -> None:
         """Add lane ``index`` to a link I opened. To a member that took a lane lately
         (:class:`LaneMemo`) the lane opens at once. To another, its connection is dialed
@@ -984,9 +1060,7 @@ class RoundRunner:
             stream = await self.peer.new_pooled_stream(member, ALLREDUCE_PROTOCOL, index)
             framed = FramedStream(stream)
             await framed.write_frame(encode_hello(self.spec, index))
-            answer = decode_hello(await framed.read_frame())
-            if answer != Hello(self.spec.round_id, self._spec_digest, index):
-                raise RemoteProtocolError("the member answered another lane")
+            await self._confirmed(framed, index)
         except (PeersError, OSError) as e:
             logger.debug("round %s: no lane %d to %s: %r", self._tag, index, member, e)
             if not isinstance(e, LimitExceeded):  # (our own cap says nothing of the member)
@@ -1010,7 +1084,9 @@ class RoundRunner:
         whose spec of this round differs from mine (a leader that gave members different
         specs: the link is refused, and its end excludes me as it would a dead peer)."""
         link = self.links.get(remote)
-        if link is None or link.opened_by_me or lane in link.lanes or link.dead:
+        # The opener of a link opens its lanes but the reverse one, which the other opens.
+        expected = link is not None and link.opened_by_me == (lane == REVERSE_LANE)
+        if link is None or not expected or lane in link.lanes or link.dead:
             raise AllReduceError(
                 f"{remote} does not open lane {lane} of a link to this peer in this round"
             )
@@ -1039,6 +1115,15 @@ class RoundRunner:
 
     async def _read(self, link: _Link, lane: _Lane) -> None:
         framed = lane.framed
+        if lane.unsure is not None:  # an early reverse lane: its answer comes first
+            try:
+                await self._confirmed(framed)
+            except (PeersError, OSError, EOFError) as e:
+                if not link.finished.is_set():
+                    self._refused(link, lane, e)
+                return
+            lane.unsure = None
+            self._reverse_memo.add(link.peer_id)
         try:
             while not link.finished.is_set():
                 frame = await framed.read_frame()
@@ -1081,6 +1166,8 @@ class RoundRunner:
             while True:
                 while link.outbox and (lane.index == 0 or _is_bulk(link.outbox[0])):
                     item = link.outbox.popleft()
+                    if lane.unsure is not None:
+                        lane.unsure.append(item)
                     if len(link.lanes) > 1 and not _is_bulk(item):
                         link.wake.set()  # further lanes may take the chunks behind it
                     frame = self._encode(item)
@@ -1094,7 +1181,10 @@ class RoundRunner:
                 link.wake.clear()
                 await link.wake.wait()
         except (PeersError, OSError) as e:
-            self._link_failed(link, e)
+            if lane.unsure is not None:
+                self._refused(link, lane, e)
+            else:
+                self._link_failed(link, e)
 
     def _encode_values(self, values: torch.Tensor) -> EncodedTensor:
         if self.config.codec.name != "none" or values.dtype != torch.float32:

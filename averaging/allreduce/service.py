@@ -21,6 +21,7 @@ from averaging.allreduce.network import LaneMemo, RoundRunner
 from averaging.allreduce.records import RoundSpec
 from averaging.allreduce.wire import ALLREDUCE_PROTOCOL, decode_hello
 from peers.errors import PeersError
+from peers.identity import PeerID
 from peers.rpc import FramedStream
 from peers.service import Service
 from peers.stream_api import StreamHost, StreamLike
@@ -49,12 +50,19 @@ class AllReduceService(Service):
         self._ended: OrderedDict[bytes, None] = OrderedDict()
         self._num_waiting = 0
         self._lane_memo = LaneMemo()
+        self._reverse_memo = LaneMemo()  # members that took a reverse lane lately
 
     async def _start(self) -> None:
         self._serve(
             lambda: self.peer.set_stream_handler(ALLREDUCE_PROTOCOL, self._on_stream),
             lambda: self.peer.remove_stream_handler(ALLREDUCE_PROTOCOL),
         )
+
+    def remember_reverse_lane(self, member: PeerID) -> None:
+        """Treat ``member`` as having taken a reverse lane lately (as a round with it
+        leaves it): the next round's reverse lane to it sends at once. For tools that
+        check rounds from that state, such as the fault checker."""
+        self._reverse_memo.add(member)
 
     def running(self, round_id: bytes) -> RoundRunner | None:
         """The round ``round_id`` while it runs here (for tools that inspect or drive it,
@@ -89,7 +97,14 @@ class AllReduceService(Service):
         if spec.round_id in self._rounds or spec.round_id in self._ended:
             raise AllReduceError(f"round {spec.round_id.hex()} already ran here")
         runner = RoundRunner(
-            self.peer, spec, local, weight, config or self.config, errors, self._lane_memo
+            self.peer,
+            spec,
+            local,
+            weight,
+            config or self.config,
+            errors,
+            self._lane_memo,
+            self._reverse_memo,
         )
         self._rounds[spec.round_id] = runner
         self._started.setdefault(spec.round_id, asyncio.Event()).set()

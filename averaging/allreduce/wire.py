@@ -50,6 +50,10 @@ ALLREDUCE_PROTOCOL = "/swarmtrain/averaging/allreduce/4.0.0"
 #: Streams one link may run on (its first and further lanes, each on its own
 #: connection): as many as a peer keeps connections to one other by default.
 MAX_LANES = 4
+#: The lane the member that did not open a link opens to the one that did, so that it
+#: can send its chunks at once rather than after the link's first stream reaches it
+#: (half a round trip later): after the opener's lanes, ``0 .. MAX_LANES - 1``.
+REVERSE_LANE = MAX_LANES
 
 #: Members one message may name: a group is at most this large (matchmaking's bound).
 MAX_NAMED_MEMBERS = 1024
@@ -64,7 +68,9 @@ class Hello:
     the same member (a lane, :data:`MAX_LANES` at most), which the accepting end
     confirms by sending the same Hello back before either end sends chunks on it.
     A peer that predates lanes ignores the field and refuses such a stream as a second
-    link, and the opener then carries on with one."""
+    link, and the opener then carries on with one. :data:`REVERSE_LANE`: the stream
+    the other member opens to the link's opener (confirmed the same way; to a member
+    that confirmed one lately, chunks follow the Hello before the answer)."""
 
 
 @dataclass(frozen=True)
@@ -177,12 +183,12 @@ def decode_message(frame: object) -> Message:
 
 def decode_hello(frame: object) -> Hello:
     """The first frame of a link; raises :class:`WireError` if it is not a Hello, or
-    names a lane outside ``0 .. MAX_LANES - 1``."""
+    names a lane outside ``0 .. REVERSE_LANE``."""
     if not isinstance(frame, list) or len(frame) != 2 or frame[0] != 0:
         raise WireError("a link must start with a Hello frame")
     hello = from_wire(Hello, frame[1])
-    if not 0 <= hello.lane < MAX_LANES:
-        raise WireError(f"a Hello names lane {hello.lane}, outside 0..{MAX_LANES - 1}")
+    if not 0 <= hello.lane <= REVERSE_LANE:
+        raise WireError(f"a Hello names lane {hello.lane}, outside 0..{REVERSE_LANE}")
     return hello
 
 

@@ -18,7 +18,7 @@ from averaging import AllReduceConfig, AllReduceService, RoundSpec
 from averaging.allreduce import service as service_module
 from averaging.allreduce.config import FLUSH_SECONDS, MAX_CONNECTIONS_PER_MEMBER, AllReduceError
 from averaging.allreduce.network import LaneMemo, RoundRunner, _Lane, _Link
-from averaging.allreduce.wire import ALLREDUCE_PROTOCOL, MAX_LANES, Hello, decode_hello
+from averaging.allreduce.wire import ALLREDUCE_PROTOCOL, REVERSE_LANE, Hello, decode_hello
 from peers import Peer, PeerConfig, PeersError
 from peers.identity import KeyPair
 from peers.memory_network import MemoryNetwork, run_virtual
@@ -34,6 +34,7 @@ POOLED = AllReduceConfig(
     chunk_elements=1 << 16,
     connections_per_member=6,  # 3 links each: 2 connections per link
     pooled_round_trip=0.0,
+    reverse_lane=False,  # (the opener's lanes alone: the reverse lane's tests are below)
 )
 NUM_PEERS = 4
 ELEMENTS = 2_000_000
@@ -385,7 +386,9 @@ def test_a_lane_whose_answer_comes_after_the_join_timeout_is_still_used() -> Non
 
 
 @pytest.mark.parametrize(
-    "lane", [MAX_LANES, -1, "x", True, 1.5], ids=["too high", "negative", "str", "bool", "float"]
+    "lane",
+    [REVERSE_LANE + 1, -1, "x", True, 1.5],
+    ids=["too high", "negative", "str", "bool", "float"],
 )
 def test_a_hello_naming_a_bad_lane_is_refused_and_the_service_keeps_serving(
     arun: Run, lane: object
@@ -422,3 +425,95 @@ def test_a_config_asking_for_no_or_too_many_connections_is_refused() -> None:
     for bad_seconds in (-0.1, float("nan"), "0.05"):
         with pytest.raises(AllReduceError, match="pooled_round_trip must be"):
             AllReduceConfig(pooled_round_trip=bad_seconds)  # type: ignore[arg-type]
+
+
+# --- the reverse lane ------------------------------------------------------------------
+
+
+def test_the_member_that_did_not_open_a_link_sends_at_once_on_a_reverse_lane() -> None:
+    """A pair 200 ms apart (virtual), one connection per link. Without the reverse lane,
+    the member that does not open the link waits for the opener's stream, half a round
+    trip, before it sends. With it, the first round opens the lane once the opener's
+    stream is there (and the two streams' windows carry more); every later round opens
+    it at once and sends on it before the opener's answer: the same result, each round
+    sooner than the first (on this network each stream also brings its own window)."""
+    before: list[float] = []
+    after: list[float] = []
+    plain, _ = _virtual_round(1, durations=before, num_rounds=3)
+    reversed_, _ = _virtual_round(1, durations=after, num_rounds=3, reverse_lane=True)
+    expected = torch.stack(_tensors()[:2]).double().mean(0)
+    for results in (plain, reversed_):
+        for r in results:
+            assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
+            assert r.result.report.failed == {}
+        assert torch.allclose(results[0].result.averaged.double(), expected, atol=1e-6)
+    assert torch.equal(plain[0].result.averaged, reversed_[0].result.averaged)
+    print("without", [f"{d:.3f}" for d in before], "with", [f"{d:.3f}" for d in after])
+    assert after[0] < before[0]  # a second stream's window from B to A
+    assert after[1] < after[0] - 0.05  # and from the second round on, no wait
+    assert abs(after[2] - after[1]) < 0.02  # the memo holds
+
+
+def test_a_member_that_refuses_an_early_reverse_lane_gets_its_chunks_on_the_link(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second round with a member opens the reverse lane at once and sends chunks
+    on it before the member answers. A member that refuses it then (a version without
+    reverse lanes, restarted; here: a refusal 50 ms after the Hello) has them sent
+    again on the link's first stream: the round averages everything, no one is
+    excluded, and the member is forgotten (its next reverse lane waits for its answer)."""
+    config = dataclasses.replace(POOLED, connections_per_member=1, reverse_lane=True)
+    accept = RoundRunner.accept
+    refused = RoundRunner._refused
+    resent: list[int] = []
+
+    async def refusing_reverse(self: RoundRunner, remote: Any, framed: Any, *args: Any) -> None:
+        if (args[1] if len(args) > 1 else 0) == REVERSE_LANE:
+            await asyncio.sleep(0.05)
+            raise AllReduceError("no reverse lanes here")
+        await accept(self, remote, framed, *args)
+
+    def counting(self: RoundRunner, link: _Link, lane: _Lane, error: BaseException) -> None:
+        resent.append(len(lane.unsure or []))
+        refused(self, link, lane, error)
+
+    async def main() -> tuple[list[list[Any]], list[list[bool]]]:
+        remembered: list[list[bool]] = []
+        outcomes = []
+        async with contextlib.AsyncExitStack() as stack:
+            peers = [await stack.enter_async_context(Peer()) for _ in range(2)]
+            services = [await stack.enter_async_context(AllReduceService(p, config)) for p in peers]
+            await _meet(peers)
+            await peers[0].connect(peers[1].listen_addrs[0])
+            for refuse in (False, True):
+                if refuse:
+                    monkeypatch.setattr(RoundRunner, "accept", refusing_reverse)
+                    monkeypatch.setattr(RoundRunner, "_refused", counting)
+                specs = _specs(peers, ELEMENTS, chunk=config.chunk_elements)
+                rounds = [
+                    s.run_round(spec, t, 1.0)
+                    for s, spec, t in zip(services, specs, _tensors()[:2], strict=True)
+                ]
+                outcomes.append(list(await asyncio.gather(*rounds)))
+                remembered.append(
+                    [
+                        other.peer_id in s._reverse_memo
+                        for s, other in zip(services, peers[::-1], strict=True)
+                    ]
+                )
+        return outcomes, remembered
+
+    attached = _spy_on_lanes(monkeypatch)
+    outcomes, remembered = arun(main())
+    expected = torch.stack(_tensors()[:2]).double().mean(0)
+    for results in outcomes:
+        for r in results:
+            assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
+            assert r.result.report.failed == {}
+            assert torch.allclose(r.result.averaged.double(), expected, atol=1e-6)
+    assert sorted(remembered[0]) == [False, True]  # the member that did not open
+    assert remembered[1] == [False, False]  # forgotten after the refusal
+    assert len(resent) == 1 and resent[0] >= 1, resent  # chunks sent again
+    # Round 1: lane 0 and the reverse lane at both ends; round 2: lane 0 at both ends
+    # and the early reverse lane at its opener's only.
+    assert sorted(attached) == [0, 0, 0, 0] + [REVERSE_LANE] * 3

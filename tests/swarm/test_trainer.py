@@ -104,9 +104,9 @@ def test_a_corrupt_checkpoint_is_refused_with_a_clear_error(tmp_path: Path) -> N
 def test_json_progress_carries_the_lines_people_read() -> None:
     """A program reading ``--progress json`` learns the join command and how the peer
     is connected from ``message`` events (stdout stays one JSON object a line)."""
+    flags = ["--listen", "/ip4/127.0.0.1/tcp/0", "--num-samples", "640", "--eval-every", "4"]
     out = subprocess.run(
-        [*SWARM, "train", "--listen", "/ip4/127.0.0.1/tcp/0", "--num-samples", "640", *JSON]
-        + ["--eval-every", "4"],
+        [*SWARM, "train", *flags, *JSON],
         capture_output=True,
         text=True,
         timeout=120,
