@@ -172,30 +172,6 @@ def test_a_remembered_member_that_refuses_an_early_lane_is_forgotten_and_the_rou
     (its next lanes wait for its first answer again)."""
     config = dataclasses.replace(POOLED, connections_per_member=2)
 
-    async def main() -> list[list[Any]]:
-        async with contextlib.AsyncExitStack() as stack:
-            peers = [await stack.enter_async_context(Peer()) for _ in range(2)]
-            services = [await stack.enter_async_context(AllReduceService(p, config)) for p in peers]
-            await _meet(peers)
-            await peers[0].connect(peers[1].listen_addrs[0])
-            outcomes = []
-            for refuse in (False, True):
-                if refuse:
-                    monkeypatch.setattr(RoundRunner, "accept", refusing_lanes)
-                specs = _specs(peers, ELEMENTS, chunk=config.chunk_elements)
-                rounds = [
-                    s.run_round(spec, t, 1.0)
-                    for s, spec, t in zip(services, specs, _tensors()[:2], strict=True)
-                ]
-                outcomes.append(list(await asyncio.gather(*rounds)))
-                remembered.append(
-                    [
-                        other.peer_id in s._lane_memo
-                        for s, other in zip(services, peers[::-1], strict=True)
-                    ]
-                )
-            return outcomes
-
     accept = RoundRunner.accept
 
     async def refusing_lanes(self: RoundRunner, remote: Any, framed: Any, *args: Any) -> None:
@@ -204,9 +180,11 @@ def test_a_remembered_member_that_refuses_an_early_lane_is_forgotten_and_the_rou
             raise AllReduceError("no lanes here")
         await accept(self, remote, framed, *args)
 
-    remembered: list[list[bool]] = []
+    def second() -> None:
+        monkeypatch.setattr(RoundRunner, "accept", refusing_lanes)
+
     attached = _spy_on_lanes(monkeypatch)
-    outcomes = arun(main())
+    outcomes, remembered = arun(_two_rounds_of_a_pair(config, second, "_lane_memo"))
     expected = torch.stack(_tensors()[:2]).double().mean(0)
     for results in outcomes:
         for r in results:
@@ -215,6 +193,37 @@ def test_a_remembered_member_that_refuses_an_early_lane_is_forgotten_and_the_rou
     assert sorted(remembered[0]) == [False, True]  # the opener's service remembers
     assert remembered[1] == [False, False]
     assert sorted(attached) == [0, 0, 0, 0, 1, 1]  # round 2: no lane attached
+
+
+async def _two_rounds_of_a_pair(
+    config: AllReduceConfig, second: Callable[[], None], memo: str
+) -> tuple[list[list[Any]], list[list[bool]]]:
+    """Two rounds of a pair connected beforehand, ``second()`` called before the second:
+    each round's results, and after each whether each service's ``memo`` (the name of
+    its LaneMemo) holds the other member."""
+    outcomes: list[list[Any]] = []
+    remembered: list[list[bool]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [await stack.enter_async_context(Peer()) for _ in range(2)]
+        services = [await stack.enter_async_context(AllReduceService(p, config)) for p in peers]
+        await _meet(peers)
+        await peers[0].connect(peers[1].listen_addrs[0])
+        for index in range(2):
+            if index:
+                second()
+            specs = _specs(peers, ELEMENTS, chunk=config.chunk_elements)
+            rounds = [
+                s.run_round(spec, t, 1.0)
+                for s, spec, t in zip(services, specs, _tensors()[:2], strict=True)
+            ]
+            outcomes.append(list(await asyncio.gather(*rounds)))
+            remembered.append(
+                [
+                    other.peer_id in getattr(s, memo)
+                    for s, other in zip(services, peers[::-1], strict=True)
+                ]
+            )
+    return outcomes, remembered
 
 
 def test_a_lane_memo_keeps_the_latest_members_and_forgets_a_refusing_one() -> None:
@@ -477,34 +486,12 @@ def test_a_member_that_refuses_an_early_reverse_lane_gets_its_chunks_on_the_link
         resent.append(len(lane.unsure or []))
         refused(self, link, lane, error)
 
-    async def main() -> tuple[list[list[Any]], list[list[bool]]]:
-        remembered: list[list[bool]] = []
-        outcomes = []
-        async with contextlib.AsyncExitStack() as stack:
-            peers = [await stack.enter_async_context(Peer()) for _ in range(2)]
-            services = [await stack.enter_async_context(AllReduceService(p, config)) for p in peers]
-            await _meet(peers)
-            await peers[0].connect(peers[1].listen_addrs[0])
-            for refuse in (False, True):
-                if refuse:
-                    monkeypatch.setattr(RoundRunner, "accept", refusing_reverse)
-                    monkeypatch.setattr(RoundRunner, "_refused", counting)
-                specs = _specs(peers, ELEMENTS, chunk=config.chunk_elements)
-                rounds = [
-                    s.run_round(spec, t, 1.0)
-                    for s, spec, t in zip(services, specs, _tensors()[:2], strict=True)
-                ]
-                outcomes.append(list(await asyncio.gather(*rounds)))
-                remembered.append(
-                    [
-                        other.peer_id in s._reverse_memo
-                        for s, other in zip(services, peers[::-1], strict=True)
-                    ]
-                )
-        return outcomes, remembered
+    def second() -> None:
+        monkeypatch.setattr(RoundRunner, "accept", refusing_reverse)
+        monkeypatch.setattr(RoundRunner, "_refused", counting)
 
     attached = _spy_on_lanes(monkeypatch)
-    outcomes, remembered = arun(main())
+    outcomes, remembered = arun(_two_rounds_of_a_pair(config, second, "_reverse_memo"))
     expected = torch.stack(_tensors()[:2]).double().mean(0)
     for results in outcomes:
         for r in results:
