@@ -1119,11 +1119,13 @@ def run_train_scenario(
                 if my_time and her_time:
                     ratios[f"{key}_{mode}_time_to_loss_vs_hivemind"] = round(her_time / my_time, 3)
                 elif mine.curve and hers.curve:
+                    reached_by = (
+                        "ours alone" if my_time else "hivemind alone" if her_time else "neither"
+                    )
                     notes.append(
                         f"{scenario.name} {plan.task} {mode}: no time-to-loss ratio: the"
-                        f" single process's loss (within {TRAIN_LOSS_TOLERANCE:.0%}) reached by"
-                        f" {'ours' if my_time else 'not ours'},"
-                        f" {'hivemind' if her_time else 'not hivemind'}"
+                        f" single process's loss (within {TRAIN_LOSS_TOLERANCE:.0%}) was"
+                        f" reached by {reached_by}"
                     )
         plain, overlap = runs.get(("ours", "diloco")), runs.get(("ours", "diloco-overlap"))
         if plain and overlap and plain.ok and overlap.ok and plain.epochs and overlap.epochs:
