@@ -1002,7 +1002,8 @@ class RoundRunner:
                 self._reverse_memo.add(member)
         except (PeersError, OSError) as e:
             logger.debug("round %s: no reverse lane to %s: %r", self._tag, member, e)
-            self._reverse_memo.discard(member)
+            if not isinstance(e, LimitExceeded):  # (our own cap says nothing of the member)
+                self._reverse_memo.discard(member)
         except BaseException:  # cancelled: the round is over
             if framed is not None:
                 framed.stream.reset()
@@ -1024,13 +1025,15 @@ class RoundRunner:
         """The member refused a reverse lane I sent on before its answer (a member of a
         version without them, or one that forgot our link): what went out on it goes
         out again on the link's other lanes, and the member is forgotten."""
+        if link.lanes.get(lane.index) is not lane:
+            return  # (its reader and its writer may both find it refused)
         logger.debug("round %s: %s refused a reverse lane: %r", self._tag, link.peer_id, error)
         self._reverse_memo.discard(link.peer_id)
-        if link.lanes.get(lane.index) is lane:
-            del link.lanes[lane.index]
+        del link.lanes[lane.index]
         if lane.writer is not None and lane.writer is not asyncio.current_task():
             lane.writer.cancel()
         lane.framed.stream.reset()
+        self._bytes_received += lane.framed.bytes_read  # (out of link.lanes now)
         for item in reversed(lane.unsure or []):
             link.outbox.appendleft(item)
         lane.unsure = None
@@ -1039,10 +1042,11 @@ class RoundRunner:
     async def _open_lane(self, link: _Link, index: int) -> None:
         """Add lane ``index`` to a link I opened. To a member that took a lane lately
         (:class:`LaneMemo`) the lane opens at once. To another, its connection is dialed
-        at once, beside the first lane's start, and the lane opens once the member has
-        answered on the first lane: it then holds the link, so a further lane cannot
-        overtake it there (a peer that predates lanes would take an early one for the
-        link, and refuse the first).
+        at once, beside the first lane's start, and the lane opens once a first frame of
+        the member's has come: on the first lane, it then holds the link, so a further
+        lane cannot overtake it there (a peer that predates lanes would take an early
+        one for the link, and refuse the first); or on the reverse lane the member
+        opened, and a member that opens one takes a further lane before the first.
 
         Whatever goes wrong before the member answers leaves the link on the lanes it
         has: nothing was sent on this one yet. The answer is awaited without a deadline
@@ -1122,6 +1126,8 @@ class RoundRunner:
                 if not link.finished.is_set():
                     self._refused(link, lane, e)
                 return
+            if link.lanes.get(lane.index) is not lane:
+                return  # its writer found it refused (an answer read from a reset stream)
             lane.unsure = None
             self._reverse_memo.add(link.peer_id)
         try:
@@ -1181,10 +1187,10 @@ class RoundRunner:
                 link.wake.clear()
                 await link.wake.wait()
         except (PeersError, OSError) as e:
-            if lane.unsure is not None:
-                self._refused(link, lane, e)
-            else:
+            if lane.unsure is None:
                 self._link_failed(link, e)
+            elif not link.finished.is_set():  # (at the round's end: nothing to send again)
+                self._refused(link, lane, e)
 
     def _encode_values(self, values: torch.Tensor) -> EncodedTensor:
         if self.config.codec.name != "none" or values.dtype != torch.float32:
