@@ -38,6 +38,7 @@ import hashlib
 import logging
 import math
 from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -989,30 +990,58 @@ class RoundRunner:
         first lane is here, and used once it confirms (the next round's opens at once)."""
         member = link.peer_id
         early = member in self._reverse_memo
+        if not early:
+            await link.heard.wait()
+            if not link.usable:
+                return
+        framed = await self._start_lane(
+            member,
+            REVERSE_LANE,
+            self._reverse_memo,
+            lambda: self.peer.new_stream(member, ALLREDUCE_PROTOCOL),
+            confirm=not early,
+        )
+        if framed is None:
+            return
+        if not early:
+            self._reverse_memo.add(member)
+        self._attach(link, _Lane(REVERSE_LANE, framed, unsure=[] if early else None))
+
+    async def _start_lane(
+        self,
+        member: PeerID,
+        index: int,
+        memo: LaneMemo,
+        open_stream: Callable[[], Awaitable[StreamLike]],
+        *,
+        confirm: bool,
+    ) -> FramedStream[StreamLike] | None:
+        """Open lane ``index``'s stream to ``member`` (``open_stream``), send its Hello
+        and, with ``confirm``, wait for the member's answer. None when any of it fails:
+        the member is then forgotten by ``memo`` (unless our own cap refused the
+        stream), and the stream reset. A cancelled call (the round is over) resets it."""
         framed: FramedStream[StreamLike] | None = None
         try:
-            if not early:
-                await link.heard.wait()
-                if not link.usable:
-                    return
-            framed = FramedStream(await self.peer.new_stream(member, ALLREDUCE_PROTOCOL))
-            await framed.write_frame(encode_hello(self.spec, REVERSE_LANE))
-            if not early:
-                await self._confirmed(framed)
-                self._reverse_memo.add(member)
+            framed = FramedStream(await open_stream())
+            await framed.write_frame(encode_hello(self.spec, index))
+            if confirm:
+                await self._confirmed(framed, index)
         except (PeersError, OSError) as e:
-            logger.debug("round %s: no reverse lane to %s: %r", self._tag, member, e)
-            if not isinstance(e, LimitExceeded):  # (our own cap says nothing of the member)
-                self._reverse_memo.discard(member)
-        except BaseException:  # cancelled: the round is over
+            self._no_lane(member, index, memo, e)
+        except BaseException:
             if framed is not None:
                 framed.stream.reset()
             raise
         else:
-            self._attach(link, _Lane(REVERSE_LANE, framed, unsure=[] if early else None))
-            return
+            return framed
         if framed is not None:
             framed.stream.reset()
+        return None
+
+    def _no_lane(self, member: PeerID, index: int, memo: LaneMemo, error: BaseException) -> None:
+        logger.debug("round %s: no lane %d to %s: %r", self._tag, index, member, error)
+        if not isinstance(error, LimitExceeded):  # (our own cap says nothing of the member)
+            memo.discard(member)
 
     async def _confirmed(self, framed: FramedStream[StreamLike], lane: int = REVERSE_LANE) -> None:
         """Read the member's answer to the Hello of ``lane``; raises if it is not the
@@ -1052,33 +1081,29 @@ class RoundRunner:
         has: nothing was sent on this one yet. The answer is awaited without a deadline
         of its own (the round's end cancels the wait): a member that took the lane sends
         on it at once, and a lane I gave up on there would fail the link at its end."""
-        assert isinstance(self.peer, PooledStreamHost)
+        peer = self.peer
+        assert isinstance(peer, PooledStreamHost)
         member = link.peer_id
-        framed: FramedStream[StreamLike] | None = None
-        try:
-            if member not in self._lane_memo:
-                await self.peer.connect_pooled(member, index)  # beside the first lane
-                await link.heard.wait()
-            if not link.usable:
+        if member not in self._lane_memo:
+            try:
+                await peer.connect_pooled(member, index)  # beside the first lane
+            except (PeersError, OSError) as e:
+                self._no_lane(member, index, self._lane_memo, e)
                 return
-            stream = await self.peer.new_pooled_stream(member, ALLREDUCE_PROTOCOL, index)
-            framed = FramedStream(stream)
-            await framed.write_frame(encode_hello(self.spec, index))
-            await self._confirmed(framed, index)
-        except (PeersError, OSError) as e:
-            logger.debug("round %s: no lane %d to %s: %r", self._tag, index, member, e)
-            if not isinstance(e, LimitExceeded):  # (our own cap says nothing of the member)
-                self._lane_memo.discard(member)
-        except BaseException:  # cancelled: the round is over
-            if framed is not None:
-                framed.stream.reset()
-            raise
-        else:
-            self._lane_memo.add(member)
-            self._attach(link, _Lane(index, framed))  # (resets it if the link is over)
+            await link.heard.wait()
+        if not link.usable:
             return
-        if framed is not None:
-            framed.stream.reset()
+        framed = await self._start_lane(
+            member,
+            index,
+            self._lane_memo,
+            lambda: peer.new_pooled_stream(member, ALLREDUCE_PROTOCOL, index),
+            confirm=True,
+        )
+        if framed is None:
+            return
+        self._lane_memo.add(member)
+        self._attach(link, _Lane(index, framed))  # (resets it if the link is over)
 
     async def accept(
         self, remote: PeerID, framed: FramedStream[StreamLike], spec_digest: bytes, lane: int = 0
