@@ -434,6 +434,9 @@ def test_a_config_asking_for_no_or_too_many_connections_is_refused() -> None:
     for bad_seconds in (-0.1, float("nan"), "0.05"):
         with pytest.raises(AllReduceError, match="pooled_round_trip must be"):
             AllReduceConfig(pooled_round_trip=bad_seconds)  # type: ignore[arg-type]
+    for flag in (1, "yes", None):
+        with pytest.raises(AllReduceError, match="reverse_lane must be True or False"):
+            AllReduceConfig(reverse_lane=flag)  # type: ignore[arg-type]
 
 
 # --- the reverse lane ------------------------------------------------------------------
@@ -504,3 +507,36 @@ def test_a_member_that_refuses_an_early_reverse_lane_gets_its_chunks_on_the_link
     # Round 1: lane 0 and the reverse lane at both ends; round 2: lane 0 at both ends
     # and the early reverse lane at its opener's only.
     assert sorted(attached) == [0, 0, 0, 0] + [REVERSE_LANE] * 3
+
+
+def test_a_reverse_lane_from_the_links_opener_is_refused_and_the_round_runs(arun: Run) -> None:
+    """Only the member that did not open a link opens its reverse lane: the opener
+    sending one (a confused or hostile peer) is refused with a reset, and the round
+    averages as before."""
+
+    async def main() -> list[Any]:
+        async with contextlib.AsyncExitStack() as stack:
+            a, b = [await stack.enter_async_context(Peer()) for _ in range(2)]
+            config = dataclasses.replace(POOLED, reverse_lane=True)
+            services = [
+                await stack.enter_async_context(AllReduceService(p, config)) for p in (a, b)
+            ]
+            await _meet([a, b])
+            specs = _specs([a, b], 3000, chunk=1000)
+            opener, other = (a, b) if min(a.peer_id, b.peer_id) == a.peer_id else (b, a)
+            framed = FramedStream(await opener.new_stream(other.peer_id, ALLREDUCE_PROTOCOL))
+            spec = specs[0]
+            await framed.write_frame([0, [spec.round_id, spec.digest(), REVERSE_LANE]])
+            rounds = [
+                s.run_round(spec, torch.full((3000,), float(i)), 1.0)
+                for i, (s, spec) in enumerate(zip(services, specs, strict=True))
+            ]
+            results = list(await asyncio.gather(*rounds))
+            with pytest.raises(PeersError):  # the refusal: a reset
+                await framed.read_frame()
+            return results
+
+    results = arun(main())
+    for r in results:
+        assert r.transfer.agreed and r.result.report.fraction_averaged == 1.0
+        assert torch.equal(r.result.averaged, torch.full((3000,), 0.5))

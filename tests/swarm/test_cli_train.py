@@ -209,6 +209,8 @@ def test_a_late_joiner_loads_the_state_the_run_key_signed(tmp_path: Path) -> Non
         (["train", "--diloco-overlap"], "error: --diloco-overlap needs --diloco H"),
         (["train", "--diloco", "5", "--diloco-overlap=on"], "--diloco-overlap: ignored explicit"),
         (["train", "--num-samples", "-1"], "error: argument --num-samples"),
+        (["train", "--eval-every", "-3"], "error: argument --eval-every: must be at least 0"),
+        (["join", "--eval-every", "often"], "error: argument --eval-every"),
         (["join"], "error: the following arguments are required: --initial-peers"),
         (["join", "--reachability", "sideways"], "argument --reachability: invalid choice"),
         (
