@@ -172,6 +172,13 @@ class Averager(Service, Generic[ReachableHostT]):
     def _state_prefix(self) -> str:
         return f"{self.config.prefix}.{self.schema[:16]}"
 
+    def contact(self) -> tuple[str, ...]:
+        """Where others reach this peer's group searches (empty: it cannot lead one);
+        peers told of it pass it back as ``expected`` to :meth:`step`."""
+        if self._matchmaker is None:
+            raise AveragerError("use the Averager inside `async with`")
+        return self._matchmaker.contact()
+
     def key(self, round_key: str | int) -> str:
         """The matchmaking key of round ``round_key`` for this run and schema."""
         return f"{self.config.prefix}/{self.schema[:16]}/{round_key}"
@@ -183,6 +190,7 @@ class Averager(Service, Generic[ReachableHostT]):
         weight: float = 1.0,
         timeout: float | None = None,
         target_group_size: int | None = None,
+        expected: Mapping[PeerID, Sequence[str]] | None = None,
     ) -> AveragingStep:
         """Average the tensors with the peers stepping under the same ``round_key`` now
         (e.g. the global step number), weighting ours by ``weight`` (e.g. its sample
@@ -193,7 +201,9 @@ class Averager(Service, Generic[ReachableHostT]):
         within the matchmaking timeout (``timeout`` overrides it), or the group formed has
         fewer members able to reduce than ``reducers_per_part``; the tensors are then
         unchanged. A round that loses members still returns (see the report).
-        ``target_group_size`` overrides the matchmaking config's for this step.
+        ``target_group_size`` overrides the matchmaking config's for this step;
+        ``expected`` maps peers known to step under ``round_key`` now or shortly to their
+        :meth:`contact` (:meth:`Matchmaker.look_for_group`).
         """
         if self._matchmaker is None or self._service is None:
             raise AveragerError("use the Averager inside `async with`")
@@ -213,6 +223,7 @@ class Averager(Service, Generic[ReachableHostT]):
             bandwidth=self.bandwidth,
             timeout=timeout,
             target_group_size=None if target_group_size is None else max(target_group_size, copies),
+            expected=expected,
         )
         matched = time.monotonic()
         reducers = sum(1 for w in group.weights if w > 0)

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic
 
@@ -145,6 +146,23 @@ def parse_declarations(
     return out
 
 
+def _expected_candidates(expected: Mapping[PeerID, Sequence[str]]) -> list[Candidate]:
+    """Expected peers as candidates (a peer without addresses cannot lead). Addresses
+    come from other peers' records: malformed ones drop that peer's entry."""
+    out = []
+    for peer_id, addrs in list(expected.items())[:MAX_GROUP_SIZE]:
+        if not isinstance(peer_id, PeerID) or not isinstance(addrs, Sequence):
+            continue
+        if isinstance(addrs, str) or not all(isinstance(a, str) for a in addrs):
+            continue
+        try:
+            checked = check_addrs(list(addrs))
+        except WireError:
+            continue
+        out.append(Candidate(peer_id, checked, client_mode=not checked))
+    return out
+
+
 def answer_to_wire(answer: JoinAnswer) -> JoinResponse:
     if isinstance(answer, Placed):
         return group_to_wire(answer.group)
@@ -156,7 +174,7 @@ def answer_to_wire(answer: JoinAnswer) -> JoinResponse:
         )
     if isinstance(answer, Refused):
         return JoinResponse(
-            JoinStatus.REFUSED.value,
+            (JoinStatus.NOT_SEARCHING if answer.not_searching else JoinStatus.REFUSED).value,
             reason=answer.reason,
             finished=[p.to_bytes() for p in answer.finished],
         )
@@ -180,6 +198,8 @@ def answer_from_wire(key: str, response: JoinResponse) -> JoinAnswer:
         if len(response.finished) > MAX_PENDING_JOINS + 1:
             raise WireError("a refusal lists more peers than a leader can place")
         return Refused(reason, tuple(peer_id_from_wire(p) for p in response.finished))
+    if status is JoinStatus.NOT_SEARCHING:
+        return Refused(reason, not_searching=True)
     return Rejected(reason)
 
 
@@ -220,6 +240,13 @@ class Matchmaker(Service, Generic[ReachableHostT]):
         that hole punching gets through (reached through a relay, then directly)."""
         return not self.dht.client_mode or self.peer.nat.punchable
 
+    def contact(self) -> tuple[str, ...]:
+        """Where others reach this peer's searches: the addresses its declarations carry,
+        empty when it cannot lead (nobody can dial it). A caller that tells others of its
+        coming searches (a training swarm's progress record) publishes these, and they
+        pass them back as ``expected``."""
+        return self._my_addrs()
+
     def _my_addrs(self) -> tuple[str, ...]:
         if not self._reachable():
             return ()
@@ -237,13 +264,19 @@ class Matchmaker(Service, Generic[ReachableHostT]):
         metadata: bytes = b"",
         timeout: float | None = None,
         target_group_size: int | None = None,
+        expected: Mapping[PeerID, Sequence[str]] | None = None,
     ) -> Group:
         """Find a group among the peers searching under ``key`` now.
 
         ``bandwidth`` is this peer's relative weight (its share of a butterfly round's
         reduction); ``metadata`` travels to every member as ``Group.metadata[i]``.
         ``target_group_size`` overrides the config's for this search (e.g. the number of
-        peers a training swarm expects). Returns within ``timeout`` seconds (default
+        peers a training swarm expects). ``expected`` maps peers known to search under
+        ``key`` now or shortly to their :meth:`contact` addresses (empty: it cannot
+        lead), as a training swarm's progress records say: they count as declared
+        before any read of the key, so with the whole group expected the search joins
+        its leader at once. Entries with malformed addresses are skipped (their
+        declarations still count). Returns within ``timeout`` seconds (default
         ``config.search_timeout``), or raises
         :class:`MatchmakingError` saying why no group was formed (too few peers, left
         over, a leader that vanished). Raises ValueError for a bad argument or a search
@@ -273,7 +306,14 @@ class Matchmaker(Service, Generic[ReachableHostT]):
             config = dataclasses.replace(
                 config, target_group_size=size, min_group_size=min(config.min_group_size, size)
             )
-        search = GroupSearch(key=key, me=me, config=config, now=loop.time(), timeout=timeout)
+        search = GroupSearch(
+            key=key,
+            me=me,
+            config=config,
+            now=loop.time(),
+            timeout=timeout,
+            expected=_expected_candidates(expected or {}),
+        )
         active = _Active(search)
         self._searches[key] = active
         self._counters.searches += 1
@@ -388,8 +428,8 @@ class Matchmaker(Service, Generic[ReachableHostT]):
             me.metadata,
             search.config.target_group_size,
         )
-        try:
-            response = await call_unary(
+        call = asyncio.ensure_future(
+            call_unary(
                 self.peer,
                 leader.peer_id,
                 JOIN_PROTOCOL,
@@ -398,11 +438,41 @@ class Matchmaker(Service, Generic[ReachableHostT]):
                 timeout=max(MIN_OPERATION_SECONDS, search.deadline - loop.time()),
                 max_frame_bytes=MAX_JOIN_RESPONSE_BYTES,
             )
+        )
+        try:
+            if not search.confirmed(leader.peer_id):
+                await self._confirm_during(search, leader.peer_id, call)
+            response = await call
             answer = answer_from_wire(search.key, response)
         except (PeersError, TimeoutError) as e:
             search.on_join_result(leader.peer_id, None, loop.time(), str(e) or type(e).__name__)
             return
+        finally:
+            call.cancel()
         search.on_join_result(leader.peer_id, answer, loop.time())
+
+    async def _confirm_during(
+        self, search: GroupSearch, leader: PeerID, call: asyncio.Future[JoinResponse]
+    ) -> None:
+        """Our join went to a leader we only expect (a record said it comes), not one we
+        saw searching: read the key while the join is out until a read shows the
+        leader's declaration, or the join is answered. Raises TimeoutError if neither
+        happens by the end of the gather window: an expected peer that went silent (died,
+        cut off) would otherwise hold the join until the search's deadline."""
+        loop = asyncio.get_running_loop()
+        while not call.done() and not search.confirmed(leader):
+            if loop.time() >= search.gather_deadline:
+                raise TimeoutError(
+                    f"leader {leader} was expected but showed no declaration in the gather window"
+                )
+            read = asyncio.ensure_future(self._poll(search, search.gather_deadline))
+            pending: list[asyncio.Future[object]] = [call, read]  # type: ignore[list-item]
+            try:
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                read.cancel()
+            if not call.done() and not search.confirmed(leader):
+                await asyncio.wait([call], timeout=self.config.poll_interval_seconds)
 
     def _deliver(self, active: _Active) -> None:
         for peer_id, answer in active.search.take_answers():
@@ -452,7 +522,9 @@ class Matchmaker(Service, Generic[ReachableHostT]):
             if placed is not None:
                 reason = f"already formed groups under key {request.key!r}"
                 return answer_to_wire(Refused(reason, placed))
-            return answer_to_wire(Refused(f"not looking for a group under key {request.key!r}"))
+            return answer_to_wire(
+                Refused(f"not looking for a group under key {request.key!r}", not_searching=True)
+            )
         loop = asyncio.get_running_loop()
         expected = request.expected_size if 0 < request.expected_size <= MAX_GROUP_SIZE else 0
         answer = active.search.on_join(member, loop.time(), context.timeout, expected)

@@ -221,7 +221,11 @@ class JoinStatus(enum.Enum):
     REDIRECT = "redirect"
     """A better-ranked leader exists: join it instead."""
     REFUSED = "refused"
-    """Not collecting joins under this key (not searching, finished, full): try another."""
+    """Not collecting joins under this key (finished, full, cannot lead): try another."""
+    NOT_SEARCHING = "not searching"
+    """No search under this key here, not yet or not at all: try another, or this one
+    again if it is expected to search (a peer older than this status reads it as a
+    malformed answer and tries another)."""
     REJECTED = "rejected"
     """The groups were formed without you (too few peers, left over): give up."""
 

@@ -22,6 +22,12 @@ The protocol (docs/averaging-matchmaking.md):
    as soon as ``target_group_size`` peers joined), or at the deadline (the
    earliest a held joiner can wait for), the leader splits the joiners into balanced
    groups (:func:`plan_groups`) and answers every join.
+
+Peers the caller expects (``expected``: a training swarm's progress records) are
+visible from the start, so with all of them known step 2 comes at once. One that is not
+searching yet is asked again until the gather window ends; a leader chosen from them
+alone reads the key once before it forms; and one that no read or join has shown holds
+no leader past its gather window.
 """
 
 from __future__ import annotations
@@ -87,6 +93,9 @@ class Refused:
 
     reason: str
     finished: tuple[PeerID, ...] = ()
+    not_searching: bool = False
+    """The callee runs no search under this key: not yet, or not at all. A joiner told
+    to expect it (:class:`GroupSearch`'s ``expected``) tries it again shortly."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +223,7 @@ class GroupSearch:
         config: MatchmakingConfig,
         now: float,
         timeout: float,
+        expected: Iterable[Candidate] = (),
         new_round_id: Callable[[], bytes] = lambda: os.urandom(ROUND_ID_BYTES),
     ) -> None:
         self.key = key
@@ -238,6 +248,19 @@ class GroupSearch:
         self._last_problem = ""
         self.placed: tuple[PeerID, ...] = ()
         """Every peer placed in a group by this search (as leader: all groups)."""
+        # Peers the caller knows search under this key now, or are about to (a training
+        # swarm's progress records, which also say whether each can lead): seen before
+        # any read of the key, so with all of them known the search joins its leader at
+        # once. One not searching yet is asked again until the gather window ends.
+        # Until a read of the key or a join shows one, an expected peer holds no leader
+        # past the gather window: a record outlives a peer that died or was cut off.
+        self._expected: set[PeerID] = set()
+        self._unconfirmed: set[PeerID] = set()
+        for candidate in expected:
+            if candidate.peer_id != me.peer_id and len(self._expected) < MAX_GROUP_SIZE:
+                self._expected.add(candidate.peer_id)
+                self._see(candidate)
+        self._unconfirmed = set(self._expected)
 
     # --- what the driver asks -------------------------------------------------------
 
@@ -248,6 +271,13 @@ class GroupSearch:
     @property
     def num_held(self) -> int:
         return len(self._held)
+
+    def confirmed(self, peer_id: PeerID) -> bool:
+        """Whether a read of the key or a join showed ``peer_id`` searching (a peer only
+        expected is not, yet). A join to a leader not confirmed should be given up at
+        the end of the gather window if no read shows it by then (:meth:`on_join_result`
+        with None): an expected peer may have died or been cut off silently."""
+        return peer_id not in self._unconfirmed
 
     def take_answers(self) -> list[tuple[PeerID, JoinAnswer]]:
         """Answers for held joins that the latest events decided (each given once)."""
@@ -358,6 +388,13 @@ class GroupSearch:
             self._accept(answer.group)
         elif isinstance(answer, Rejected):
             self._fail(f"leader {leader} formed the groups without us: {answer.reason}")
+        elif (
+            isinstance(answer, Refused)
+            and answer.not_searching
+            and leader in self._expected
+            and now < self.gather_deadline
+        ):
+            self._retry_at = now + self.config.poll_interval_seconds  # it comes: again
         elif isinstance(answer, Refused):
             for peer_id in answer.finished[:MAX_VIEW]:
                 if peer_id != self.me.peer_id:
@@ -377,6 +414,7 @@ class GroupSearch:
     def _see(self, candidate: Candidate) -> None:
         if candidate.peer_id == self.me.peer_id:
             return
+        self._unconfirmed.discard(candidate.peer_id)
         if candidate.peer_id in self._view or len(self._view) < MAX_VIEW:
             self._view[candidate.peer_id] = candidate
 
@@ -449,15 +487,20 @@ class GroupSearch:
     def _should_form(self, now: float) -> bool:
         if now >= self._reply_by():
             return True
-        if self.config.form_when_full:
+        if self.config.form_when_full and (self._reads or not self._expected):
             # Joiners may expect more peers than we saw (our view lags): wait for the
-            # largest expectation, so that no smaller group forms under their feet.
+            # largest expectation, so that no smaller group forms under their feet. A
+            # leader chosen from expected peers alone first reads the key once: should
+            # its caller's view have missed a peer that is searching, the read shows it
+            # (and a better-ranked one takes over) before a group forms without it.
             expected = max([self.config.target_group_size, *self._expected_sizes()])
             if 1 + len(self._held) >= expected:
                 return True
         if now < self.gather_deadline or 1 + len(self._held) < self.config.min_group_size:
             return False
-        return all(p in self._held or p in self._unavailable for p in self._view)
+        return all(
+            p in self._held or p in self._unavailable or p in self._unconfirmed for p in self._view
+        )
 
     def _form(self) -> Formed | Failed:
         members = [self.me, *(h.member for h in self._held.values())]

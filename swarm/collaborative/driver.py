@@ -302,7 +302,10 @@ class CollaborativeDriver(Generic[ReachableHostT]):
     def _start_round(self, average: Average) -> asyncio.Task[AveragingStep]:
         return asyncio.create_task(
             self.averager.step(
-                average.epoch, weight=average.weight, target_group_size=average.group_size
+                average.epoch,
+                weight=average.weight,
+                target_group_size=average.group_size,
+                expected=dict(average.expected),
             )
         )
 
@@ -675,7 +678,13 @@ class CollaborativeDriver(Generic[ReachableHostT]):
     def publish_now(self) -> None:
         """Publish my progress now, in the background (owned: closing cancels it)."""
         if not self.closed:
-            self._spawn(self._publish(self.machine.mine(self.clock())))
+            self._spawn(self._publish(self._mine()))
+
+    def _mine(self) -> PeerProgress:
+        """My record as of now, with where my group searches are reached as of now (a
+        peer behind NAT learns late whether hole punching gets through to it)."""
+        self.machine.contact = self.averager.contact()
+        return self.machine.mine(self.clock())
 
     def wake_tracker(self) -> None:
         """Read everyone's records now (the tracker's next read starts at once)."""
@@ -714,7 +723,7 @@ class CollaborativeDriver(Generic[ReachableHostT]):
         while a wait is on; publish mine when it changed (at most every
         ``progress_interval``) and every ``refresh_interval`` regardless."""
         while not self._stop.is_set():
-            mine = self.machine.mine(self.clock())
+            mine = self._mine()
             if self._stale(mine):
                 await self._publish(mine)
             with contextlib.suppress(Exception):
@@ -740,13 +749,8 @@ class CollaborativeDriver(Generic[ReachableHostT]):
         age = asyncio.get_running_loop().time() - at
         if age >= self.config.refresh_interval:
             return True
-        changed = (mine.epoch, mine.samples, mine.averaging, mine.fingerprint, mine.expect) != (
-            last.epoch,
-            last.samples,
-            last.averaging,
-            last.fingerprint,
-            last.expect,
-        )
+        fields = ("epoch", "samples", "averaging", "fingerprint", "expect", "contact")
+        changed = any(getattr(mine, f) != getattr(last, f) for f in fields)
         return changed and age >= self.config.progress_interval
 
     def _check_open(self) -> None:

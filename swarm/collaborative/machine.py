@@ -101,6 +101,10 @@ class Average:
     weight: float
     group_size: int
     alone: bool
+    expected: tuple[tuple[PeerID, tuple[str, ...]], ...] = ()
+    """The others expected in the round whose records say where they are reached (their
+    ``contact``, empty if they cannot lead): matchmaking joins their leader without
+    reading the round's declarations first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +291,9 @@ class StepMachine:
     """Of the round that ended the previous epoch."""
     expect: int = 1
     """Peers this one waits for before the run's first step (published)."""
+    contact: tuple[str, ...] | None = None
+    """Where this peer's group searches are reached (published in its record; None: not
+    known yet, published without it)."""
     records: dict[PeerID, PeerProgress] = field(default_factory=dict)
     """Everyone's last progress records, as read from the DHT (maybe stale)."""
     counts: Counts = field(default_factory=Counts)
@@ -481,6 +488,7 @@ class StepMachine:
             self.averaging,
             self.fingerprint,
             self.expect,
+            self.contact,
         )
 
     def view(self, now: float) -> SwarmProgress:
@@ -541,16 +549,19 @@ class StepMachine:
         (its slot was filled by others) and does not come: counting it would make every
         round wait out the gather window for it. Counting too few is worse: the first
         members to meet form a group of that size and the round splits."""
-        live = self.live(now).values()
-        return max(
-            1,
-            sum(
-                1
-                for r in live
-                if (r.epoch == self.epoch and (r.samples or r.averaging))
+        return 1 + len(self._expected_others(now))
+
+    def _expected_others(self, now: float) -> dict[PeerID, PeerProgress]:
+        """The others :meth:`expected_group` counts, with their records."""
+        return {
+            p: r
+            for p, r in self.live(now).items()
+            if p != self.me
+            and (
+                (r.epoch == self.epoch and (r.samples or r.averaging))
                 or (r.epoch == self.epoch - 1 and r.averaging)
-            ),
-        )
+            )
+        }
 
     def everyone_present(self, now: float) -> bool:
         """Before the run's first step: as many live peers as any of them waits for, or
@@ -563,11 +574,15 @@ class StepMachine:
         """This peer enters its epoch's round now (policies call it), expecting
         :meth:`expected_group` peers, or ``at_least``."""
         self.averaging = True
+        others = self._expected_others(now)
         return Average(
             epoch=self.epoch,
             weight=float(max(self.samples, 1)),
-            group_size=max(self.expected_group(now), at_least, 2),
+            group_size=max(1 + len(others), at_least, 2),
             alone=view.num_peers <= 1,
+            expected=tuple(
+                (p, r.contact) for p, r in sorted(others.items()) if r.contact is not None
+            ),
         )
 
     # --- internals ---------------------------------------------------------------------

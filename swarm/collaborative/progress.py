@@ -29,6 +29,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from peers.dht.protocol import MAX_ADDR_CHARS, MAX_CONTACT_ADDRS
 from peers.identity import PeerID
 
 #: A peer counts for at most this many times the median claim of its epoch: volunteers'
@@ -39,8 +40,9 @@ MAX_FINGERPRINT_BYTES = 32
 #: The most peers a record may ask the run to wait for: a hostile record cannot make
 #: joiners wait for a swarm that will never come (they wait a bounded time anyway).
 MAX_EXPECTED_PEERS = 4096
-#: Fields of a record this version reads; a later version may append more (each an
-#: addition older peers skip), up to this many in all.
+#: Fields every record has; a later version may append more (each an addition older
+#: peers skip), up to this many in all. The eighth, ``contact``, came after the first
+#: seven: a record without it is an older peer's.
 RECORD_FIELDS = 7
 MAX_RECORD_FIELDS = 32
 
@@ -63,6 +65,11 @@ class PeerProgress:
     """Peers this one waits for before the run's first step (``swarm train --num-peers``):
     peers joining at the start wait for as many, so the run does not begin with a part
     of the swarm."""
+    contact: tuple[str, ...] | None = None
+    """Where this peer's averaging searches are reached (``Averager.contact``; empty: it
+    accepts no connections, so it cannot lead a group). Peers expecting it in a round
+    join their leader without reading the round's declarations first. ``None``: not
+    said (a peer of an older version)."""
 
     @classmethod
     def from_wire(cls, value: object) -> PeerProgress | None:
@@ -84,7 +91,14 @@ class PeerProgress:
             return None
         if epoch < 0 or samples < 0 or rate < 0 or not isinstance(averaging, bool):
             return None
-        return cls(epoch, samples, float(rate), float(when), averaging, fingerprint, expect)
+        contact = None
+        if len(value) > RECORD_FIELDS:
+            contact = _contact_from_wire(value[RECORD_FIELDS])
+            if contact is None:
+                return None
+        return cls(
+            epoch, samples, float(rate), float(when), averaging, fingerprint, expect, contact
+        )
 
     def to_wire(self) -> list[object]:
         return [
@@ -95,7 +109,17 @@ class PeerProgress:
             self.averaging,
             self.fingerprint,
             self.expect,
+            *([] if self.contact is None else [list(self.contact)]),
         ]
+
+
+def _contact_from_wire(value: object) -> tuple[str, ...] | None:
+    """A record's ``contact``, or ``None`` if malformed."""
+    if not isinstance(value, list) or len(value) > MAX_CONTACT_ADDRS:
+        return None
+    if not all(isinstance(a, str) and 0 < len(a) <= MAX_ADDR_CHARS for a in value):
+        return None
+    return tuple(value)
 
 
 @dataclass(frozen=True, slots=True)

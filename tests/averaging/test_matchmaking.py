@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import random
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -199,13 +199,16 @@ class Sim:
     round_ids: itertools.count[int] = field(default_factory=itertools.count)
     num_redirects: int = 0
 
-    def add(self, member: MemberInfo, start: float = 0.0) -> None:
+    def add(
+        self, member: MemberInfo, start: float = 0.0, expected: Sequence[MemberInfo] = ()
+    ) -> None:
         search = GroupSearch(
             key=self.key,
             me=member,
             config=self.config,
             now=start,
             timeout=self.config.search_timeout,
+            expected=[m.candidate() for m in expected],
             new_round_id=lambda: next(self.round_ids).to_bytes(16, "big"),
         )
         self.peers[member.peer_id] = SimPeer(search, start)
@@ -235,8 +238,12 @@ class Sim:
                     peer.search.on_declarations(declared, self.now)
                 elif isinstance(action, Join):
                     leader = self.peers[action.leader.peer_id]
-                    if leader.dead or leader.start > self.now:
+                    if leader.dead:
                         self._answer(peer_id, action.leader.peer_id, None)
+                        continue
+                    if leader.start > self.now:  # alive, not searching yet
+                        refused = Refused("not looking", not_searching=True)
+                        self._answer(peer_id, action.leader.peer_id, refused)
                         continue
                     left = peer.search.deadline - self.now
                     answer = leader.search.on_join(peer.search.me, self.now, left)
@@ -294,6 +301,97 @@ def test_sim_peers_starting_together_form_one_group(seed: int) -> None:
     assert set(group.members) == set(sim.peers)
     for peer in sim.peers.values():  # formed right after the gather window
         assert peer.finished_at is not None and peer.finished_at < 4.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sim_expected_peers_join_their_leader_without_reading_the_dht(seed: int) -> None:
+    """A training swarm's peers know from their progress records who averages this step
+    and who can lead: each joins the leader as soon as it starts, even one that has not
+    started yet (answered "not searching", asked again), so the group forms within two
+    poll intervals of the last start, though no declaration is ever readable. Two of the
+    six accept no connections (behind NAT): never taken for leaders."""
+    rng = random.Random(seed)
+    config = replace(CONFIG, target_group_size=6, form_when_full=True)
+    members = [
+        _member(KeyPair.from_seed(rng.randbytes(32)).peer_id, client=i < 2) for i in range(6)
+    ]
+    starts = [round(rng.uniform(0, 0.5), 2) for _ in members]
+    # The DHT's lag is longer than the whole search: nobody's declaration is ever read.
+    hinted, unhinted = Sim("key", config, lag=30.0), Sim("key", config, lag=30.0)
+    for member, start in zip(members, starts, strict=True):
+        hinted.add(member, start, expected=[m for m in members if m is not member])
+        unhinted.add(member, start)
+    hinted.run()
+    (group,) = hinted.groups().values()
+    assert set(group.members) == set(hinted.peers)
+    for peer in hinted.peers.values():
+        assert peer.finished_at is not None
+        assert peer.finished_at <= max(starts) + 2 * config.poll_interval_seconds
+    # Without them, and no declaration readable, nobody finds anyone.
+    unhinted.run()
+    assert not unhinted.groups()
+
+
+def test_sim_an_expected_peer_that_never_searches_costs_the_gather_window() -> None:
+    """An expected peer that is alive but never searches (it saw another epoch) is asked
+    again until the gather window ends, then dropped like any refusing leader."""
+    config = replace(CONFIG, target_group_size=3, form_when_full=True)
+    ids = sorted(_ids(3), key=lambda p: rank("key", p))
+    absent, a, b = (_member(p) for p in ids)  # the absent one ranks best: it would lead
+    sim = Sim("key", config, lag=0.3)
+    sim.add(a, 0.0, expected=[absent, b])
+    sim.add(b, 0.0, expected=[absent, a])
+    sim.add(absent, 100.0)  # starts long after everyone's deadline
+    sim.run(until=12.0)
+    (group,) = sim.groups().values()
+    assert set(group.members) == {a.peer_id, b.peer_id}
+    for peer in (sim.peers[a.peer_id], sim.peers[b.peer_id]):
+        assert peer.finished_at is not None
+        assert config.gather_timeout <= peer.finished_at <= config.gather_timeout + 1.0
+
+
+def test_a_leader_chosen_from_expected_peers_reads_the_key_before_forming() -> None:
+    """Records lag: a peer that expects only ``b`` leads and ``b`` joins at once, but a
+    better-ranked peer ``c`` is searching too. The leader forms nothing before its first
+    read of the key; the read shows ``c``, and both go to it. Without that read the two
+    would have stepped as a pair, and ``c`` apart."""
+    config = replace(CONFIG, target_group_size=2, form_when_full=True)
+    c, a, b = (_member(p) for p in sorted(_ids(3), key=lambda p: rank("key", p)))
+    search = GroupSearch(
+        key="key", me=a, config=config, now=0.0, timeout=10.0, expected=[b.candidate()]
+    )
+    assert isinstance(search.next_action(0.0), Poll)  # leading, reading the key
+    assert search.role is Role.LEADING
+    assert search.on_join(b, 0.01, 9.0, expected_size=2) is None  # held
+    assert not isinstance(search.next_action(0.02), Formed)  # no read came back yet
+    search.on_declarations([c.candidate(), b.candidate()], 0.08)
+    assert search.take_answers() == [(b.peer_id, Redirect(c.candidate()))]
+    assert search.next_action(0.08) == Join(c.candidate())
+    # Had the read shown nobody new, the pair forms right after it.
+    pair = GroupSearch(
+        key="key", me=a, config=config, now=0.0, timeout=10.0, expected=[b.candidate()]
+    )
+    pair.next_action(0.0)
+    pair.on_join(b, 0.01, 9.0, expected_size=2)
+    pair.on_declarations([b.candidate()], 0.08)
+    assert isinstance(pair.next_action(0.08), Formed)
+
+
+def test_expected_peers_that_cannot_lead_are_seen_but_never_joined() -> None:
+    """An expected peer whose record gives no address (behind NAT, not punchable) counts
+    toward the group, but a search never joins it, even when it ranks best."""
+    config = replace(CONFIG, target_group_size=3, form_when_full=True)
+    best, a, b = sorted(_ids(3), key=lambda p: rank("key", p))
+    natted = _member(best, client=True)
+    search = GroupSearch(
+        key="key",
+        me=_member(b),
+        config=config,
+        now=0.0,
+        timeout=10.0,
+        expected=[natted.candidate(), _member(a).candidate()],
+    )
+    assert search.next_action(0.0) == Join(_member(a).candidate())
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -549,6 +647,37 @@ def test_peers_on_loopback_form_one_group(arun: Run) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_peers_told_who_comes_form_one_group_and_skip_malformed_hints(arun: Run) -> None:
+    """``expected`` as a training swarm passes it: every other peer with its
+    ``contact()`` (the client's is empty: it cannot lead), plus entries a hostile record
+    could hold (too many addresses, an address too long, not a list of strings). The
+    malformed ones are skipped, the search goes on, and the four form one group."""
+    config = replace(FAST, target_group_size=4, form_when_full=True)
+
+    async def main() -> None:
+        async with matchmakers(4, config, num_clients=1) as mms:
+            contacts = {m.peer.peer_id: m.contact() for m in mms}
+            assert contacts[mms[3].peer.peer_id] == ()
+            assert all(contacts[m.peer.peer_id] for m in mms[:3])
+            junk: dict[PeerID, Any] = {
+                KeyPair.generate().peer_id: ["/ip4/127.0.0.1/tcp/1"] * 9,
+                KeyPair.generate().peer_id: ["/ip4/" + "1" * 300],
+                KeyPair.generate().peer_id: "/ip4/127.0.0.1/tcp/1",
+                KeyPair.generate().peer_id: [7],
+            }
+
+            async def search(m: Matchmaker) -> Group:
+                others = {p: a for p, a in contacts.items() if p != m.peer.peer_id}
+                return await m.look_for_group("told", expected={**others, **junk})
+
+            groups = await asyncio.gather(*(search(m) for m in mms))
+            assert all(g == groups[0] for g in groups)
+            assert set(groups[0].members) == set(contacts)
+
+    arun(main())
+
+
+@pytest.mark.timeout(60)
 def test_lone_peer_gets_an_error_by_its_deadline(arun: Run) -> None:
     async def main() -> None:
         async with matchmakers(1) as (mm,):
@@ -627,7 +756,7 @@ def test_hostile_joins_get_clear_errors_and_the_leader_keeps_serving(arun: Run) 
             with pytest.raises(RemoteError, match="addresses"):
                 await call(JoinRequest(key, [], False, 1.0, b""))
             wrong = await call(JoinRequest("some other key", addrs, False, 1.0, b""))
-            assert wrong.status == JoinStatus.REFUSED.value
+            assert wrong.status == JoinStatus.NOT_SEARCHING.value
             assert "not looking for a group under key 'some other key'" in wrong.reason
             results = await searches
             assert all(isinstance(r, Group) and len(r) == 3 for r in results), results

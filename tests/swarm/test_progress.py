@@ -60,8 +60,15 @@ def test_stale_and_malformed_records_are_ignored() -> None:
     assert view.epoch == 3 and view.num_peers == 1
     good = [1, 2, 1.0, now, False, b"", 3]
     assert PeerProgress.from_wire(good) == PeerProgress(1, 2, 1.0, now, False, b"", 3)
+    # An older version's record has no contact: not said, which is not "cannot lead".
+    assert PeerProgress.from_wire(good).contact is None  # type: ignore[union-attr]
+    addrs = ["/ip4/198.18.0.2/tcp/4001", "/ip4/198.18.0.2/tcp/4001/p2p/Qm/p2p-circuit"]
+    told = PeerProgress.from_wire([*good, addrs])
+    assert told == PeerProgress(1, 2, 1.0, now, False, b"", 3, tuple(addrs))
+    assert PeerProgress.from_wire(told.to_wire()) == told  # type: ignore[union-attr]
+    assert PeerProgress.from_wire([*good, []]).contact == ()  # type: ignore[union-attr]
     # A later version's record, with fields appended, reads as what this one knows.
-    assert PeerProgress.from_wire([*good, True, "later"]) == PeerProgress.from_wire(good)
+    assert PeerProgress.from_wire([*good, addrs, True, "later"]) == told
     for garbage in (
         None,
         [1, 2, 3],
@@ -75,6 +82,12 @@ def test_stale_and_malformed_records_are_ignored() -> None:
         [1, 2, 1.0, now, False, b"", 0],
         [1, 2, 1.0, now, False, b"", 10**6],  # would make joiners wait for a crowd
         [1, 2, 1.0, now, False, b"", True],
+        [*good, "/ip4/198.18.0.2/tcp/4001"],  # a contact is a list of addresses
+        [*good, [b"/ip4/198.18.0.2/tcp/4001"]],
+        [*good, [""]],
+        [*good, ["/ip4/" + "1" * 300]],
+        [*good, ["/ip4/198.18.0.2/tcp/4001"] * 9],
+        [*good, True, "later"],  # an eighth field is the contact
     ):
         assert PeerProgress.from_wire(garbage) is None, garbage
 

@@ -56,8 +56,9 @@ def _record(
     at: float = T0,
     averaging: bool = False,
     fingerprint: bytes = b"",
+    contact: tuple[str, ...] | None = None,
 ) -> PeerProgress:
-    return PeerProgress(epoch, samples, 10.0, at, averaging, fingerprint)
+    return PeerProgress(epoch, samples, 10.0, at, averaging, fingerprint, contact=contact)
 
 
 def test_a_peer_trains_until_its_share_then_waits_then_averages_with_who_delivered() -> None:
@@ -124,6 +125,28 @@ def test_a_peer_still_averaging_the_last_epoch_is_expected_in_this_round() -> No
     }
     m.records[_ids(1)[0]] = _record(3, 48, averaging=True)
     assert m.batch(16, T0) == Average(epoch=3, weight=16.0, group_size=3, alone=False)
+
+
+def test_the_round_names_the_expected_peers_that_said_where_they_are_reached() -> None:
+    """``Average.expected`` carries the others expected in the round with the contact
+    their records give (empty: behind NAT, it cannot lead), for matchmaking to join the
+    leader at once. A peer of an older version (no contact) is still counted in the
+    group's size but left to the DHT's declarations; one not expected is not named.
+    The peer's own record carries its contact."""
+    m = _machine()
+    m.contact = ("/ip4/198.18.0.9/tcp/4001",)
+    a, natted, old, idle = sorted(_ids(4))
+    m.records = {
+        a: _record(samples=16, contact=("/ip4/198.18.0.2/tcp/4001",)),
+        natted: _record(samples=16, contact=()),
+        old: _record(samples=16),
+        idle: _record(contact=("/ip4/198.18.0.5/tcp/4001",)),  # delivered nothing
+    }
+    average = m.batch(16, T0)
+    assert isinstance(average, Average) and average.group_size == 4
+    assert average.expected == ((a, ("/ip4/198.18.0.2/tcp/4001",)), (natted, ()))
+    assert m.mine(T0).contact == ("/ip4/198.18.0.9/tcp/4001",)
+    assert PeerProgress.from_wire(m.mine(T0).to_wire()) == m.mine(T0)
 
 
 def test_past_the_deadline_a_peer_goes_on_and_its_extra_samples_count() -> None:
