@@ -60,7 +60,7 @@ from averaging.matchmaking.search import (
 )
 from peers.addresses import parse_multiaddr, split_peer_id
 from peers.dht.node import DHT, ValueWithExpiration
-from peers.dht.protocol import MAX_CONTACT_ADDRS
+from peers.dht.protocol import MAX_ADDR_CHARS, MAX_CONTACT_ADDRS
 from peers.dht.records import RecordError, owner_marker, owner_of
 from peers.errors import PeersError
 from peers.identity import PeerID
@@ -163,6 +163,10 @@ def _expected_candidates(expected: Mapping[PeerID, Sequence[str]]) -> list[Candi
     return out
 
 
+def _following(search: GroupSearch, leader: PeerID) -> bool:
+    return search.leader is not None and search.leader.peer_id == leader
+
+
 def answer_to_wire(answer: JoinAnswer) -> JoinResponse:
     if isinstance(answer, Placed):
         return group_to_wire(answer.group)
@@ -252,7 +256,9 @@ class Matchmaker(Service, Generic[ReachableHostT]):
             return ()
         # Relayed addresses after the direct ones: a peer behind NAT is dialed there.
         addrs = [str(split_peer_id(a)[0]) for a in self.peer.advertised_addrs]
-        return tuple(addrs[:MAX_CONTACT_ADDRS])
+        # One address too long for the wire would make the whole declaration (and the
+        # progress record carrying it) unreadable: it is left out, as the DHT does.
+        return tuple([a for a in addrs if len(a) <= MAX_ADDR_CHARS][:MAX_CONTACT_ADDRS])
 
     # --- searching ----------------------------------------------------------------
 
@@ -442,6 +448,8 @@ class Matchmaker(Service, Generic[ReachableHostT]):
         try:
             if not search.confirmed(leader.peer_id):
                 await self._confirm_during(search, leader.peer_id, call)
+                if not call.done() and not _following(search, leader.peer_id):
+                    return  # given up, or a read changed the leader: `finally` hangs up
             response = await call
             answer = answer_from_wire(search.key, response)
         except (PeersError, TimeoutError) as e:
@@ -455,24 +463,34 @@ class Matchmaker(Service, Generic[ReachableHostT]):
         self, search: GroupSearch, leader: PeerID, call: asyncio.Future[JoinResponse]
     ) -> None:
         """Our join went to a leader we only expect (a record said it comes), not one we
-        saw searching: read the key while the join is out until a read shows the
-        leader's declaration, or the join is answered. Raises TimeoutError if neither
-        happens by the end of the gather window: an expected peer that went silent (died,
-        cut off) would otherwise hold the join until the search's deadline."""
+        saw searching: read the key while the join is out, until the join is answered,
+        a read shows the leader's declaration, or the search follows someone else. Past
+        the gather window, after at least one read during this join, the leader is
+        given up (:meth:`GroupSearch.on_leader_unconfirmed`): an expected peer that went
+        silent (died, cut off) would otherwise hold the join until the search's end."""
         loop = asyncio.get_running_loop()
-        while not call.done() and not search.confirmed(leader):
-            if loop.time() >= search.gather_deadline:
-                raise TimeoutError(
-                    f"leader {leader} was expected but showed no declaration in the gather window"
-                )
-            read = asyncio.ensure_future(self._poll(search, search.gather_deadline))
+        reads = 0
+        while not call.done() and _following(search, leader) and not search.confirmed(leader):
+            if reads and loop.time() >= search.gather_deadline:
+                search.on_leader_unconfirmed(leader, loop.time())
+                return
+            read = asyncio.ensure_future(self._poll(search, search.deadline))
             pending: list[asyncio.Future[object]] = [call, read]  # type: ignore[list-item]
             try:
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 read.cancel()
-            if not call.done() and not search.confirmed(leader):
-                await asyncio.wait([call], timeout=self.config.poll_interval_seconds)
+                await asyncio.wait([read])  # (_poll turns a failed read into on_poll_failed)
+            error = None if read.cancelled() else read.exception()
+            if error is not None:
+                raise error  # a bug in the read, not a failed read: not ours to hide
+            reads += 1
+            if not call.done() and _following(search, leader) and not search.confirmed(leader):
+                pause = min(
+                    self.config.poll_interval_seconds,
+                    max(0.0, search.gather_deadline - loop.time()),
+                )
+                await asyncio.wait([call], timeout=pause)
 
     def _deliver(self, active: _Active) -> None:
         for peer_id, answer in active.search.take_answers():

@@ -322,6 +322,12 @@ class GroupSearch:
         self._reads += 1
         share = min(1.0, FIRST_REREAD_SHARE * 2 ** min(self._reads - 1, 16))
         self._next_poll = now + share * self.config.poll_interval_seconds
+        if self.role is Role.FOLLOWING and self._leader is not None:
+            seen = self._view.get(self._leader.peer_id)
+            if seen is not None and not seen.can_lead:
+                # Its record said it could lead; its declaration says it cannot now
+                # (its NAT turned out not punchable): choose again.
+                self._choose(now)
         if self.role is Role.LEADING:
             best = self._best()
             if best is not None and best.peer_id != self.me.peer_id:
@@ -388,13 +394,11 @@ class GroupSearch:
             self._accept(answer.group)
         elif isinstance(answer, Rejected):
             self._fail(f"leader {leader} formed the groups without us: {answer.reason}")
-        elif (
-            isinstance(answer, Refused)
-            and answer.not_searching
-            and leader in self._expected
-            and now < self.gather_deadline
-        ):
-            self._retry_at = now + self.config.poll_interval_seconds  # it comes: again
+        elif isinstance(answer, Refused) and answer.not_searching and leader in self._expected:
+            if now < self.gather_deadline:
+                self._retry_at = now + self.config.poll_interval_seconds  # it comes: again
+            else:
+                self._forget(leader, f"expected leader {leader} was not searching", now)
         elif isinstance(answer, Refused):
             for peer_id in answer.finished[:MAX_VIEW]:
                 if peer_id != self.me.peer_id:
@@ -403,7 +407,28 @@ class GroupSearch:
         else:
             self._redirected(leader, answer.to, now)
 
+    def on_leader_unconfirmed(self, leader: PeerID, now: float) -> None:
+        """The driver gave up our join to ``leader``, a peer only expected: no read of
+        the key showed it searching by the end of the gather window (it died, or its
+        link was cut, silently). It is forgotten, not marked gone: should it start
+        searching after all, a read shows it again (and a leader hands over to it)."""
+        if self.role is Role.FOLLOWING and self._leader is not None:
+            if self._leader.peer_id == leader and leader in self._unconfirmed:
+                self._forget(leader, f"expected leader {leader} never showed searching", now)
+
     # --- internals ----------------------------------------------------------------
+
+    def _forget(self, peer_id: PeerID, problem: str, now: float) -> None:
+        """Drop an expected peer from the view (unlike :meth:`_drop`, not as gone: a
+        later read may show it), and choose again."""
+        self._view.pop(peer_id, None)
+        self._expected.discard(peer_id)
+        self._unconfirmed.discard(peer_id)
+        self._last_problem = problem
+        if now >= self.deadline:
+            self._fail(self._deadline_reason())
+        else:
+            self._choose(now)
 
     def _rank(self, peer_id: PeerID) -> bytes:
         found = self._ranks.get(peer_id)
@@ -411,10 +436,11 @@ class GroupSearch:
             found = self._ranks[peer_id] = rank(self.key, peer_id)
         return found
 
-    def _see(self, candidate: Candidate) -> None:
+    def _see(self, candidate: Candidate, *, confirms: bool = True) -> None:
         if candidate.peer_id == self.me.peer_id:
             return
-        self._unconfirmed.discard(candidate.peer_id)
+        if confirms:
+            self._unconfirmed.discard(candidate.peer_id)
         if candidate.peer_id in self._view or len(self._view) < MAX_VIEW:
             self._view[candidate.peer_id] = candidate
 
@@ -475,7 +501,9 @@ class GroupSearch:
             # The leader follows a peer we know is gone; it will notice soon: ask again.
             self._retry_at = now + self.config.poll_interval_seconds
         else:
-            self._see(to)
+            # A redirect says the leader follows it, not that it is searching: a peer
+            # only expected stays unconfirmed until a read or a join shows it.
+            self._see(to, confirms=False)
             self._choose(now)
 
     def _reply_by(self) -> float:

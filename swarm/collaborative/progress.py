@@ -91,11 +91,9 @@ class PeerProgress:
             return None
         if epoch < 0 or samples < 0 or rate < 0 or not isinstance(averaging, bool):
             return None
-        contact = None
-        if len(value) > RECORD_FIELDS:
-            contact = _contact_from_wire(value[RECORD_FIELDS])
-            if contact is None:
-                return None
+        # A malformed contact costs only itself: the peer's progress still counts, and
+        # its searches are found through their declarations, as an older peer's are.
+        contact = _contact_from_wire(value[RECORD_FIELDS]) if len(value) > RECORD_FIELDS else None
         return cls(
             epoch, samples, float(rate), float(when), averaging, fingerprint, expect, contact
         )

@@ -221,11 +221,31 @@ class Sim:
         self.num_redirects += isinstance(answer, Redirect)
         peer.search.on_join_result(leader, answer, self.now, "" if answer else "dead")
 
+    def _read_during_join(self, peer_id: PeerID, declared: list[Candidate]) -> None:
+        """``Matchmaker._confirm_during``: a join held by a leader we only expect gets
+        reads of the key beside it, and is given up past the gather window if none
+        showed the leader (or a read made us follow someone else)."""
+        peer = self.peers[peer_id]
+        leader, search = peer.waiting_on, peer.search
+        if leader is None or search.confirmed(leader):
+            return
+        search.on_declarations(declared, self.now)
+        if search.confirmed(leader) and search.leader and search.leader.peer_id == leader:
+            return
+        if self.now >= search.gather_deadline:
+            search.on_leader_unconfirmed(leader, self.now)
+        if not (search.leader and search.leader.peer_id == leader):
+            peer.waiting_on = None  # we hang up
+            self.peers[leader].search.on_join_abandoned(peer_id, self.now)
+            self._flush(leader)
+
     def step(self) -> None:
         declared = [
             p.search.me.candidate() for p in self.peers.values() if p.start <= self.now - self.lag
         ]
         for peer_id, peer in self.peers.items():
+            if peer.waiting_on and not peer.dead:
+                self._read_during_join(peer_id, declared)
             if peer.dead or peer.start > self.now or peer.waiting_on or peer.outcome:
                 continue
             for _ in range(10):  # act until the peer waits
@@ -348,6 +368,45 @@ def test_sim_an_expected_peer_that_never_searches_costs_the_gather_window() -> N
     for peer in (sim.peers[a.peer_id], sim.peers[b.peer_id]):
         assert peer.finished_at is not None
         assert config.gather_timeout <= peer.finished_at <= config.gather_timeout + 1.0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sim_an_expected_leader_that_starts_late_never_splits_the_group(seed: int) -> None:
+    """The best-ranked expected peer starts after some peers' gather windows: they give
+    it up and gather around the next best, while a later peer still waits on it. Given
+    up means forgotten, not gone: once its declaration shows, the leader they gathered
+    around hands over to it. One group forms, never two (marked gone, it split the
+    swarm in two pairs); the late peer is in it unless it came after every window."""
+    rng = random.Random(seed)
+    config = replace(CONFIG, target_group_size=4, form_when_full=True)
+    late, a, b, c = (_member(p) for p in sorted(_ids(4), key=lambda p: rank("key", p)))
+    members = [late, a, b, c]
+    starts = {a: 0.0, b: 0.0, c: round(rng.uniform(0.3, 0.6), 2), late: 2.1}
+    sim = Sim("key", config, lag=0.3)
+    for member, start in starts.items():
+        sim.add(member, start, expected=[m for m in members if m is not member])
+    sim.run()
+    groups = list(sim.groups().values())
+    assert len(groups) == 1, [g.members for g in groups]
+    assert {a.peer_id, b.peer_id, c.peer_id} <= set(groups[0].members)
+
+
+def test_a_follower_chooses_again_when_a_read_shows_its_leader_cannot_lead() -> None:
+    """A record said the leader could lead; its declaration says it cannot now (its NAT
+    turned out not punchable): the follower leaves it for the next best."""
+    config = replace(CONFIG, target_group_size=3, form_when_full=True)
+    first, second, me = sorted(_ids(3), key=lambda p: rank("key", p))
+    search = GroupSearch(
+        key="key",
+        me=_member(me),
+        config=config,
+        now=0.0,
+        timeout=10.0,
+        expected=[_member(first).candidate(), _member(second).candidate()],
+    )
+    assert search.next_action(0.0) == Join(_member(first).candidate())
+    search.on_declarations([_member(first, client=True).candidate()], 0.1)
+    assert search.leader == _member(second).candidate()
 
 
 def test_a_leader_chosen_from_expected_peers_reads_the_key_before_forming() -> None:
