@@ -699,6 +699,11 @@ class TrainRun:
     """The first peer's final test metrics."""
     peer_losses: list[float] = field(default_factory=list)
     """Each peer's final test loss, by rank (one model: all equal, or nearly)."""
+    peer_seconds: list[float] = field(default_factory=list)
+    """Each peer's training seconds, by rank (``train_seconds`` is their largest)."""
+    final_sync_seconds: list[float] = field(default_factory=list)
+    """hivemind: each peer's wait for its last background round, by rank (in its
+    training seconds)."""
     bytes_sent: int | None = None
     """Bytes the peers sent in averaging rounds, summed (ours: its statistics)."""
     wire_bytes: int | None = None
@@ -859,7 +864,8 @@ def run_ours_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -> Tr
     run.epochs = min(int(r["epochs"]) for r in results)
     run.schedule_samples = min(int(r["global_samples"]) for r in results)
     run.computed_samples = sum(int(r["statistics"]["local_samples"]) for r in results)
-    run.train_seconds = max(float(r["train_seconds"]) for r in results)
+    run.peer_seconds = [float(r["train_seconds"]) for r in results]
+    run.train_seconds = max(run.peer_seconds)
     run.metrics = dict(results[0]["metrics"])
     run.peer_losses = [float(r["metrics"]["loss"]) for r in results]
     run.bytes_sent = sum(int(r["statistics"]["bytes_sent"]) for r in results)
@@ -961,10 +967,12 @@ def run_hivemind_training(hosts: list[PublicHost], plan: TrainTask, mode: str) -
     run.computed_samples = sum(int(r["local_samples"]) for r in reports)
     run.eval_seconds = float(reports[0].get("eval_seconds", 0.0))
     # As ours: the seconds of training, the first peer's evaluations left out.
-    run.train_seconds = max(
+    run.peer_seconds = [
         float(r["train_seconds"]) - (run.eval_seconds if rank == 0 else 0.0)
         for rank, r in enumerate(reports)
-    )
+    ]
+    run.train_seconds = max(run.peer_seconds)
+    run.final_sync_seconds = [float(r.get("final_sync_s", 0.0)) for r in reports]
     run.metrics = dict(reports[0]["metrics"])
     run.peer_losses = [float(r["metrics"]["loss"]) for r in reports]
     run.curve = [
@@ -1179,7 +1187,10 @@ def _train_row(
         "loss_over_single_process": round(loss / base_loss, 4),
         "reached_single_process_loss": reached,
         "loss_per_peer": [round(x, 5) for x in run.peer_losses],
+        "train_seconds_per_peer": [round(x, 3) for x in run.peer_seconds],
     }
+    if run.final_sync_seconds:
+        found["final_sync_seconds_per_peer"] = [round(x, 3) for x in run.final_sync_seconds]
     if other is not None:
         found[other_name] = round(other, 5)
     if run.bytes_sent is not None:
