@@ -275,8 +275,9 @@ class GroupSearch:
     def confirmed(self, peer_id: PeerID) -> bool:
         """Whether a read of the key or a join showed ``peer_id`` searching (a peer only
         expected is not, yet). A join to a leader not confirmed should be given up at
-        the end of the gather window if no read shows it by then (:meth:`on_join_result`
-        with None): an expected peer may have died or been cut off silently."""
+        the end of the gather window if no read shows it by then
+        (:meth:`on_leader_unconfirmed`): an expected peer may have died or been cut off
+        silently."""
         return peer_id not in self._unconfirmed
 
     def take_answers(self) -> list[tuple[PeerID, JoinAnswer]]:
@@ -424,11 +425,7 @@ class GroupSearch:
         self._view.pop(peer_id, None)
         self._expected.discard(peer_id)
         self._unconfirmed.discard(peer_id)
-        self._last_problem = problem
-        if now >= self.deadline:
-            self._fail(self._deadline_reason())
-        else:
-            self._choose(now)
+        self._choose_again(problem, now)
 
     def _rank(self, peer_id: PeerID) -> bytes:
         found = self._ranks.get(peer_id)
@@ -483,6 +480,9 @@ class GroupSearch:
 
     def _drop(self, leader: PeerID, problem: str, now: float) -> None:
         self._unavailable.add(leader)
+        self._choose_again(problem, now)
+
+    def _choose_again(self, problem: str, now: float) -> None:
         self._last_problem = problem
         if now >= self.deadline:  # too late to lead or follow anyone else
             self._fail(self._deadline_reason())

@@ -391,19 +391,26 @@ def test_sim_an_expected_leader_that_starts_late_never_splits_the_group(seed: in
     assert {a.peer_id, b.peer_id, c.peer_id} <= set(groups[0].members)
 
 
+def _expecting(
+    me: MemberInfo, config: MatchmakingConfig, expected: Sequence[MemberInfo]
+) -> GroupSearch:
+    """A search under "key" from time 0 (10 s) told to expect ``expected``."""
+    return GroupSearch(
+        key="key",
+        me=me,
+        config=config,
+        now=0.0,
+        timeout=10.0,
+        expected=[m.candidate() for m in expected],
+    )
+
+
 def test_a_follower_chooses_again_when_a_read_shows_its_leader_cannot_lead() -> None:
     """A record said the leader could lead; its declaration says it cannot now (its NAT
     turned out not punchable): the follower leaves it for the next best."""
     config = replace(CONFIG, target_group_size=3, form_when_full=True)
     first, second, me = sorted(_ids(3), key=lambda p: rank("key", p))
-    search = GroupSearch(
-        key="key",
-        me=_member(me),
-        config=config,
-        now=0.0,
-        timeout=10.0,
-        expected=[_member(first).candidate(), _member(second).candidate()],
-    )
+    search = _expecting(_member(me), config, [_member(first), _member(second)])
     assert search.next_action(0.0) == Join(_member(first).candidate())
     search.on_declarations([_member(first, client=True).candidate()], 0.1)
     assert search.leader == _member(second).candidate()
@@ -416,9 +423,7 @@ def test_a_leader_chosen_from_expected_peers_reads_the_key_before_forming() -> N
     would have stepped as a pair, and ``c`` apart."""
     config = replace(CONFIG, target_group_size=2, form_when_full=True)
     c, a, b = (_member(p) for p in sorted(_ids(3), key=lambda p: rank("key", p)))
-    search = GroupSearch(
-        key="key", me=a, config=config, now=0.0, timeout=10.0, expected=[b.candidate()]
-    )
+    search = _expecting(a, config, [b])
     assert isinstance(search.next_action(0.0), Poll)  # leading, reading the key
     assert search.role is Role.LEADING
     assert search.on_join(b, 0.01, 9.0, expected_size=2) is None  # held
@@ -427,9 +432,7 @@ def test_a_leader_chosen_from_expected_peers_reads_the_key_before_forming() -> N
     assert search.take_answers() == [(b.peer_id, Redirect(c.candidate()))]
     assert search.next_action(0.08) == Join(c.candidate())
     # Had the read shown nobody new, the pair forms right after it.
-    pair = GroupSearch(
-        key="key", me=a, config=config, now=0.0, timeout=10.0, expected=[b.candidate()]
-    )
+    pair = _expecting(a, config, [b])
     pair.next_action(0.0)
     pair.on_join(b, 0.01, 9.0, expected_size=2)
     pair.on_declarations([b.candidate()], 0.08)
@@ -442,14 +445,7 @@ def test_expected_peers_that_cannot_lead_are_seen_but_never_joined() -> None:
     config = replace(CONFIG, target_group_size=3, form_when_full=True)
     best, a, b = sorted(_ids(3), key=lambda p: rank("key", p))
     natted = _member(best, client=True)
-    search = GroupSearch(
-        key="key",
-        me=_member(b),
-        config=config,
-        now=0.0,
-        timeout=10.0,
-        expected=[natted.candidate(), _member(a).candidate()],
-    )
+    search = _expecting(_member(b), config, [natted, _member(a)])
     assert search.next_action(0.0) == Join(_member(a).candidate())
 
 
